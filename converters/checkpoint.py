@@ -1,0 +1,185 @@
+"""The zllm checkpoint: a directory holding
+
+    zllm.json         manifest: format/version, model spec, every tensor's scheme, shape and
+                      stored arrays, tokenizer settings, file sizes and sha256 checksums
+    tokenizer.json    Hugging Face tokenizers format (absent when the source had none)
+    model.safetensors dense weights; a quantized tensor W is stored as W.qweight, W.scales
+                      and (affine) W.offsets, laid out as quant/formats.py documents
+
+Writers create the directory under a temporary name beside its destination and rename it
+when complete, so a directory named like a checkpoint is always a whole one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from converters.safetensors_io import SafetensorsFile, SafetensorsFormatError
+from edge.errors import CheckpointError
+from quant import QuantizedTensor, Scheme
+
+FORMAT = "zllm"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MANIFEST = "zllm.json"
+TOKENIZER = "tokenizer.json"
+WEIGHTS = "model.safetensors"
+
+
+def stored_arrays(name: str, scheme: Scheme, shape: tuple[int, ...]) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """The arrays (dtype, shape) a tensor of this scheme and logical shape is stored as."""
+    if not scheme.is_quantized:
+        return {name: (np.dtype(np.float16 if scheme.dtype == "f16" else np.float32), tuple(shape))}
+    rows, cols = shape
+    n_groups = -(-cols // scheme.group_size)
+    arrays = {
+        name + ".qweight": (np.dtype(np.uint8), (rows, n_groups, scheme.group_size * scheme.bits // 8)),
+        name + ".scales": (np.dtype(np.float16), (rows, n_groups)),
+    }
+    if not scheme.symmetric:
+        arrays[name + ".offsets"] = (np.dtype(np.float16), (rows, n_groups))
+    return arrays
+
+
+def sha256_file(path: str, chunk_bytes: int = 16 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class StagingDirectory:
+    """A temporary directory beside `destination` that becomes it on `commit()`, or vanishes."""
+
+    def __init__(self, destination: str, force: bool = False):
+        self.destination = os.path.abspath(destination)
+        self.force = force
+        parent = os.path.dirname(self.destination)
+        os.makedirs(parent, exist_ok=True)
+        self.path = tempfile.mkdtemp(prefix=f".{os.path.basename(self.destination)}.partial-", dir=parent)
+
+    def commit(self) -> None:
+        if os.path.lexists(self.destination):
+            if not self.force:
+                raise CheckpointError(f"{self.destination} already exists; pass --force to replace it")
+            doomed = self.destination + ".old-" + os.path.basename(self.path)
+            os.rename(self.destination, doomed)
+            os.rename(self.path, self.destination)
+            shutil.rmtree(doomed, ignore_errors=True)
+        else:
+            os.rename(self.path, self.destination)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> "StagingDirectory":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            self.discard()
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: manifest plus zero-copy views of every tensor."""
+
+    path: str
+    manifest: dict
+    tensors: dict[str, np.ndarray | QuantizedTensor]
+    _files: list[SafetensorsFile]
+
+    @property
+    def model_config(self) -> dict:
+        return self.manifest["model"]
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        path = os.path.join(self.path, TOKENIZER)
+        return path if os.path.isfile(path) else None
+
+    @property
+    def tokenizer_config(self) -> dict:
+        return self.manifest.get("tokenizer", {})
+
+    def close(self) -> None:
+        self.tensors = {}
+        for f in self._files:
+            f.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_manifest(path: str) -> dict:
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is not a directory; a zllm checkpoint is a directory made by `zllm-edge convert`")
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(
+            f"{path} has no {MANIFEST}; it is not a zllm checkpoint (make one with `zllm-edge convert SRC OUT`)"
+        )
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{manifest_path} is not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{manifest_path}: expected format {FORMAT!r}, found {found!r}")
+    version = manifest.get("format_version")
+    if version not in SUPPORTED_VERSIONS:
+        supported = ", ".join(str(v) for v in SUPPORTED_VERSIONS)
+        raise CheckpointError(
+            f"{path}: zllm format version {version} is not supported (this zllm-edge reads version {supported}); "
+            "convert the model again with this version of zllm-edge"
+        )
+    return manifest
+
+
+def open_checkpoint(path: str, verify: bool = False) -> Checkpoint:
+    """mmap a checkpoint; with `verify`, check every file's sha256 first."""
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    files: dict[str, SafetensorsFile] = {}
+    try:
+        for filename, info in manifest["files"].items():
+            file_path = os.path.join(path, filename)
+            if not os.path.isfile(file_path):
+                raise CheckpointError(f"{path}: weight file {filename} is missing")
+            if os.path.getsize(file_path) != info["bytes"]:
+                raise CheckpointError(
+                    f"{path}: {filename} has {os.path.getsize(file_path)} bytes, the manifest says {info['bytes']}; "
+                    "the checkpoint is damaged, convert it again"
+                )
+            if verify and sha256_file(file_path) != info["sha256"]:
+                raise CheckpointError(f"{path}: {filename} fails its sha256 check; the checkpoint is damaged")
+            files[filename] = SafetensorsFile(file_path)
+        tensors: dict[str, np.ndarray | QuantizedTensor] = {}
+        for name, info in manifest["tensors"].items():
+            st = files[info["file"]]
+            scheme = Scheme.parse(info["scheme"])
+            if scheme.is_quantized:
+                arrays = {key: st.raw(key) for key in stored_arrays(name, scheme, tuple(info["shape"]))}
+                tensors[name] = QuantizedTensor.from_arrays(scheme, tuple(info["shape"]), arrays, name)
+            else:
+                tensors[name] = st.raw(name)
+    except SafetensorsFormatError as exc:
+        for f in files.values():
+            f.close()
+        raise CheckpointError(f"{path}: {exc}") from None
+    except (KeyError, ValueError) as exc:
+        for f in files.values():
+            f.close()
+        raise CheckpointError(f"{path}: manifest and weights disagree ({exc}); convert the model again") from None
+    return Checkpoint(path, manifest, tensors, list(files.values()))

@@ -1,0 +1,244 @@
+"""`zllm-edge convert`: a source model (Hugging Face folder or GGUF file) in, a zllm checkpoint out.
+
+Tensors stream through one at a time: read (mmap), dequantize if needed, quantize into the
+tensor's scheme, write, forget. Peak memory is a small multiple of the largest tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from converters import checkpoint as ckpt
+from converters.safetensors_io import SafetensorsFormatError, SafetensorsWriter
+from converters.source import SourceModel, SourceTensor
+from edge.errors import ConversionError
+from edge.spec import spec_from_dict, spec_tensor_names
+from quant import QuantizedTensor, Scheme, quantize
+from quant.metrics import quantization_error
+
+WEIGHT_CHOICES = ("f32", "f16", "int8", "int4", "source")
+GROUP_SIZES = (32, 64, 128)
+TENSOR_CLASSES = ("embeddings", "attention", "ffn", "lm_head")
+# GGUF formats that map onto one of our schemes without requantization.
+LOSSLESS_SOURCE_SCHEMES = {
+    "Q4_0": Scheme("int4", 32, True),
+    "Q4_1": Scheme("int4", 32, False),
+    "Q8_0": Scheme("int8", 32, True),
+}
+
+
+def tensor_class(name: str) -> str:
+    """Which override class a tensor belongs to; "norm" (vectors) always stays f32."""
+    if name.endswith(".bias") or "norm" in name.rsplit(".", 2)[-2]:
+        return "norm"
+    if name == "model.embed_tokens.weight":
+        return "embeddings"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "ffn"
+    raise ConversionError(f"tensor {name!r} belongs to no known class")
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """What the user asked for: a default choice plus per-class overrides."""
+
+    weights: str = "int8"
+    group_size: int = 32
+    symmetric: bool = True
+    overrides: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for choice in [self.weights, *self.overrides.values()]:
+            self._parse_choice(choice)
+        if self.group_size not in GROUP_SIZES:
+            raise ConversionError(f"group size {self.group_size} is not supported; choose one of {GROUP_SIZES}")
+        unknown = set(self.overrides) - set(TENSOR_CLASSES)
+        if unknown:
+            raise ConversionError(f"unknown tensor classes {sorted(unknown)}; overrides take {TENSOR_CLASSES}")
+
+    def _parse_choice(self, choice: str) -> Scheme | str:
+        if choice == "source":
+            return choice
+        if choice in ("f32", "f16"):
+            return Scheme(choice)
+        if choice in ("int8", "int4"):
+            return Scheme(choice, self.group_size, self.symmetric)
+        try:
+            return Scheme.parse(choice)  # a full scheme such as int8_affine_g64
+        except ValueError:
+            raise ConversionError(
+                f"weights {choice!r} not understood; choose one of {', '.join(WEIGHT_CHOICES)} "
+                "or a full scheme such as int4_sym_g32"
+            ) from None
+
+    def scheme_for(self, tensor: SourceTensor) -> Scheme:
+        cls = tensor_class(tensor.name)
+        if cls == "norm" or len(tensor.shape) != 2:
+            return Scheme("f32")
+        choice = self._parse_choice(self.overrides.get(cls, self.weights))
+        if choice != "source":
+            return choice
+        if tensor.source_format in LOSSLESS_SOURCE_SCHEMES:
+            return LOSSLESS_SOURCE_SCHEMES[tensor.source_format]
+        if tensor.source_format == "F16":
+            return Scheme("f16")
+        if tensor.source_format in ("F32", "BF16", "F64"):
+            return Scheme("f32")
+        # Any other GGUF quantization (K-quants, Q5_x, ...) is requantized to 8 bits, the
+        # nearest of our schemes that does not lose more than the source already did.
+        return Scheme("int8", self.group_size, self.symmetric)
+
+
+@dataclass
+class TensorReport:
+    name: str
+    source_format: str
+    scheme: str
+    shape: tuple[int, ...]
+    bytes_in: int
+    bytes_out: int
+    lossless: bool
+    max_abs_error: float
+    rel_rms_error: float
+
+
+@dataclass
+class ConversionSummary:
+    output: str
+    tensors: list[TensorReport]
+    seconds: float
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(t.bytes_in for t in self.tensors)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(t.bytes_out for t in self.tensors)
+
+    @property
+    def worst(self) -> TensorReport:
+        return max(self.tensors, key=lambda t: t.rel_rms_error)
+
+    def format(self) -> str:
+        worst = self.worst
+        lossless = sum(t.lossless for t in self.tensors)
+        return (
+            f"converted {len(self.tensors)} tensors in {self.seconds:.1f} s -> {self.output}\n"
+            f"  bytes in {self.bytes_in / 1e6:.1f} MB, out {self.bytes_out / 1e6:.1f} MB "
+            f"(ratio {self.bytes_out / max(self.bytes_in, 1):.3f})\n"
+            f"  {lossless} tensors kept bit-exact, {len(self.tensors) - lossless} (re)quantized or cast\n"
+            f"  worst quantization error: {worst.name} ({worst.scheme}) "
+            f"rel RMS {worst.rel_rms_error:.2e}, max abs {worst.max_abs_error:.2e}"
+        )
+
+
+def open_source(src: str) -> SourceModel:
+    from converters.gguf_source import GGUFSource
+    from converters.hf_source import HFSource
+
+    if os.path.isdir(src):
+        return HFSource(src)
+    if os.path.isfile(src):
+        return GGUFSource(src)
+    raise ConversionError(f"{src} does not exist; SRC is a Hugging Face model folder or a .gguf file")
+
+
+def _encode(value: np.ndarray | QuantizedTensor, source: SourceTensor, scheme: Scheme
+            ) -> tuple[dict[str, np.ndarray], bool, float, float]:
+    """Arrays to store, whether the conversion was lossless, and its max-abs / rel-RMS error."""
+    if isinstance(value, QuantizedTensor) and value.scheme == scheme:
+        return value.to_arrays(source.name), True, 0.0, 0.0
+    reference = value.dequantize() if isinstance(value, QuantizedTensor) else np.asarray(value, dtype=np.float32)
+    if not scheme.is_quantized:
+        stored = reference.astype(np.float16 if scheme.dtype == "f16" else np.float32)
+        error = np.abs(stored.astype(np.float32) - reference)
+        rms_ref = float(np.sqrt(np.mean(np.square(reference, dtype=np.float64)))) if reference.size else 0.0
+        rel = float(np.sqrt(np.mean(np.square(error, dtype=np.float64)))) / rms_ref if rms_ref else 0.0
+        max_abs = float(error.max()) if error.size else 0.0
+        return {source.name: stored}, max_abs == 0.0, max_abs, rel
+    quantized = quantize(reference, scheme)
+    report = quantization_error(reference, quantized)
+    return quantized.to_arrays(source.name), False, report.max_abs, report.rel_rms
+
+
+def convert(src: str, out: str, plan: QuantPlan | None = None, force: bool = False,
+            progress: bool = True) -> ConversionSummary:
+    """Convert SRC into a checkpoint at OUT, atomically."""
+    plan = plan or QuantPlan()
+    out = os.path.abspath(out)
+    if os.path.lexists(out) and not force:
+        raise ConversionError(f"{out} already exists; pass --force to replace it")
+    started = time.perf_counter()
+    source = open_source(src)
+    try:
+        spec = spec_from_dict(source.config)
+        by_name = {t.name: t for t in source.tensors()}
+        expected = spec_tensor_names(spec)
+        missing = [n for n in expected if n not in by_name]
+        if missing:
+            raise ConversionError(
+                f"{src} lacks {len(missing)} tensors the {spec.model_type} config requires, e.g. {missing[:3]}"
+            )
+        if spec.tie_word_embeddings:
+            by_name.pop("lm_head.weight", None)
+        unexpected = sorted(set(by_name) - set(expected))
+        if unexpected:
+            raise ConversionError(
+                f"{src} holds tensors the {spec.model_type} config does not describe, e.g. {unexpected[:3]}"
+            )
+        tensors = [by_name[n] for n in expected]
+        schemes = {t.name: plan.scheme_for(t) for t in tensors}
+        layout: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+        for t in tensors:
+            layout.update(ckpt.stored_arrays(t.name, schemes[t.name], t.shape))
+
+        reports: list[TensorReport] = []
+        with ckpt.StagingDirectory(out, force=force) as staging:
+            weights_path = os.path.join(staging.path, ckpt.WEIGHTS)
+            with SafetensorsWriter(weights_path, layout, metadata={"format": "zllm"}) as writer:
+                bar = tqdm(tensors, desc="converting", unit="tensor", disable=not progress, leave=False)
+                for t in bar:
+                    scheme = schemes[t.name]
+                    arrays, lossless, max_abs, rel_rms = _encode(source.load(t.name), t, scheme)
+                    for key, array in arrays.items():
+                        writer.write(key, array)
+                    bytes_out = sum(a.nbytes for a in arrays.values())
+                    reports.append(TensorReport(t.name, t.source_format, str(scheme), t.shape, t.nbytes,
+                                                bytes_out, lossless, max_abs, rel_rms))
+            manifest = {
+                "format": ckpt.FORMAT,
+                "format_version": ckpt.FORMAT_VERSION,
+                "source": source.description,
+                "model": spec.to_dict(),
+                "tokenizer": {"file": ckpt.TOKENIZER if source.tokenizer.tokenizer_json else None,
+                              **source.tokenizer.config},
+                "tensors": {
+                    r.name: {"scheme": r.scheme, "shape": list(r.shape), "file": ckpt.WEIGHTS,
+                             "class": tensor_class(r.name), "source_format": r.source_format,
+                             "max_abs_error": r.max_abs_error, "rel_rms_error": r.rel_rms_error}
+                    for r in reports
+                },
+                "files": {ckpt.WEIGHTS: {"bytes": os.path.getsize(weights_path),
+                                         "sha256": ckpt.sha256_file(weights_path)}},
+            }
+            if source.tokenizer.tokenizer_json:
+                with open(os.path.join(staging.path, ckpt.TOKENIZER), "w", encoding="utf-8") as f:
+                    f.write(source.tokenizer.tokenizer_json)
+            with open(os.path.join(staging.path, ckpt.MANIFEST), "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=1)
+            staging.commit()
+    except SafetensorsFormatError as exc:
+        raise ConversionError(str(exc)) from None
+    finally:
+        source.close()
+    return ConversionSummary(out, reports, time.perf_counter() - started)

@@ -1,0 +1,200 @@
+"""GGUF files: metadata → config.json-style dict, tensors renamed to Hugging Face names.
+
+Q4_0, Q4_1 and Q8_0 tensors come back as QuantizedTensor without requantization; other
+types come back as float32 for the converter to requantize.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import numpy as np
+
+from converters.source import SourceTensor, SourceTokenizer
+from edge.errors import ConversionError, UnsupportedModelError
+from quant import QuantizedTensor
+from quant.gguf_import import from_gguf
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+
+# GGUF architecture -> our model_type. Mistral GGUFs are written with architecture "llama".
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# llama.cpp tensor names -> Hugging Face names (llama.cpp gguf-py tensor_mapping.py, reversed).
+# Llama (incl. SmolLM2, Mistral), Qwen2 and Qwen3 share one naming scheme.
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",  # Qwen3
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+ROPE_FREQS = "rope_freqs.weight"  # llama3-style rope scaling, stored as per-frequency divisors
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[name]
+    match = LAYER_NAME.match(name)
+    if match and match.group(2) in LAYER_TENSORS:
+        layer, kind, suffix = match.groups()
+        return f"model.layers.{layer}.{LAYER_TENSORS[kind]}.{suffix}"
+    return None
+
+
+def _open_reader(path: str):
+    from gguf import GGUFReader
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ConversionError(
+            f"{os.path.basename(path)} is not a GGUF file: expected magic b'GGUF', found {magic!r}"
+        )
+    try:
+        reader = GGUFReader(path, "r")
+    except (ValueError, IndexError, KeyError, OverflowError, EOFError) as exc:
+        raise ConversionError(
+            f"{os.path.basename(path)} is truncated or malformed ({size} bytes): {exc}"
+        ) from None
+    for tensor in reader.tensors:
+        if tensor.data_offset + int(tensor.n_bytes) > size:
+            raise ConversionError(
+                f"{os.path.basename(path)} is truncated: tensor {tensor.name} ends at byte "
+                f"{tensor.data_offset + int(tensor.n_bytes)} but the file has {size} bytes"
+            )
+    return reader
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+class GGUFSource:
+    def __init__(self, path: str):
+        self.path = path
+        self.reader = _open_reader(path)
+        arch = _field(self.reader, "general.architecture")
+        if arch not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"GGUF architecture {arch!r} is not supported; supported architectures: "
+                f"{', '.join(sorted(ARCHITECTURES))}"
+            )
+        self.arch = arch
+        self.description = f"gguf:{os.path.basename(path)}"
+        self._tensors = {}
+        for tensor in self.reader.tensors:
+            hf_name = gguf_to_hf_name(tensor.name)
+            if hf_name is not None:
+                self._tensors[hf_name] = tensor
+            elif tensor.name != ROPE_FREQS:
+                raise UnsupportedModelError(
+                    f"GGUF tensor {tensor.name!r} has no counterpart in the {arch} model; "
+                    "this GGUF variant is not supported"
+                )
+        self.config = self._config()
+        from converters.gguf_tokenizer import tokenizer_from_gguf
+
+        info = tokenizer_from_gguf(self.reader)
+        self.tokenizer = SourceTokenizer(info.tokenizer_json, info.to_config())
+        self.config.setdefault("bos_token_id", info.bos_token_id)
+        self.config.setdefault("eos_token_id", info.eos_token_id)
+
+    def _config(self) -> dict:
+        arch = self.arch
+
+        def meta(key, default=None):
+            return _field(self.reader, f"{arch}.{key}", default)
+
+        n_heads = int(meta("attention.head_count"))
+        hidden = int(meta("embedding_length"))
+        embed = self._tensors.get("model.embed_tokens.weight")
+        vocab = meta("vocab_size")
+        if vocab is None:
+            tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+            vocab = len(tokens.data) if tokens is not None else int(embed.shape[-1])
+        config = {
+            "model_type": ARCHITECTURES[arch],
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(meta("feed_forward_length")),
+            "num_hidden_layers": int(meta("block_count")),
+            "num_attention_heads": n_heads,
+            "num_key_value_heads": int(meta("attention.head_count_kv", n_heads)),
+            "head_dim": int(meta("attention.key_length", hidden // n_heads)),
+            "max_position_embeddings": int(meta("context_length", 2048)),
+            "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(meta("rope.freq_base", 10000.0)),
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "attention_bias": "model.layers.0.self_attn.o_proj.bias" in self._tensors,
+        }
+        scaling_type = meta("rope.scaling.type")
+        if scaling_type in ("linear", "yarn"):
+            config["rope_scaling"] = {
+                "rope_type": scaling_type,
+                "factor": float(meta("rope.scaling.factor")),
+                "original_max_position_embeddings": int(
+                    meta("rope.scaling.original_context_length", config["max_position_embeddings"])
+                ),
+            }
+        elif scaling_type not in (None, "none"):
+            raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported; supported: linear, yarn")
+        freqs = next((t for t in self.reader.tensors if t.name == ROPE_FREQS), None)
+        if freqs is not None:
+            config["rope_scaling"] = {"rope_type": "freq_factors", "factors": [float(x) for x in freqs.data]}
+        return config
+
+    def tensors(self) -> list[SourceTensor]:
+        return [
+            SourceTensor(name, tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name, int(t.n_bytes))
+            for name, t in self._tensors.items()
+        ]
+
+    def _unpermute_rows(self, name: str) -> np.ndarray | None:
+        """llama.cpp's converter interleaves q/k rows of Llama models for its rope layout; undo it."""
+        if self.arch != "llama":
+            return None
+        if ".self_attn.q_proj." in name:
+            n_heads = self.config["num_attention_heads"]
+        elif ".self_attn.k_proj." in name:
+            n_heads = self.config["num_key_value_heads"]
+        else:
+            return None
+        rows = int(self._tensors[name].shape[-1])  # GGUF shapes list the row count last
+        permuted = np.arange(rows).reshape(n_heads, 2, rows // n_heads // 2).swapaxes(1, 2).reshape(rows)
+        return np.argsort(permuted)
+
+    def load(self, name: str) -> np.ndarray | QuantizedTensor:
+        tensor = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        value = from_gguf(tensor.data, tensor.tensor_type, shape)
+        order = self._unpermute_rows(name)
+        if order is None:
+            return value
+        if isinstance(value, QuantizedTensor):
+            return value.take_rows(order)
+        return np.ascontiguousarray(value[order])
+
+    def close(self) -> None:
+        mm = getattr(self.reader, "data", None)
+        if mm is not None and hasattr(mm, "_mmap") and mm._mmap is not None:
+            mm._mmap.close()

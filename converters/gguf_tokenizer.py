@@ -1,0 +1,444 @@
+"""A Hugging Face `tokenizers` tokenizer rebuilt from a GGUF file's metadata.
+
+A GGUF carries no tokenizer.json: llama.cpp stores the vocabulary, merges, token types, special
+token ids and chat template as metadata keys. This module reads those keys and assembles the
+same tokenizer transformers builds when it loads a GGUF (`integrations/gguf/
+gguf_tokenizer_mapping.py`), without importing transformers:
+
+    info = tokenizer_from_gguf(gguf.GGUFReader(path))
+    tokenizer = tokenizers.Tokenizer.from_str(info.tokenizer_json)
+
+Two tokenizer models are supported, named by `tokenizer.ggml.model`:
+  "gpt2"   byte-level BPE (SmolLM2, Qwen2/3, Llama-3): the file lists the merges.
+  "llama"  sentencepiece-style BPE with byte fallback (Llama-2, Mistral): merges are
+           recovered from the piece scores when the file does not list them.
+"""
+
+import logging
+from dataclasses import dataclass, fields
+
+import gguf
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from edge.errors import ConversionError, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+Keys = gguf.Keys.Tokenizer
+
+SPIECE_UNDERLINE = "\u2581"  # "▁", sentencepiece's spelling of a space
+
+# Token texts llama.cpp treats as end of generation whatever ids the metadata names
+# (llama.cpp `src/llama-vocab.cpp`, the special_eog_ids loop).
+_EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>",  # Llama-3
+        "<|eom_id|>",  # Llama-3.1 tool calls
+        "<|im_end|>",  # ChatML: SmolLM2, Qwen
+        "<|end|>",  # Phi-3
+        "<|endoftext|>",  # GPT-2 family, SmolLM2, Qwen
+        "<|end_of_text|>",  # Granite
+        "<end_of_turn>",  # Gemma
+        "<|return|>",  # gpt-oss harmony
+        "<|call|>",  # gpt-oss harmony
+        "<EOT>",  # CodeLlama infill
+        "_<EOT>",
+        "<end_of_utterance>",  # SmolDocling
+    }
+)
+# "</s>" ends a sentencepiece model's turn, but a byte-level code vocabulary can hold it as
+# plain HTML text, so it only counts when the file marks it as a control token.
+_EOG_CONTROL_TEXTS = frozenset({"</s>"})
+# Ids the metadata itself marks as ending generation; llama.cpp adds the FIM padding and
+# separator tokens too, so that infill stops at them.
+_EOG_ID_KEYS = (Keys.EOS_ID, Keys.EOT_ID, Keys.EOM_ID, Keys.FIM_PAD_ID, Keys.FIM_REP_ID, Keys.FIM_SEP_ID)
+
+
+@dataclass
+class TokenizerInfo:
+    tokenizer_json: str  # serialized tokenizers.Tokenizer (Tokenizer.to_str())
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos_token: bool  # whether encoding a prompt prepends BOS; the post-processor already does
+    eog_token_ids: list[int]  # generation stops at any of these
+    chat_template: str | None
+    add_eos_token: bool = False  # whether encoding appends EOS; the post-processor already does
+
+    def to_config(self) -> dict:
+        """Everything but the tokenizer itself, as plain JSON values."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tokenizer_json"}
+
+
+@dataclass
+class _GGUFVocab:
+    """The tokenizer keys of one GGUF file, under llama.cpp's meaning."""
+
+    model: str
+    pre: str | None
+    architecture: str | None
+    tokens: list[str]
+    token_types: list[int]
+    scores: list[float] | None
+    merges: list[str] | None
+    add_space_prefix: bool
+    special_ids: dict[str, int]  # metadata key (Keys.BOS_ID, ...) -> token id, for the keys present
+
+    def special_token(self, key: str) -> int | None:
+        return self.special_ids.get(key)
+
+    @classmethod
+    def read(cls, reader: gguf.GGUFReader) -> "_GGUFVocab":
+        model = _field(reader, Keys.MODEL)
+        if model is None:
+            raise ConversionError(
+                f"The GGUF file has no {Keys.MODEL!r} key, so it describes no tokenizer; "
+                "convert the tokenizer from the model's Hugging Face tokenizer.json instead."
+            )
+        if model not in _TOKENIZER_BUILDERS:
+            raise UnsupportedModelError(
+                f"GGUF tokenizer model {model!r} is not supported; supported tokenizer models: "
+                f"{', '.join(sorted(_TOKENIZER_BUILDERS))}. "
+                "Convert the tokenizer from the model's Hugging Face tokenizer.json instead."
+            )
+        tokens = _field(reader, Keys.LIST)
+        if not tokens:
+            raise ConversionError(f"The GGUF file has tokenizer model {model!r} but no {Keys.LIST!r} vocabulary.")
+        # Files without token types predate them; every token was then a normal one.
+        token_types = _field(reader, Keys.TOKEN_TYPE, [gguf.TokenType.NORMAL] * len(tokens))
+        scores = _field(reader, Keys.SCORES)
+        for key, values in ((Keys.TOKEN_TYPE, token_types), (Keys.SCORES, scores)):
+            if values is not None and len(values) != len(tokens):
+                raise ConversionError(
+                    f"The GGUF file has {len(values)} entries in {key!r} for {len(tokens)} tokens; "
+                    "they must be the same length."
+                )
+
+        special_ids = {}
+        for key in (Keys.BOS_ID, Keys.UNK_ID, Keys.PAD_ID, *_EOG_ID_KEYS):
+            token_id = _field(reader, key)
+            if token_id is None:
+                continue
+            if not 0 <= token_id < len(tokens):
+                raise ConversionError(
+                    f"The GGUF file names token {token_id} in {key!r}, but its vocabulary has {len(tokens)} tokens."
+                )
+            special_ids[key] = int(token_id)
+
+        return cls(
+            model=model,
+            pre=_field(reader, Keys.PRE),
+            architecture=_field(reader, gguf.Keys.General.ARCHITECTURE),
+            tokens=tokens,
+            token_types=[int(t) for t in token_types],
+            scores=scores,
+            merges=_field(reader, Keys.MERGES),
+            # llama.cpp prepends a space to sentencepiece input unless the file says not to.
+            add_space_prefix=bool(_field(reader, Keys.ADD_PREFIX, True)),
+            special_ids=special_ids,
+        )
+
+
+def tokenizer_from_gguf(reader: gguf.GGUFReader) -> TokenizerInfo:
+    """The tokenizer a GGUF file describes, with its special tokens and chat template."""
+    vocab = _GGUFVocab.read(reader)
+    tokenizer = _TOKENIZER_BUILDERS[vocab.model](vocab)
+    _add_special_tokens(tokenizer, vocab)
+
+    # transformers' rule (`get_gguf_tokenizer`): the file's flag when it has one; otherwise a
+    # sentencepiece vocabulary gets BOS, as llama.cpp gives it, and a byte-level one does not.
+    add_bos = bool(_field(reader, Keys.ADD_BOS, vocab.model == "llama"))
+    add_eos = bool(_field(reader, Keys.ADD_EOS, False))
+    bos_id = vocab.special_token(Keys.BOS_ID)
+    eos_id = vocab.special_token(Keys.EOS_ID)
+    if add_bos and bos_id is None:
+        logger.warning("The GGUF file asks for a BOS token but names none; prompts are encoded without one.")
+        add_bos = False
+    if add_eos and eos_id is None:
+        logger.warning("The GGUF file asks for an EOS token but names none; prompts are encoded without one.")
+        add_eos = False
+    tokenizer.post_processor = _post_processor(vocab, bos_id if add_bos else None, eos_id if add_eos else None)
+
+    return TokenizerInfo(
+        tokenizer_json=tokenizer.to_str(),
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        add_bos_token=add_bos,
+        eog_token_ids=_eog_token_ids(vocab),
+        chat_template=_field(reader, Keys.CHAT_TEMPLATE),
+        add_eos_token=add_eos,
+    )
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None):
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+# ---------------------------------------------------------------------------- byte-level BPE
+
+_GPT2_BYTE_LEVEL = pre_tokenizers.ByteLevel(add_prefix_space=False)
+
+# Split regexes of the pre-tokenizers llama.cpp names in `tokenizer.ggml.pre`
+# (the same strings as transformers' GGUF_PRE_TOKENIZER_SPLITS).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _split_then_bytes(regex: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
+    # SmolLM2's own tokenizer.json, and llama.cpp's "smollm" pre-tokenizer: every digit on its
+    # own, then the GPT-2 regex. transformers' GGUF loader uses the GPT-2 regex alone, which
+    # differs only where a run of spaces precedes a digit ("a  2").
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _GPT2_BYTE_LEVEL])
+
+
+_PRE_TOKENIZERS = {
+    "gpt-2": lambda: _GPT2_BYTE_LEVEL,
+    "smollm": _digits_then_gpt2,
+    "llama3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "llama-v3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "llama-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "smaug-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
+    "deepseek-r1-qwen": lambda: _split_then_bytes(_QWEN2_SPLIT),
+    "gpt-4o": lambda: _split_then_bytes(_GPT4O_SPLIT),
+    "llama4": lambda: _split_then_bytes(_GPT4O_SPLIT),
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte: printable Latin-1 bytes stand for themselves,
+    the rest map to code points from 256 up."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    spelling = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in spelling:
+            spelling[b] = chr(256 + extra)
+            extra += 1
+    return spelling
+
+
+def _byte_level_bpe(vocab: _GGUFVocab) -> Tokenizer:
+    if vocab.merges is None:
+        raise ConversionError(
+            f"The GGUF file has a byte-level ('gpt2') tokenizer but no {Keys.MERGES!r}; "
+            "its merges cannot be recovered from the vocabulary."
+        )
+    # Tokens the file stores as raw text (added tokens with spaces, say) are respelled in the
+    # byte alphabet, the only spelling the BPE model can produce.
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    token_to_id = {
+        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
+        for index, token in enumerate(vocab.tokens)
+    }
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=token_to_id,
+            merges=_parse_merges(vocab.merges),
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    if vocab.pre in _PRE_TOKENIZERS:
+        tokenizer.pre_tokenizer = _PRE_TOKENIZERS[vocab.pre]()
+    else:
+        logger.warning(
+            "GGUF pre-tokenizer %r is not known here; splitting text with the GPT-2 regex, "
+            "so some texts may not tokenize as the model was trained. Known: %s.",
+            vocab.pre,
+            ", ".join(sorted(_PRE_TOKENIZERS)),
+        )
+        tokenizer.pre_tokenizer = _GPT2_BYTE_LEVEL
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _parse_merges(merges: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for index, merge in enumerate(merges):
+        parts = merge.split(" ")
+        if len(parts) != 2:
+            raise ConversionError(
+                f"GGUF merge {index} is {merge!r}; a merge must be two tokens separated by one space."
+            )
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
+# ---------------------------------------------------------------------- sentencepiece BPE
+
+
+def _sentencepiece_bpe(vocab: _GGUFVocab) -> Tokenizer:
+    """transformers' `LlamaTokenizer` (legacy=False), as its GGUF loader builds it."""
+    if vocab.architecture in _UNSUPPORTED_SENTENCEPIECE_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF sentencepiece tokenizers of architecture {vocab.architecture!r} are not supported: "
+            "their merges follow the file order rather than the scores and their space tokens are "
+            "spelled differently. Convert the tokenizer from the model's Hugging Face tokenizer.json instead."
+        )
+    token_to_id = {token: index for index, token in enumerate(vocab.tokens)}
+    if vocab.merges is not None:
+        merges = _parse_merges(vocab.merges)
+    elif vocab.scores is not None:
+        merges = _merges_from_scores(token_to_id, dict(zip(vocab.tokens, vocab.scores)))
+    else:
+        raise ConversionError(
+            f"The GGUF file has a sentencepiece ('llama') tokenizer with neither {Keys.MERGES!r} "
+            f"nor {Keys.SCORES!r}; the merges cannot be recovered."
+        )
+    unk_id = vocab.special_token(Keys.UNK_ID)
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=token_to_id,
+            merges=merges,
+            dropout=None,
+            # transformers leaves the unknown token unset, so a character with no byte pieces
+            # vanishes; llama.cpp emits the unknown id, which is what the model saw in training.
+            unk_token=vocab.tokens[unk_id] if unk_id is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    # transformers ignores `add_space_prefix` and always prepends; llama.cpp honours it.
+    prepend = vocab.add_space_prefix
+    steps = [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prepend:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tokenizer.decoder = decoders.Sequence(steps)
+
+    if vocab.architecture == "phi3":
+        # Phi-3 spells the prefix space with a normalizer, so text that starts with a space
+        # keeps it: " hi" becomes "▁▁hi", where Metaspace gives "▁hi" (transformers' phi3_tokenizer).
+        tokenizer.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(prepend=SPIECE_UNDERLINE), normalizers.Replace(pattern=" ", content=SPIECE_UNDERLINE)]
+            if prepend
+            else [normalizers.Replace(pattern=" ", content=SPIECE_UNDERLINE)]
+        )
+    else:
+        # "first": only the start of the text gets the prefix space, not text after a special token.
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=SPIECE_UNDERLINE, prepend_scheme="first" if prepend else "never", split=False
+        )
+    return tokenizer
+
+
+# Sentencepiece vocabularies whose merges cannot be recovered from the scores.
+_UNSUPPORTED_SENTENCEPIECE_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
+
+
+def _merges_from_scores(token_to_id: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary is a merge, ranked by the score
+    of the piece it makes, best first; ties go to the shorter left piece, then the shorter right
+    one. A sentencepiece BPE model applies its merges in exactly that order.
+
+    This is transformers' `generate_merges(vocab, vocab_scores)`, kept step for step so that ties
+    break the same way.
+    """
+    candidates = []
+    for piece, score in scores.items():
+        splits = [
+            (piece[:cut], piece[cut:], score)
+            for cut in range(1, len(piece))
+            if piece[:cut] in token_to_id and piece[cut:] in token_to_id
+        ]
+        splits.sort(key=lambda s: (token_to_id[s[0]], token_to_id[s[1]]))
+        candidates.extend(splits)
+    candidates.sort(key=lambda s: (s[2], len(s[0]), len(s[1])), reverse=True)
+    return [(left, right) for left, right, _ in candidates]
+
+
+_TOKENIZER_BUILDERS = {
+    "gpt2": _byte_level_bpe,
+    "llama": _sentencepiece_bpe,
+}
+
+
+# ------------------------------------------------------------------------ special tokens
+
+
+def _add_special_tokens(tokenizer: Tokenizer, vocab: _GGUFVocab) -> None:
+    """Keep control and user-defined tokens whole instead of letting BPE cut them up.
+
+    Control tokens (`<|im_end|>`) become special tokens, which decoding skips; user-defined ones
+    (`<think>`) become plain added tokens. The named bos/eos/unk/pad tokens are special too, as
+    transformers makes them.
+
+    A token must already be in the model's vocabulary under its own spelling: adding it otherwise
+    would give it a new id past the embedding table. In a byte-level vocabulary that excludes
+    a control token outside the byte alphabet, which is a llama.cpp mislabel.
+    """
+    added: set[str] = set()
+    special = []
+    plain = []
+    for token, token_type in zip(vocab.tokens, vocab.token_types):
+        if token_type not in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED):
+            continue
+        if tokenizer.token_to_id(token) is None:
+            logger.debug("Skipping GGUF added token %r: it is not in the vocabulary under that spelling.", token)
+            continue
+        target = special if token_type == gguf.TokenType.CONTROL else plain
+        target.append(AddedToken(token, normalized=False, special=token_type == gguf.TokenType.CONTROL))
+        added.add(token)
+    for key in (Keys.BOS_ID, Keys.EOS_ID, Keys.UNK_ID, Keys.PAD_ID):
+        token_id = vocab.special_token(key)
+        if token_id is None:
+            continue
+        token = vocab.tokens[token_id]
+        if token not in added and tokenizer.token_to_id(token) is not None:
+            special.append(AddedToken(token, normalized=False, special=True))
+            added.add(token)
+    if special:
+        tokenizer.add_special_tokens(special)
+    if plain:
+        tokenizer.add_tokens(plain)
+
+
+def _post_processor(vocab: _GGUFVocab, bos_id: int | None, eos_id: int | None) -> processors.PostProcessor:
+    """BOS and EOS around every encoded text, as the file asks; the template transformers'
+    `update_post_processor` writes, so `Tokenizer.encode(text).ids` alone is the prompt."""
+    bos = vocab.tokens[bos_id] if bos_id is not None else None
+    eos = vocab.tokens[eos_id] if eos_id is not None else None
+
+    def template(sequence: str, type_id: int) -> list[str]:
+        pieces = [f"${sequence}:{type_id}"]
+        if bos is not None:
+            pieces.insert(0, f"{bos}:{type_id}")
+        if eos is not None:
+            pieces.append(f"{eos}:{type_id}")
+        return pieces
+
+    special_tokens = [(token, token_id) for token, token_id in ((bos, bos_id), (eos, eos_id)) if token is not None]
+    single = template("A", 0)
+    pair = single + template("B", 1)
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special_tokens)
+
+
+def _eog_token_ids(vocab: _GGUFVocab) -> list[int]:
+    eog = {vocab.special_token(key) for key in _EOG_ID_KEYS} - {None}
+    for index, (token, token_type) in enumerate(zip(vocab.tokens, vocab.token_types)):
+        if token in _EOG_TEXTS or (token in _EOG_CONTROL_TEXTS and token_type == gguf.TokenType.CONTROL):
+            eog.add(index)
+    return sorted(eog)

@@ -1,0 +1,200 @@
+"""Reading and writing safetensors files through mmap, one tensor at a time.
+
+File layout (https://github.com/huggingface/safetensors): an 8-byte little-endian header
+length, a JSON header {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}},
+then the data buffer; offsets are relative to the buffer's start.
+
+The reader validates the header against the file before handing out any view, so that a
+truncated or corrupt file is reported by name instead of surfacing as a numpy error. The
+writer takes the full list of tensor shapes first (the header precedes the data), then
+streams tensors in, so a converter never holds more than the tensor it is writing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+
+from edge.errors import ZllmError
+
+# safetensors dtype name -> numpy dtype. BF16 has no numpy dtype: it is read as uint16 bits.
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+NUMPY_TO_SAFETENSORS = {
+    np.dtype("<f4"): "F32",
+    np.dtype("<f2"): "F16",
+    np.dtype("u1"): "U8",
+    np.dtype("i1"): "I8",
+    np.dtype("<i4"): "I32",
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
+
+
+class SafetensorsFormatError(ZllmError):
+    """A safetensors file is truncated or its header does not describe its contents."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute file offset
+    end: int
+
+
+class SafetensorsFile:
+    """A validated, mmap-backed safetensors file. Views it returns are read-only and zero-copy."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.entries, self.metadata = _read_header(self.path)
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if os.path.getsize(self.path) else None
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored array as written (BF16 comes back as its uint16 bit pattern)."""
+        entry = self.entries[name]
+        view = self._map[entry.begin : entry.end].view(DTYPES[entry.dtype])
+        return view.reshape(entry.shape)
+
+    def float32(self, name: str) -> np.ndarray:
+        """The tensor as float32 (a copy unless it is stored as F32)."""
+        entry = self.entries[name]
+        raw = self.raw(name)
+        if entry.dtype == "BF16":
+            return (raw.astype(np.uint32) << 16).view(np.float32)
+        if entry.dtype == "F32":
+            return raw
+        return raw.astype(np.float32)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map._mmap.close()
+            self._map = None
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _read_header(path: str) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    name = os.path.basename(path)
+    file_size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise SafetensorsFormatError(
+                f"{name}: file is {file_size} bytes, too short for a safetensors header; the file is truncated"
+            )
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
+            raise SafetensorsFormatError(
+                f"{name}: header length {header_len} exceeds the file size {file_size}; "
+                "the file is truncated or not a safetensors file"
+            )
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SafetensorsFormatError(f"{name}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsFormatError(f"{name}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + header_len
+    data_size = file_size - data_start
+    entries: dict[str, TensorEntry] = {}
+    for tensor_name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsFormatError(f"{name}: header entry for {tensor_name!r} is malformed: {info!r}") from None
+        if dtype not in DTYPES:
+            raise SafetensorsFormatError(f"{name}: tensor {tensor_name!r} has unsupported dtype {dtype}")
+        expected = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+        if not (0 <= begin <= end) or end - begin != expected:
+            raise SafetensorsFormatError(
+                f"{name}: tensor {tensor_name!r} has offsets [{begin}, {end}] that do not match "
+                f"its shape {list(shape)} and dtype {dtype} ({expected} bytes)"
+            )
+        if end > data_size:
+            raise SafetensorsFormatError(
+                f"{name}: tensor {tensor_name!r} ends at byte {end} of the data buffer but the file holds "
+                f"only {data_size} data bytes; the file is truncated or its header is corrupt"
+            )
+        entries[tensor_name] = TensorEntry(dtype, shape, data_start + begin, data_start + end)
+    return entries, metadata
+
+
+class SafetensorsWriter:
+    """Writes a safetensors file whose tensor list is known up front, tensor by tensor.
+
+    Tensors are laid out widest dtype first so that every view is aligned to its itemsize.
+    """
+
+    def __init__(self, path: str | os.PathLike, layout: dict[str, tuple[np.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = os.fspath(path)
+        order = sorted(layout, key=lambda n: -np.dtype(layout[n][0]).itemsize)
+        header: dict[str, object] = {}
+        self._offsets: dict[str, tuple[int, int, np.dtype, tuple[int, ...]]] = {}
+        offset = 0
+        for name in order:
+            dtype, shape = np.dtype(layout[name][0]), tuple(int(d) for d in layout[name][1])
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            header[name] = {"dtype": NUMPY_TO_SAFETENSORS[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self._offsets[name] = (offset, offset + nbytes, dtype, shape)
+            offset += nbytes
+        if metadata:
+            header["__metadata__"] = metadata
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-(len(encoded)) % 8)  # data starts 8-byte aligned
+        self._data_start = 8 + len(encoded)
+        self.nbytes = self._data_start + offset
+        self._file: BinaryIO = open(self.path, "wb")
+        self._file.write(struct.pack("<Q", len(encoded)) + encoded)
+        self._file.truncate(self.nbytes)
+        self._written: set[str] = set()
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        begin, end, dtype, shape = self._offsets[name]
+        if array.dtype != dtype or tuple(array.shape) != shape:
+            raise ValueError(f"{name}: planned {dtype}{list(shape)}, got {array.dtype}{list(array.shape)}")
+        self._file.seek(self._data_start + begin)
+        self._file.write(np.ascontiguousarray(array).data)
+        self._written.add(name)
+
+    def close(self) -> None:
+        missing = set(self._offsets) - self._written
+        self._file.close()
+        if missing:
+            raise ValueError(f"{self.path}: tensors planned but never written: {sorted(missing)[:5]}")
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._file.close()

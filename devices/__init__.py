@@ -1,0 +1,1 @@
+"""Backends. Each implements the same contract (devices/base.py) and never imports edge/."""

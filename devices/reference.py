@@ -1,0 +1,101 @@
+"""The numpy float32 oracle. Every accelerated backend is tested against these functions, so
+they are written to be read: one line of math per step, no fusion, no cleverness.
+
+Quantized weights are dequantized at the moment they are used and then dropped: loading
+stays zero-copy (the checkpoint's mmap), at the cost of speed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from quant import QuantizedTensor
+
+
+def as_float32(weight) -> np.ndarray:
+    if isinstance(weight, QuantizedTensor):
+        return weight.dequantize()
+    return np.asarray(weight, dtype=np.float32)
+
+
+def embed(table, ids: np.ndarray) -> np.ndarray:
+    if isinstance(table, QuantizedTensor):
+        return table.dequantize_rows(ids)
+    return np.asarray(table[ids], dtype=np.float32)
+
+
+def linear(x: np.ndarray, weight, bias=None) -> np.ndarray:
+    y = x @ as_float32(weight).T
+    if bias is not None:
+        y += as_float32(bias)
+    return y
+
+
+def rms_norm(x: np.ndarray, weight, eps: float) -> np.ndarray:
+    variance = np.mean(np.square(x), axis=-1, keepdims=True)
+    return (x / np.sqrt(variance + eps)) * as_float32(weight)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def softmax(scores: np.ndarray) -> np.ndarray:
+    shifted = scores - scores.max(axis=-1, keepdims=True)
+    weights = np.exp(shifted)
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def causal_mask(q_positions: np.ndarray, k_positions: np.ndarray, window: int | None) -> np.ndarray:
+    """True where query i may attend key j: j is not in the future (nor outside the window)."""
+    visible = k_positions[None, :] <= q_positions[:, None]
+    if window is not None:
+        visible &= q_positions[:, None] - k_positions[None, :] < window
+    return visible
+
+
+def attention(q, k, v, q_positions, k_positions, scale, window=None) -> np.ndarray:
+    n_q_heads, n_kv_heads = q.shape[1], k.shape[1]
+    group = n_q_heads // n_kv_heads  # query heads sharing one key/value head (GQA/MQA)
+    k = np.repeat(k, group, axis=1)  # [S, Hq, Dh]
+    v = np.repeat(v, group, axis=1)
+    scores = np.einsum("thd,shd->hts", q, k) * scale  # [Hq, T, S]
+    mask = causal_mask(np.asarray(q_positions), np.asarray(k_positions), window)
+    scores = np.where(mask[None], scores, -np.inf)
+    return np.einsum("hts,shd->thd", softmax(scores), v).astype(np.float32)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for very negative x; silu -> 0 is right
+        return x / (1.0 + np.exp(-x))
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    return silu(gate) * up
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads
+
+    def prepare_weight(self, weight):
+        return weight  # mmap views and QuantizedTensors are used where they lie
+
+    embed = staticmethod(embed)
+    linear = staticmethod(linear)
+    rms_norm = staticmethod(rms_norm)
+    rope = staticmethod(rope)
+    attention = staticmethod(attention)
+    swiglu = staticmethod(swiglu)
+
+    def allocate_kv(self, capacity: int, kv_heads: int, head_dim: int):
+        # np.zeros maps untouched pages lazily: memory grows with the valid length, not capacity
+        return (np.zeros((capacity, kv_heads, head_dim), np.float32),
+                np.zeros((capacity, kv_heads, head_dim), np.float32))
+
+    def info(self) -> dict:
+        return {"device": "reference", "backend": "numpy float32 oracle", "numpy": np.__version__}

@@ -1,0 +1,204 @@
+"""The `zllm-edge` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from edge.errors import ZllmError
+
+
+def _add_quant_args(p: argparse.ArgumentParser) -> None:
+    from converters.convert import GROUP_SIZES, TENSOR_CLASSES, WEIGHT_CHOICES
+
+    p.add_argument("--weights", default=None,
+                   help=f"weight format: {', '.join(WEIGHT_CHOICES)} or a full scheme such as int4_affine_g64 "
+                        "(default: source for GGUF, int8 for Hugging Face folders)")
+    p.add_argument("--group-size", type=int, default=32, choices=GROUP_SIZES)
+    sym = p.add_mutually_exclusive_group()
+    sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=True,
+                     help="scale only per group (default)")
+    sym.add_argument("--affine", dest="symmetric", action="store_false", help="scale and offset per group")
+    for cls in TENSOR_CLASSES:
+        p.add_argument(f"--{cls.replace('_', '-')}", dest=f"override_{cls}", default=None, metavar="FORMAT",
+                       help=f"format for {cls} tensors (overrides --weights)")
+
+
+def cmd_convert(args) -> int:
+    from converters.convert import TENSOR_CLASSES, QuantPlan, convert
+
+    weights = args.weights or ("int8" if os.path.isdir(args.src) else "source")
+    overrides = {c: getattr(args, f"override_{c}") for c in TENSOR_CLASSES if getattr(args, f"override_{c}")}
+    plan = QuantPlan(weights=weights, group_size=args.group_size, symmetric=args.symmetric, overrides=overrides)
+    summary = convert(args.src, args.out, plan, force=args.force, progress=not args.quiet)
+    print(summary.format())
+    if args.report:
+        worst = sorted(summary.tensors, key=lambda t: -t.rel_rms_error)
+        print(f"\n{'tensor':60s} {'source':>6s} {'scheme':>18s} {'max abs':>10s} {'rel rms':>10s}")
+        for t in worst:
+            print(f"{t.name:60s} {t.source_format:>6s} {t.scheme:>18s} {t.max_abs_error:10.3e} {t.rel_rms_error:10.3e}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from collections import Counter
+
+    from converters.checkpoint import read_manifest
+
+    manifest = read_manifest(args.checkpoint)
+    if args.json:
+        print(json.dumps(manifest, indent=1))
+        return 0
+    model = manifest["model"]
+    print(f"{args.checkpoint}: zllm format {manifest['format_version']}, from {manifest.get('source')}")
+    print(f"model: {model['model_type']}, {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, "
+          f"heads {model['num_attention_heads']}/{model['num_key_value_heads']} (q/kv), head_dim {model['head_dim']}, "
+          f"ffn {model['intermediate_size']}, vocab {model['vocab_size']}, context {model['max_position_embeddings']}, "
+          f"tied embeddings {model['tie_word_embeddings']}")
+    schemes = Counter((t["class"], t["scheme"]) for t in manifest["tensors"].values())
+    print("schemes:")
+    for (cls, scheme), count in sorted(schemes.items()):
+        print(f"  {cls:12s} {scheme:18s} x{count}")
+    for name, info in manifest["files"].items():
+        print(f"file: {name} {info['bytes'] / 1e6:.1f} MB sha256 {info['sha256'][:16]}...")
+    tok = manifest.get("tokenizer", {})
+    print(f"tokenizer: {tok.get('file')}, bos {tok.get('bos_token_id')}, eos {tok.get('eos_token_id')}, "
+          f"chat template {'yes' if tok.get('chat_template') else 'no'}")
+    return 0
+
+
+def _resolve_model(path: str | None, quiet: bool) -> str:
+    from edge.home import default_model_checkpoint
+
+    return path if path else default_model_checkpoint(progress=not quiet)
+
+
+def _stream(generation, args) -> int:
+    if args.json:
+        for _ in generation:
+            pass
+    else:
+        for piece in generation:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    return 0
+
+
+def _generation_kwargs(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                stop=args.stop or None)
+
+
+def cmd_generate(args) -> int:
+    import edge
+
+    if len(args.words) == 1:
+        model_path, prompt = None, args.words[0]
+    elif len(args.words) == 2:
+        model_path, prompt = args.words
+    else:
+        raise ZllmError("usage: zllm-edge generate [MODEL] PROMPT")
+    model = edge.load(_resolve_model(model_path, args.quiet), device=args.device, threads=args.threads)
+    generation = model.generate(prompt, **_generation_kwargs(args))
+    _stream(generation, args)
+    if args.json:
+        r = generation.result
+        print(json.dumps({
+            "text": r.text, "tokens": r.tokens, "prompt_tokens": r.prompt_tokens,
+            "finish_reason": r.finish_reason, "device": model.device_info(),
+            "timings": r.timings, "stats": model.stats(),
+        }))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    import edge
+
+    model = edge.load(_resolve_model(args.model, args.quiet), device=args.device, threads=args.threads)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        generation = model.chat(messages, **_generation_kwargs(args))
+        for piece in generation:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": generation.result.text})
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="reference", help="reference (default)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zllm-edge", description="Run LLMs on devices that cannot hold them comfortably.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert a Hugging Face folder or a GGUF file into a zllm checkpoint")
+    p.add_argument("src")
+    p.add_argument("out")
+    _add_quant_args(p)
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--report", action="store_true", help="print every tensor's quantization error")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("inspect", help="print a checkpoint's spec, schemes and sizes")
+    p.add_argument("checkpoint")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("generate", help="generate text: zllm-edge generate [MODEL] PROMPT")
+    p.add_argument("words", nargs="+", metavar="[MODEL] PROMPT")
+    _add_generation_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object with text, tokens, timings")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat on stdin/stdout with the model's chat template")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--system", default=None)
+    _add_generation_args(p)
+    p.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
+    try:
+        return args.func(args)
+    except ZllmError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

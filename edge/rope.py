@@ -1,0 +1,99 @@
+"""Rotary position embeddings: inverse frequencies for each rope scaling, and cos/sin tables.
+
+Layout is Hugging Face's half-split: a head vector x = [x1, x2] rotates as
+[x1*cos - x2*sin, x2*cos + x1*sin] with one frequency per pair (i, i + head_dim/2).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from edge.errors import UnsupportedModelError
+from edge.spec import LlamaSpec
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
+
+
+def rope_inv_freq(spec: LlamaSpec) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [head_dim/2] (float64) and the attention factor that scales cos/sin."""
+    dim = spec.head_dim
+    base = spec.rope_theta
+    inv_freq = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    scaling = spec.rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "freq_factors":
+        # llama.cpp stores llama3-style scaling as a per-frequency divisor (GGUF rope_freqs.weight)
+        return inv_freq / np.asarray(scaling["factors"], dtype=np.float64), 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(dim, base, scaling, spec.max_position_embeddings)
+    raise UnsupportedModelError(
+        f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are interpolated, short ones kept, the band between blended smoothly
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, blended, scaled)
+
+
+def _yarn_inv_freq(dim: int, base: float, scaling: dict, max_positions: int) -> tuple[np.ndarray, float]:
+    original = scaling.get("original_max_position_embeddings") or max_positions
+    factor = scaling.get("factor") or max_positions / original
+
+    def mscale(scale: float, coefficient: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * coefficient * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+class RopeTable:
+    """cos/sin for positions, computed in float64 and rounded to float32 once."""
+
+    def __init__(self, spec: LlamaSpec):
+        self.inv_freq, self.attention_factor = rope_inv_freq(spec)
+
+    def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        angles = np.asarray(positions, dtype=np.float64)[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
+        cos = (np.cos(angles) * self.attention_factor).astype(np.float32)
+        sin = (np.sin(angles) * self.attention_factor).astype(np.float32)
+        return cos, sin

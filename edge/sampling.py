@@ -1,0 +1,56 @@
+"""Choosing the next token from logits: greedy, or temperature / top-k / top-p sampling,
+with an optional repetition penalty (the CTRL/transformers form)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0      # 0 means greedy
+    top_k: int = 0                # 0 means no limit
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+    """Make already-seen tokens less likely: divide positive logits by the penalty, multiply negative ones."""
+    if penalty == 1.0 or len(seen) == 0:
+        return logits
+    logits = logits.copy()
+    ids = np.unique(seen)
+    picked = logits[ids]
+    logits[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+                 seen: np.ndarray | None = None) -> int:
+    logits = np.asarray(logits, dtype=np.float64)
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.temperature == 0.0:
+        return int(np.argmax(logits))
+    logits = logits / params.temperature
+    order = np.argsort(-logits, kind="stable")  # candidates, most likely first
+    if params.top_k:
+        order = order[: params.top_k]
+    probs = np.exp(logits[order] - logits[order[0]])
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    return int(order[rng.choice(len(order), p=probs)])

@@ -1,0 +1,52 @@
+"""Sessions: a KV cache plus the token history, driven by three task forms.
+
+- NewPrefill:    the first `prefill(ids)` of a session
+- AppendPrefill: a later `prefill(ids)`, placed after everything already in the cache
+- DecodeRound:   `decode(token_id)`, one token through every layer
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from edge.errors import SessionError
+
+
+class Session:
+    def __init__(self, model, capacity: int):
+        self.model = model
+        self.cache = model.transformer.new_cache(capacity)
+        self.tokens: list[int] = []
+
+    @property
+    def position(self) -> int:
+        """Number of tokens in the cache; the next token's position."""
+        return self.cache.length
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def _run(self, ids, all_logits: bool, observer=None) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise SessionError("prefill needs at least one token id")
+        vocab = self.model.spec.vocab_size
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.size:
+            raise SessionError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab})")
+        self.cache.check_room(len(ids), self.model.spec.max_position_embeddings)
+        logits = self.model.transformer.forward(ids, self.cache, all_logits, observer)
+        self.tokens.extend(int(i) for i in ids)
+        return logits
+
+    def prefill(self, ids, all_logits: bool = False, observer=None) -> np.ndarray:
+        """Run ids after the current history. Logits [V] for the last token, or [T, V] with all_logits."""
+        return self._run(ids, all_logits, observer)
+
+    def decode(self, token_id: int) -> np.ndarray:
+        """Run one token; logits [V]."""
+        return self._run([int(token_id)], all_logits=False)
+
+    def reset(self) -> None:
+        self.cache.length = 0
+        self.tokens.clear()

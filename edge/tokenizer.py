@@ -1,0 +1,80 @@
+"""Text <-> token ids through the checkpoint's tokenizer.json, chat templates, and streaming
+detokenization that never splits a multi-byte character."""
+from __future__ import annotations
+
+from datetime import date
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from edge.errors import ZllmError
+
+
+class TokenizerError(ZllmError):
+    pass
+
+
+class Tokenizer:
+    def __init__(self, path: str, config: dict):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._tok = HFTokenizer.from_file(path)
+        self.config = config
+        self.bos_token_id = config.get("bos_token_id")
+        self.eos_token_id = config.get("eos_token_id")
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+        self.eog_token_ids = set(config.get("eog_token_ids") or [])
+        if self.eos_token_id is not None:
+            self.eog_token_ids.add(self.eos_token_id)
+        self.chat_template = config.get("chat_template")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise TokenizerError("this checkpoint has no chat template; use generate() with a plain prompt")
+
+        def raise_exception(message):
+            raise TokenizerError(f"chat template refused the messages: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, loader=jinja2.BaseLoader())
+        env.globals.update(raise_exception=raise_exception,
+                           strftime_now=lambda fmt: date.today().strftime(fmt))
+        token = lambda tid: self._tok.id_to_token(tid) if tid is not None else ""  # noqa: E731
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=token(self.bos_token_id), eos_token=token(self.eos_token_id),
+        )
+
+
+class IncrementalDecoder:
+    """Turns a growing id sequence into text pieces. Decodes a short window around the new
+    ids so that tokenizers which treat word starts specially still render spaces right, and
+    holds text back while it ends in an incomplete UTF-8 sequence (U+FFFD)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], context: int = 5):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)
+        self.prefix_offset = max(len(self.ids) - context, 0)
+        self.read_offset = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = decode(self.ids[self.prefix_offset :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full_text[len(prefix_text) :]
+        return ""

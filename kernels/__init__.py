@@ -1,0 +1,1 @@
+"""Compute kernels: Numba/llvmlite CPU kernels and the shader sources GPU backends dispatch."""

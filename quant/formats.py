@@ -1,0 +1,467 @@
+"""Quantization formats: schemes, per-group INT8/INT4 packing, quantize and dequantize.
+
+A weight matrix W is float32 [N, K]: N output rows, K input features. It is quantized
+in groups of B = group_size consecutive elements along K (B is 32, 64 or 128). When K is
+not a multiple of B the last group is padded with zeros; n_groups = ceil(K / B). Each
+group has one scale (and, for affine schemes, one offset), both stored as float16.
+
+Arrays of a QuantizedTensor (the layout of ONNX Runtime `com.microsoft::MatMulNBits`):
+
+    qweight  uint8   [N, n_groups, B * bits // 8]   the codes q, packed low-first
+    scales   float16 [N, n_groups]
+    offsets  float16 [N, n_groups]                  affine schemes only
+
+Packing of the codes inside one group (j counts bytes of the group):
+
+    int8:  byte j holds code j.
+    int4:  byte j holds code 2j in its LOW nibble and code 2j+1 in its HIGH nibble:
+               byte j = q[2j] | (q[2j+1] << 4)
+           (GGUF Q4_0/Q4_1 blocks order nibbles differently; gguf_import.py repacks them.)
+
+Value of code q in a group with scale s (and offset o). The arithmetic is done in
+float32 in exactly this order, because that order is what the gguf package uses and
+is what makes GGUF import bit-exact:
+
+    int4 symmetric:  w = s * (q - 8)      q in 0..15     (GGUF Q4_0; MatMulNBits default zero point 8)
+    int8 symmetric:  w = s * (q - 128)    q in 0..255    (GGUF Q8_0 stored as q + 128;
+                                                          MatMulNBits default zero point 128)
+    int4 affine:     w = s * q + o        q in 0..15     (GGUF Q4_1)
+    int8 affine:     w = s * q + o        q in 0..255
+
+MatMulNBits writes the affine form as (q - z) * s with a float zero point z = -o / s;
+an ONNX export converts (that conversion, unlike GGUF import, is not bit-exact).
+
+How quantize() chooses scales and codes (per group x of B values):
+
+    int4 symmetric (GGUF Q4_0 rule): m = the signed value of largest |x|, s = m / -8,
+        so m lands exactly on code 0 and the whole range [-8, 7] steps is used on m's side.
+    int8 symmetric (GGUF Q8_0 rule): s = max|x| / 127, codes clipped to 1..255
+        (-127..127 steps) so the range is symmetric.
+    affine: o = min(x), s = (max(x) - min(x)) / levels, levels = 15 or 255.
+
+s and o are rounded to float16 first and the codes are computed from the rounded values,
+so storage rounding is absorbed by the choice of q. Codes round half to even. A group of
+zeros gets s = 0 and the code of zero. Error per element is at most s/2 inside the
+representable range; the one exception is int4 symmetric, whose range [-8s, 7s] is
+lopsided, so a value of magnitude |m| on the side opposite m is off by up to |s|.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge.errors import CheckpointError, ConversionError
+
+FLOAT_DTYPES = ("f32", "f16")
+QUANTIZED_DTYPES = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+
+_BITS = {"f32": 32, "f16": 16, "int8": 8, "int4": 4}
+
+# quantize() works through the rows in chunks of about this many elements, so that its
+# float32 temporaries stay bounded (tens of MB) whatever the size of the matrix.
+_ELEMENTS_PER_CHUNK = 1 << 22
+
+
+# ---------------------------------------------------------------------------------------
+# Schemes
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How one tensor is stored: a float dtype, or INT8/INT4 in groups along K.
+
+    str(scheme) is its name in zllm.json: "f32", "f16", "int4_sym_g32", "int8_affine_g128".
+    """
+
+    dtype: str
+    group_size: int | None = None
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype in FLOAT_DTYPES:
+            if self.group_size is not None:
+                raise ValueError(f"float scheme {self.dtype!r} takes no group size, got {self.group_size}")
+            # Symmetry means nothing for floats; normalise it so equal schemes compare equal.
+            object.__setattr__(self, "symmetric", True)
+        elif self.dtype in QUANTIZED_DTYPES:
+            if self.group_size not in GROUP_SIZES:
+                raise ValueError(
+                    f"{self.dtype} group size must be one of {GROUP_SIZES}, got {self.group_size}"
+                )
+        else:
+            raise ValueError(f"unknown dtype {self.dtype!r}: expected one of {FLOAT_DTYPES + QUANTIZED_DTYPES}")
+
+    def __str__(self) -> str:
+        if not self.is_quantized:
+            return self.dtype
+        kind = "sym" if self.symmetric else "affine"
+        return f"{self.dtype}_{kind}_g{self.group_size}"
+
+    @classmethod
+    def parse(cls, text: str) -> Scheme:
+        """Inverse of str(): "f16" -> Scheme("f16"), "int4_sym_g32" -> Scheme("int4", 32, True)."""
+        if text in FLOAT_DTYPES:
+            return cls(text)
+        match = re.fullmatch(r"(int4|int8)_(sym|affine)_g(\d+)", text)
+        if match is None:
+            raise ValueError(
+                f"unknown quantization scheme {text!r}: expected 'f32', 'f16' or "
+                f"'int4|int8' + '_sym|_affine' + '_g32|_g64|_g128', e.g. 'int4_sym_g32'"
+            )
+        dtype, kind, group_size = match.groups()
+        return cls(dtype, int(group_size), kind == "sym")
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.dtype in QUANTIZED_DTYPES
+
+    @property
+    def bits(self) -> int:
+        return _BITS[self.dtype]
+
+
+# ---------------------------------------------------------------------------------------
+# Code packing: one small class per code width, registered by bits.
+
+
+class Int8Codes:
+    """One code per byte; packing is the identity."""
+
+    bits = 8
+
+    @staticmethod
+    def pack(codes: np.ndarray) -> np.ndarray:
+        """uint8 [..., B] codes -> uint8 [..., B] bytes."""
+        return codes
+
+    @staticmethod
+    def unpack(packed: np.ndarray) -> np.ndarray:
+        return packed
+
+
+class Int4Codes:
+    """Two codes per byte: code 2j in the low nibble of byte j, code 2j+1 in the high nibble."""
+
+    bits = 4
+
+    @staticmethod
+    def pack(codes: np.ndarray) -> np.ndarray:
+        """uint8 [..., B] codes in 0..15 -> uint8 [..., B/2] bytes."""
+        even, odd = codes[..., 0::2], codes[..., 1::2]
+        return even | (odd << np.uint8(4))
+
+    @staticmethod
+    def unpack(packed: np.ndarray) -> np.ndarray:
+        """uint8 [..., B/2] bytes -> uint8 [..., B] codes."""
+        low = packed & np.uint8(0x0F)
+        high = packed >> np.uint8(4)
+        return np.stack([low, high], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+CODECS: dict[int, type[Int8Codes] | type[Int4Codes]] = {8: Int8Codes, 4: Int4Codes}
+
+
+def symmetric_zero_point(bits: int) -> int:
+    """The code that means 0 in a symmetric scheme: 8 for int4, 128 for int8 (MatMulNBits default)."""
+    return 1 << (bits - 1)
+
+
+# ---------------------------------------------------------------------------------------
+# The format table: sizes of every format zllm stores or imports.
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """Sizes of one storage format. A block is the unit that carries its own scale."""
+
+    name: str
+    block_size: int  # elements per block
+    bytes_per_block: int  # codes + scale + offset of one block
+    bits: int  # bits per stored code (or per float)
+    description: str
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.bytes_per_block / self.block_size
+
+
+def _scheme_format(scheme: Scheme) -> FormatInfo:
+    if not scheme.is_quantized:
+        return FormatInfo(str(scheme), 1, scheme.bits // 8, scheme.bits, f"IEEE float{scheme.bits}")
+    code_bytes = scheme.group_size * scheme.bits // 8
+    if scheme.symmetric:
+        zero = symmetric_zero_point(scheme.bits)
+        return FormatInfo(
+            str(scheme), scheme.group_size, code_bytes + 2, scheme.bits,
+            f"f16 scale s per {scheme.group_size}; w = s * (q - {zero})",
+        )
+    return FormatInfo(
+        str(scheme), scheme.group_size, code_bytes + 4, scheme.bits,
+        f"f16 scale s and f16 offset o per {scheme.group_size}; w = s * q + o",
+    )
+
+
+ALL_SCHEMES: tuple[Scheme, ...] = (
+    Scheme("f32"),
+    Scheme("f16"),
+    *(
+        Scheme(dtype, group_size, symmetric)
+        for dtype in QUANTIZED_DTYPES
+        for symmetric in (True, False)
+        for group_size in GROUP_SIZES
+    ),
+)
+
+# GGUF block types that import without requantization (gguf_import.py unpacks them).
+_GGUF_SOURCE_FORMATS = (
+    FormatInfo("Q4_0", 32, 18, 4, "GGUF: f16 d, 16 bytes of nibbles (element i low, i+16 high); w = d * (q - 8)"),
+    FormatInfo("Q4_1", 32, 20, 4, "GGUF: f16 d, f16 m, 16 bytes of nibbles (element i low, i+16 high); w = d * q + m"),
+    FormatInfo("Q8_0", 32, 34, 8, "GGUF: f16 d, 32 int8 q; w = d * q"),
+)
+
+FORMATS: dict[str, FormatInfo] = {
+    info.name: info for info in (*map(_scheme_format, ALL_SCHEMES), *_GGUF_SOURCE_FORMATS)
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Quantized tensors
+
+
+class QuantizedArraysError(CheckpointError, ValueError):
+    """Arrays do not have the shapes or dtypes that their scheme and logical shape require."""
+
+
+@dataclass(eq=False, repr=False)
+class QuantizedTensor:
+    """A weight [N, K] stored as per-group codes and float16 scales (layout: module docstring).
+
+    The arrays may be read-only views of a memory-mapped checkpoint; nothing here writes them.
+    """
+
+    scheme: Scheme
+    shape: tuple[int, int]  # logical (N, K)
+    qweight: np.ndarray  # uint8 [N, n_groups, group_size * bits // 8]
+    scales: np.ndarray  # float16 [N, n_groups]
+    offsets: np.ndarray | None = field(default=None)  # float16 [N, n_groups], affine only
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(int(dim) for dim in self.shape)
+        _check_layout(self.scheme, self.shape, self.qweight, self.scales, self.offsets)
+
+    def __repr__(self) -> str:
+        return f"QuantizedTensor({self.scheme}, shape={self.shape}, nbytes={self.nbytes})"
+
+    @property
+    def n_groups(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        offset_bytes = 0 if self.offsets is None else self.offsets.nbytes
+        return self.qweight.nbytes + self.scales.nbytes + offset_bytes
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [N, K]."""
+        return _dequantize(self.scheme, self.shape[1], self.qweight, self.scales, self.offsets)
+
+    def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
+        """float32 [*rows.shape, K]: only the requested rows (embedding lookup of token ids)."""
+        rows = np.asarray(rows)
+        flat_rows = rows.ravel()
+        offsets = None if self.offsets is None else self.offsets[flat_rows]
+        values = _dequantize(self.scheme, self.shape[1], self.qweight[flat_rows], self.scales[flat_rows], offsets)
+        return values.reshape(*rows.shape, self.shape[1])
+
+    def take_rows(self, rows) -> QuantizedTensor:
+        """The tensor made of rows `rows` (a subset or permutation), codes and scales copied unchanged."""
+        rows = np.asarray(rows, dtype=np.intp)
+        if rows.ndim != 1:
+            raise ValueError(f"take_rows expects a 1-D array of row indices, got shape {rows.shape}")
+        offsets = None if self.offsets is None else self.offsets[rows]
+        return QuantizedTensor(self.scheme, (len(rows), self.shape[1]), self.qweight[rows], self.scales[rows], offsets)
+
+    def to_arrays(self, name: str) -> dict[str, np.ndarray]:
+        """The arrays to store under `name`: name.qweight, name.scales and (affine) name.offsets."""
+        arrays = {f"{name}.qweight": self.qweight, f"{name}.scales": self.scales}
+        if self.offsets is not None:
+            arrays[f"{name}.offsets"] = self.offsets
+        return arrays
+
+    @classmethod
+    def from_arrays(
+        cls, scheme: Scheme, shape: tuple[int, int], arrays: dict[str, np.ndarray], name: str
+    ) -> QuantizedTensor:
+        """Inverse of to_arrays. The arrays are used as they are (mmap views stay views)."""
+        missing = [key for key in (f"{name}.qweight", f"{name}.scales") if key not in arrays]
+        if not scheme.symmetric and f"{name}.offsets" not in arrays:
+            missing.append(f"{name}.offsets")
+        if missing:
+            raise QuantizedArraysError(f"{name}: scheme {scheme} needs arrays {missing}, which are missing")
+        if scheme.symmetric and f"{name}.offsets" in arrays:
+            raise QuantizedArraysError(
+                f"{name}: found {name}.offsets but scheme {scheme} is symmetric and has no offsets"
+            )
+        try:
+            return cls(
+                scheme, shape, arrays[f"{name}.qweight"], arrays[f"{name}.scales"], arrays.get(f"{name}.offsets")
+            )
+        except QuantizedArraysError as error:
+            raise QuantizedArraysError(f"{name}: {error}") from None
+
+
+def _check_layout(
+    scheme: Scheme, shape: tuple[int, ...], qweight: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None
+) -> None:
+    if not scheme.is_quantized:
+        raise QuantizedArraysError(f"scheme {scheme} is not quantized; a float tensor is a plain array")
+    if len(shape) != 2 or shape[0] < 0 or shape[1] < 1:
+        raise QuantizedArraysError(f"logical shape must be (N, K) with K >= 1, got {shape}")
+    n_rows, k = shape
+    n_groups = math.ceil(k / scheme.group_size)
+    expected = {
+        "qweight": (np.dtype(np.uint8), (n_rows, n_groups, scheme.group_size * scheme.bits // 8)),
+        "scales": (np.dtype(np.float16), (n_rows, n_groups)),
+    }
+    found = {"qweight": qweight, "scales": scales}
+    if scheme.symmetric:
+        if offsets is not None:
+            raise QuantizedArraysError(f"scheme {scheme} is symmetric but offsets were given")
+    else:
+        if offsets is None:
+            raise QuantizedArraysError(f"scheme {scheme} is affine and needs offsets")
+        expected["offsets"] = expected["scales"]
+        found["offsets"] = offsets
+    for role, (dtype, array_shape) in expected.items():
+        array = found[role]
+        if not isinstance(array, np.ndarray) or array.dtype != dtype or array.shape != array_shape:
+            what = f"{array.dtype}{list(array.shape)}" if isinstance(array, np.ndarray) else type(array).__name__
+            raise QuantizedArraysError(
+                f"{role} is {what}, expected {dtype}{list(array_shape)} for {scheme} weight of shape {tuple(shape)}"
+            )
+
+
+# ---------------------------------------------------------------------------------------
+# Quantize / dequantize
+
+
+def quantize(weight: np.ndarray, scheme: Scheme) -> QuantizedTensor:
+    """Quantize float weight [N, K] to `scheme` (rules in the module docstring)."""
+    if not scheme.is_quantized:
+        raise ValueError(
+            f"quantize() needs an int4/int8 scheme, got {scheme}; store float weights as arrays "
+            f"(weight.astype(np.float16))"
+        )
+    weight = np.asarray(weight)
+    if weight.ndim != 2 or weight.shape[1] == 0:
+        raise ValueError(f"quantize() expects a 2-D weight [N, K] with K >= 1, got shape {weight.shape}")
+    n_rows, k = weight.shape
+    group_size, bits = scheme.group_size, scheme.bits
+    n_groups = math.ceil(k / group_size)
+
+    qweight = np.empty((n_rows, n_groups, group_size * bits // 8), dtype=np.uint8)
+    scales = np.empty((n_rows, n_groups), dtype=np.float16)
+    offsets = None if scheme.symmetric else np.empty((n_rows, n_groups), dtype=np.float16)
+
+    rows_per_chunk = max(1, _ELEMENTS_PER_CHUNK // k)
+    for start in range(0, n_rows, rows_per_chunk):
+        chunk = slice(start, start + rows_per_chunk)
+        groups = _split_into_groups(weight[chunk], group_size, first_row=start)  # [n, G, B]
+        if scheme.symmetric:
+            scales[chunk], codes = _quantize_symmetric(groups, bits)
+        else:
+            scales[chunk], offsets[chunk], codes = _quantize_affine(groups, bits)
+        qweight[chunk] = CODECS[bits].pack(codes)
+    return QuantizedTensor(scheme, (n_rows, k), qweight, scales, offsets)
+
+
+def dequantize(qt: QuantizedTensor | np.ndarray) -> np.ndarray:
+    """float32 values of a QuantizedTensor; a float array is returned as float32 unchanged."""
+    if isinstance(qt, QuantizedTensor):
+        return qt.dequantize()
+    return np.asarray(qt).astype(np.float32, copy=False)
+
+
+def _split_into_groups(rows: np.ndarray, group_size: int, first_row: int) -> np.ndarray:
+    """float [n, K] -> float32 [n, n_groups, group_size], the last group padded with zeros."""
+    n_rows, k = rows.shape
+    n_groups = math.ceil(k / group_size)
+    padded = np.zeros((n_rows, n_groups * group_size), dtype=np.float32)
+    padded[:, :k] = rows
+    if not np.isfinite(padded).all():
+        row, column = np.argwhere(~np.isfinite(padded))[0]
+        raise ConversionError(
+            f"weight holds a non-finite value ({padded[row, column]}) at row {first_row + row}, "
+            f"column {column}; a quantized format cannot store it"
+        )
+    return padded.reshape(n_rows, n_groups, group_size)
+
+
+def _quantize_symmetric(groups: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [n, G, B] -> (float16 scales [n, G], uint8 codes [n, G, B])."""
+    zero_point = symmetric_zero_point(bits)
+    if bits == 4:
+        # GGUF Q4_0: the extreme value maps onto code 0, i.e. -8 steps.
+        extreme_index = np.abs(groups).argmax(axis=-1, keepdims=True)
+        extreme = np.take_along_axis(groups, extreme_index, axis=-1)[..., 0]
+        scales = _to_float16(extreme / -8, "group scale")
+        lowest_code, highest_code = 0, 15
+    else:
+        # GGUF Q8_0: +-127 steps; code 0 (-128 steps) is left unused so the range is symmetric.
+        scales = _to_float16(np.abs(groups).max(axis=-1) / 127, "group scale")
+        lowest_code, highest_code = 1, 255
+    steps = _divide_or_zero(groups, scales.astype(np.float32)[..., None])
+    codes = np.clip(np.rint(steps) + zero_point, lowest_code, highest_code).astype(np.uint8)
+    return scales, codes
+
+
+def _quantize_affine(groups: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float32 [n, G, B] -> (float16 scales [n, G], float16 offsets [n, G], uint8 codes [n, G, B])."""
+    levels = (1 << bits) - 1
+    low, high = groups.min(axis=-1), groups.max(axis=-1)
+    offsets = _to_float16(low, "group minimum")
+    scales = _to_float16((high - low) / levels, "group scale")
+    steps = _divide_or_zero(groups - offsets.astype(np.float32)[..., None], scales.astype(np.float32)[..., None])
+    codes = np.clip(np.rint(steps), 0, levels).astype(np.uint8)
+    return scales, offsets, codes
+
+
+def _to_float16(values: np.ndarray, what: str) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        rounded = values.astype(np.float16)
+    if not np.isfinite(rounded).all():
+        largest = np.abs(values).max()
+        raise ConversionError(
+            f"a {what} of magnitude {largest:.6g} exceeds the float16 range (65504) of stored "
+            f"scales/offsets; this weight cannot be quantized, keep it as f32"
+        )
+    return rounded
+
+
+def _divide_or_zero(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    """numerator / denominator, and 0 where the denominator is 0 (a group of equal values)."""
+    quotient = np.zeros(np.broadcast_shapes(numerator.shape, denominator.shape), dtype=np.float32)
+    np.divide(numerator, denominator, out=quotient, where=denominator != 0)
+    return quotient
+
+
+def _dequantize(
+    scheme: Scheme, k: int, qweight: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None
+) -> np.ndarray:
+    """uint8 qweight [n, G, bytes] + scales (+ offsets) -> float32 [n, K]."""
+    codes = CODECS[scheme.bits].unpack(qweight).astype(np.float32)  # [n, G, B]
+    if scheme.symmetric:
+        zero_point = np.float32(symmetric_zero_point(scheme.bits))
+        values = scales.astype(np.float32)[..., None] * (codes - zero_point)
+    else:
+        values = scales.astype(np.float32)[..., None] * codes + offsets.astype(np.float32)[..., None]
+    n_rows = qweight.shape[0]
+    values = values.reshape(n_rows, -1)
+    if values.shape[1] == k:
+        return values
+    return np.ascontiguousarray(values[:, :k])  # drop the zero padding of the last group

