@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from converters import checkpoint as ckpt
-from converters.safetensors_io import SafetensorsFormatError, SafetensorsWriter
+from converters.safetensors_io import NUMPY_TO_SAFETENSORS, SafetensorsFormatError, SafetensorsWriter
 from converters.source import SourceModel, SourceTensor
 from edge.errors import ConversionError
 from edge.spec import spec_from_dict, spec_tensor_names
@@ -147,7 +147,10 @@ def open_source(src: str) -> SourceModel:
     from converters.hf_source import HFSource
 
     if os.path.isdir(src):
-        return HFSource(src)
+        try:
+            return HFSource(src)
+        except SafetensorsFormatError as exc:  # a damaged source is a ConversionError, as documented
+            raise ConversionError(f"{src}: {exc}") from None
     if os.path.isfile(src):
         return GGUFSource(src)
     raise ConversionError(f"{src} does not exist; SRC is a Hugging Face model folder or a .gguf file")
@@ -161,11 +164,8 @@ def _encode(value: np.ndarray | QuantizedTensor, source: SourceTensor, scheme: S
     reference = value.dequantize() if isinstance(value, QuantizedTensor) else np.asarray(value, dtype=np.float32)
     if not scheme.is_quantized:
         stored = reference.astype(np.float16 if scheme.dtype == "f16" else np.float32)
-        error = np.abs(stored.astype(np.float32) - reference)
-        rms_ref = float(np.sqrt(np.mean(np.square(reference, dtype=np.float64)))) if reference.size else 0.0
-        rel = float(np.sqrt(np.mean(np.square(error, dtype=np.float64)))) / rms_ref if rms_ref else 0.0
-        max_abs = float(error.max()) if error.size else 0.0
-        return {source.name: stored}, max_abs == 0.0, max_abs, rel
+        report = quantization_error(reference, stored)
+        return {source.name: stored}, report.max_abs == 0.0, report.max_abs, report.rel_rms
     quantized = quantize(reference, scheme)
     report = quantization_error(reference, quantized)
     return quantized.to_arrays(source.name), False, report.max_abs, report.rel_rms
@@ -212,6 +212,7 @@ def convert(src: str, out: str, plan: QuantPlan | None = None, force: bool = Fal
                     arrays, lossless, max_abs, rel_rms = _encode(source.load(t.name), t, scheme)
                     for key, array in arrays.items():
                         writer.write(key, array)
+                    source.release(t.name)
                     bytes_out = sum(a.nbytes for a in arrays.values())
                     reports.append(TensorReport(t.name, t.source_format, str(scheme), t.shape, t.nbytes,
                                                 bytes_out, lossless, max_abs, rel_rms))
@@ -225,6 +226,9 @@ def convert(src: str, out: str, plan: QuantPlan | None = None, force: bool = Fal
                 "tensors": {
                     r.name: {"scheme": r.scheme, "shape": list(r.shape), "file": ckpt.WEIGHTS,
                              "class": tensor_class(r.name), "source_format": r.source_format,
+                             "arrays": {key: {"dtype": NUMPY_TO_SAFETENSORS[dtype], "shape": list(shape)}
+                                        for key, (dtype, shape) in
+                                        ckpt.stored_arrays(r.name, schemes[r.name], r.shape).items()},
                              "max_abs_error": r.max_abs_error, "rel_rms_error": r.rel_rms_error}
                     for r in reports
                 },

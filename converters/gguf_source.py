@@ -11,6 +11,7 @@ import re
 
 import numpy as np
 
+from converters.safetensors_io import release_pages
 from converters.source import SourceTensor, SourceTokenizer
 from edge.errors import ConversionError, UnsupportedModelError
 from quant import QuantizedTensor
@@ -59,24 +60,38 @@ def gguf_to_hf_name(name: str) -> str | None:
 
 def _open_reader(path: str):
     from gguf import GGUFReader
+    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
+    name = os.path.basename(path)
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        magic = f.read(4)
+        head = f.read(8)
+    magic = head[:4]
     if magic != GGUF_MAGIC:
+        raise ConversionError(f"{name} is not a GGUF file: expected magic b'GGUF', found {magic!r}")
+    if len(head) < 8:
+        raise ConversionError(f"{name} is truncated: {size} bytes, too short for a GGUF header")
+    version = int.from_bytes(head[4:8], "little")
+    if version & 0xFFFF == 0:  # written on a machine of the other byte order; GGUFReader swaps it
+        version = int.from_bytes(head[4:8], "big")
+    if version not in READER_SUPPORTED_VERSIONS:
         raise ConversionError(
-            f"{os.path.basename(path)} is not a GGUF file: expected magic b'GGUF', found {magic!r}"
+            f"{name} is GGUF version {version}; supported GGUF versions: "
+            f"{', '.join(str(v) for v in READER_SUPPORTED_VERSIONS)}"
         )
     try:
         reader = GGUFReader(path, "r")
     except (ValueError, IndexError, KeyError, OverflowError, EOFError) as exc:
+        # GGUFReader reads the metadata, the tensor index and a view of every tensor up front, and
+        # fails with a numpy shape error when any of them runs past the end of the file.
         raise ConversionError(
-            f"{os.path.basename(path)} is truncated or malformed ({size} bytes): {exc}"
-        ) from None
+            f"{name} is truncated or corrupt: its {size} bytes do not hold the metadata and tensor data "
+            "its header declares; download or export the file again"
+        ) from exc
     for tensor in reader.tensors:
         if tensor.data_offset + int(tensor.n_bytes) > size:
             raise ConversionError(
-                f"{os.path.basename(path)} is truncated: tensor {tensor.name} ends at byte "
+                f"{name} is truncated: tensor {tensor.name} ends at byte "
                 f"{tensor.data_offset + int(tensor.n_bytes)} but the file has {size} bytes"
             )
     return reader
@@ -193,6 +208,10 @@ class GGUFSource:
         if isinstance(value, QuantizedTensor):
             return value.take_rows(order)
         return np.ascontiguousarray(value[order])
+
+    def release(self, name: str) -> None:
+        tensor = self._tensors[name]
+        release_pages(self.reader.data, tensor.data_offset, tensor.data_offset + int(tensor.n_bytes))
 
     def close(self) -> None:
         mm = getattr(self.reader, "data", None)

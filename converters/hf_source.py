@@ -109,6 +109,9 @@ class HFSource:
     def load(self, name: str) -> np.ndarray:
         return self._where[name].float32(name)
 
+    def release(self, name: str) -> None:
+        self._where[name].release(name)
+
     def close(self) -> None:
         for st in self._files.values():
             st.close()

@@ -12,6 +12,7 @@ streams tensors in, so a converter never holds more than the tensor it is writin
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -86,6 +87,14 @@ class SafetensorsFile:
             return raw
         return raw.astype(np.float32)
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process's memory (they stay in the OS page cache).
+
+        Converters call this after each tensor so that resident memory tracks the tensor in
+        flight, not everything read so far."""
+        entry = self.entries[name]
+        release_pages(self._map, entry.begin, entry.end)
+
     def close(self) -> None:
         if self._map is not None:
             self._map._mmap.close()
@@ -96,6 +105,16 @@ class SafetensorsFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def release_pages(mapped: np.memmap | None, begin: int, end: int) -> None:
+    """madvise(DONTNEED) the whole pages inside [begin, end) of a read-only file mapping."""
+    if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    first = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        mapped._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def _read_header(path: str) -> tuple[dict[str, TensorEntry], dict[str, str]]:

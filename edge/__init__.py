@@ -5,9 +5,18 @@
     for piece in model.generate("The capital of France is", max_new_tokens=16):
         print(piece, end="", flush=True)
 """
-from edge.api import Model, load
 from edge.errors import CheckpointError, ConversionError, SessionError, UnsupportedModelError, ZllmError
 
 __all__ = ["load", "Model", "ZllmError", "ConversionError", "UnsupportedModelError", "CheckpointError",
            "SessionError"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The API pulls in converters/ and devices/, which themselves use edge.errors; importing it
+    # lazily keeps `import quant` or `import converters` free of a cycle through this package.
+    if name in ("load", "Model"):
+        from edge import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'edge' has no attribute {name!r}")

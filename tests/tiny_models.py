@@ -1,0 +1,244 @@
+"""Tiny random Hugging Face models of every dense family, and their zllm conversions.
+
+Each case is a transformers config (2 layers, hidden 64, vocab 160, context 64) with weights
+drawn from a fixed torch seed. Weights are re-drawn after transformers' own init so that
+logits are not degenerate (spread of about 1 over the vocabulary) and norm gains are not all
+ones, so a missing norm weight would show. No tokenizer: the models take token ids only.
+
+Use the session fixture `tiny_zoo` (import it into the test module):
+
+    from tiny_models import CASES, tiny_zoo  # noqa: F401
+
+    def test_x(tiny_zoo):
+        hf = tiny_zoo.hf_model("llama_mha")                  # torch model, float32, eager attention
+        path = tiny_zoo.converted("llama_mha", QuantPlan(weights="f32"))
+
+Everything is written under pytest's base temp directory and built at most once per test run,
+whichever module asks first (the cache is keyed by that directory).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from converters.checkpoint import open_checkpoint
+from converters.convert import QuantPlan, convert
+from quant import QuantizedTensor
+
+VOCAB = 160
+CONTEXT = 64  # max_position_embeddings of every case
+SEED = 1234
+WEIGHT_STD = 0.1  # matrices and embeddings; logits std ~ WEIGHT_STD * sqrt(hidden) ~ 0.8
+NORM_STD = 0.1  # norm gains are 1 + NORM_STD * N(0, 1)
+
+# transformers 5 renamed the KV cache argument and output field `past_key_values` to `cache`
+_CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+CONFIG_CLASSES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    max_position_embeddings=CONTEXT,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=None,
+)
+
+
+@dataclass(frozen=True)
+class TinyCase:
+    name: str
+    family: str  # model_type
+    config: dict = field(default_factory=dict)  # on top of _COMMON
+    note: str = ""
+
+    def make_config(self):
+        return CONFIG_CLASSES[self.family](**{**_COMMON, **self.config})
+
+
+CASES: tuple[TinyCase, ...] = (
+    TinyCase("llama_mha", "llama", dict(num_attention_heads=4, num_key_value_heads=4),
+             "MHA, untied embeddings"),
+    TinyCase("llama_gqa_tied", "llama",
+             dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True),
+             "GQA 4/2, head_dim 24 != 64/4, tied embeddings"),
+    TinyCase("llama_mqa", "llama", dict(num_attention_heads=8, num_key_value_heads=1, intermediate_size=128),
+             "MQA (1 KV head), head_dim 8"),
+    TinyCase("llama_rope_llama3", "llama",
+             dict(num_attention_heads=4, num_key_value_heads=2,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 16}),
+             "llama3 rope: head_dim 16 puts frequencies in all three bands (kept, blended, scaled)"),
+    TinyCase("llama_rope_linear", "llama",
+             dict(num_attention_heads=4, num_key_value_heads=4,
+                  rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+             "linear rope scaling, factor 2"),
+    TinyCase("llama_rope_yarn", "llama",
+             dict(num_attention_heads=4, num_key_value_heads=2,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 16}),
+             "yarn rope, factor 4 (attention factor 1 + 0.1 ln 4 on cos/sin)"),
+    TinyCase("mistral_gqa", "mistral",
+             dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=4096),
+             "GQA, sliding window far beyond the test sequence"),
+    TinyCase("mistral_swa4", "mistral",
+             dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=4),
+             "sliding window 4, test sequence of 16"),
+    TinyCase("qwen2_bias", "qwen2", dict(num_attention_heads=4, num_key_value_heads=2),
+             "q/k/v biases"),
+    TinyCase("qwen2_swa_layer1", "qwen2",
+             dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+                  max_window_layers=1),
+             "q/k/v biases; sliding window 4 on layer 1 only (layers >= max_window_layers)"),
+    TinyCase("qwen3_qknorm", "qwen3",
+             dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+             "q/k norm, explicit head_dim 32 != 64/4, tied embeddings"),
+)
+CASE_NAMES = tuple(c.name for c in CASES)
+_BY_NAME = {c.name: c for c in CASES}
+
+
+def build_hf_model(case: TinyCase) -> torch.nn.Module:
+    """The case's transformers model: float32, eager attention, eval mode, deterministic weights."""
+    config = case.make_config()
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        # named_parameters() yields a tied lm_head/embedding once, so tying survives
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if "norm" in name:
+                param.copy_(1.0 + NORM_STD * noise)
+            else:  # matrices, embeddings and biases
+                param.copy_(WEIGHT_STD * noise)
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model.eval()
+
+
+def hf_logits(model: torch.nn.Module, prompt: list[int], n_decode: int) -> tuple[np.ndarray, list[np.ndarray], list[int]]:
+    """transformers' logits for the prompt (all positions, [T, V]) and for n_decode greedy steps.
+
+    Decode feeds transformers' own greedy token each step through its KV cache (use_cache=True).
+    Returns (prefill [T, V], [decode step logits [V]], the greedy tokens fed).
+    """
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        prefill = out.logits[0].numpy().copy()
+        cache = getattr(out, _CACHE_ARG)
+        steps, fed = [], []
+        token = int(prefill[-1].argmax())
+        for _ in range(n_decode):
+            fed.append(token)
+            out = model(torch.tensor([[token]]), use_cache=True, **{_CACHE_ARG: cache})
+            cache = getattr(out, _CACHE_ARG)
+            logits = out.logits[0, -1].numpy().copy()
+            steps.append(logits)
+            token = int(logits.argmax())
+    return prefill, steps, fed
+
+
+def checkpoint_float_weights(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every tensor of a zllm checkpoint as float32 (quantized ones dequantized), by HF name."""
+    with open_checkpoint(os.fspath(path)) as ckpt:
+        return {
+            name: (t.dequantize() if isinstance(t, QuantizedTensor) else np.array(t, dtype=np.float32))
+            for name, t in ckpt.tensors.items()
+        }
+
+
+def hf_model_with_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> torch.nn.Module:
+    """A copy of `model` whose parameters are replaced by `weights` (e.g. a checkpoint's dequantized ones).
+
+    Every parameter must be covered (a tied lm_head through the embedding it shares).
+    """
+    model = copy.deepcopy(model)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(weights))
+    unknown = sorted(set(weights) - set(params))
+    if missing or unknown:
+        raise KeyError(f"checkpoint and model disagree: missing {missing}, unknown {unknown}")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(torch.from_numpy(weights[name]))
+    return model
+
+
+def plan_key(plan: QuantPlan) -> str:
+    overrides = "-".join(f"{k}={v}" for k, v in sorted(plan.overrides.items()))
+    if plan.weights in ("f32", "f16", "source") and not any(v.startswith("int") for v in plan.overrides.values()):
+        base = plan.weights
+    else:
+        base = f"{plan.weights}_{'sym' if plan.symmetric else 'affine'}_g{plan.group_size}"
+    return base + (f"_{overrides}" if overrides else "")
+
+
+class TinyZoo:
+    """Builds each case's HF folder, torch model and conversions once, under `root`."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._models: dict[str, torch.nn.Module] = {}
+        self._converted: dict[tuple[str, str], str] = {}
+
+    def case(self, name: str) -> TinyCase:
+        return _BY_NAME[name]
+
+    def hf_model(self, name: str) -> torch.nn.Module:
+        if name not in self._models:
+            self._models[name] = build_hf_model(_BY_NAME[name])
+        return self._models[name]
+
+    def hf_folder(self, name: str) -> str:
+        folder = self.root / "hf" / name
+        if not folder.exists():
+            self.hf_model(name).save_pretrained(folder, safe_serialization=True)
+        return os.fspath(folder)
+
+    def converted(self, name: str, plan: QuantPlan) -> str:
+        key = (name, plan_key(plan))
+        if key not in self._converted:
+            out = self.root / "zllm" / name / key[1]
+            convert(self.hf_folder(name), os.fspath(out), plan, progress=False)
+            self._converted[key] = os.fspath(out)
+        return self._converted[key]
+
+
+_ZOOS: dict[Path, TinyZoo] = {}
+
+
+@pytest.fixture(scope="session")
+def tiny_zoo(tmp_path_factory) -> TinyZoo:
+    # A fixture imported into several modules is instantiated once per module; the zoo is shared
+    # through _ZOOS so nothing is built twice in one run.
+    base = tmp_path_factory.getbasetemp() / "tiny_models"
+    if base not in _ZOOS:
+        base.mkdir(exist_ok=True)
+        _ZOOS[base] = TinyZoo(base)
+    return _ZOOS[base]
+
+
+def random_prompt(length: int, seed: int = 0) -> list[int]:
+    """Token ids in [3, VOCAB) (away from bos/eos), reproducible."""
+    return [int(i) for i in np.random.default_rng(seed).integers(3, VOCAB, size=length)]
