@@ -69,6 +69,15 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_formats(args) -> int:
+    from quant import FORMATS
+
+    print(f"{'format':20s} {'block':>5s} {'bytes':>5s} {'bits/weight':>11s}  meaning")
+    for info in FORMATS.values():
+        print(f"{info.name:20s} {info.block_size:5d} {info.bytes_per_block:5d} {info.bits_per_weight:11.3f}  {info.description}")
+    return 0
+
+
 def _resolve_model(path: str | None, quiet: bool) -> str:
     from edge.home import default_model_checkpoint
 
@@ -170,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("formats", help="list every weight format with its block size and bytes per block")
+    p.set_defaults(func=cmd_formats)
 
     p = sub.add_parser("generate", help="generate text: zllm-edge generate [MODEL] PROMPT")
     p.add_argument("words", nargs="+", metavar="[MODEL] PROMPT")

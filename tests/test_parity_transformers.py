@@ -88,6 +88,8 @@ def _print_error_table():
         ("bound", "bound", "{:.2e}"),
         ("gain", "gain", "{:.2f}"),
         ("argmax agree", "agree", "{:.2f}"),
+        (f"in top {INT4_TOP_K}", "top_k", "{:.2f}"),
+        ("median margin", "margin", "{:.2f}"),
     ]
     order = [label(F32)] + [label(p) for p in LOSSY_PLANS] + [label(MIXED[1])]
     rows = sorted({(case, scheme) for case, scheme, _ in _TABLE},
@@ -96,6 +98,7 @@ def _print_error_table():
     print("  vs HF same weights / vs HF f32: worst step of max|ours-theirs| / max|theirs|")
     print("  rel RMS vs f32: rms(ours-theirs) / rms(theirs) over all steps; bound = GAIN * sqrt(sum eps_i^2);"
           " gain = rel RMS / sqrt(sum eps_i^2)")
+    print("  median margin (f32 rows): median over steps of (top1 - top2 logit) / std of the step's logits")
     print(f"{'case':18s} {'scheme':48s}" + "".join(f"{title:>19s}" for title, _, _ in columns))
     for case, scheme in rows:
         cells = [_TABLE.get((case, scheme, key)) for _, key, _ in columns]
@@ -124,8 +127,8 @@ def our_logits(path: str, prompt: list[int], fed: list[int]) -> np.ndarray:
         model.close()
 
 
-def check_parity(hf_model, path: str) -> np.ndarray:
-    """Both runs on the same tokens (transformers' greedy chain); returns the per-step errors."""
+def check_parity(hf_model, path: str) -> tuple[np.ndarray, np.ndarray]:
+    """Both runs on the same tokens (transformers' greedy chain); returns (per-step errors, their logits)."""
     prefill, steps, fed = hf_logits(hf_model, PROMPT, N_DECODE)
     theirs = np.concatenate([prefill, np.stack(steps)])
     ours = our_logits(path, PROMPT, fed)
@@ -138,7 +141,7 @@ def check_parity(hf_model, path: str) -> np.ndarray:
         f"{worst if worst < len(PROMPT) else worst - len(PROMPT)}): max|ours-theirs|/max|theirs| = "
         f"{errors[worst]:.3e} > {REL_TOL:.0e}"
     )
-    return errors
+    return errors, theirs
 
 
 def manifest_tensors(path: str) -> dict:
@@ -150,8 +153,10 @@ def manifest_tensors(path: str) -> dict:
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_f32_logits_match_transformers(tiny_zoo, case):
     """f32 checkpoint: every prefill position and decode step within REL_TOL of transformers."""
-    errors = check_parity(tiny_zoo.hf_model(case), tiny_zoo.converted(case, F32))
+    errors, theirs = check_parity(tiny_zoo.hf_model(case), tiny_zoo.converted(case, F32))
     _TABLE[(case, label(F32), "same")] = float(errors.max())
+    top_two = np.sort(theirs, axis=1)[:, -2:]
+    _TABLE[(case, label(F32), "margin")] = float(np.median((top_two[:, 1] - top_two[:, 0]) / theirs.std(axis=1)))
 
 
 @pytest.mark.parametrize("case", ["mistral_swa4", "qwen2_swa_layer1"])
@@ -205,7 +210,7 @@ def test_quantized_path_is_exact(tiny_zoo, case, plan):
     assert quantized == {n for n, info in tensors.items() if info["scheme"].startswith("int")}
 
     dequantized_hf = hf_model_with_weights(tiny_zoo.hf_model(case), checkpoint_float_weights(path))
-    errors = check_parity(dequantized_hf, path)
+    errors, _ = check_parity(dequantized_hf, path)
     _TABLE[(case, label(plan), "same")] = float(errors.max())
 
 
@@ -273,6 +278,7 @@ def test_quantization_error_within_bound(tiny_zoo, case, plan):
     if plan.weights == "int4":
         rank = (ours > ours[np.arange(len(ours)), greedy][:, None]).sum(axis=1)  # 0 = our argmax
         in_top_k = float(np.mean(rank < INT4_TOP_K))
+        _TABLE[key + ("top_k",)] = in_top_k
         assert in_top_k >= INT4_MIN_TOP_K_AGREEMENT, f"f32 greedy token in our top {INT4_TOP_K} at {in_top_k:.2f}"
     else:
         assert agree >= MIN_ARGMAX_AGREEMENT, f"greedy argmax agrees at {agree:.2f} of positions"
