@@ -88,12 +88,6 @@ def _open_reader(path: str):
             f"{name} is truncated or corrupt: its {size} bytes do not hold the metadata and tensor data "
             "its header declares; download or export the file again"
         ) from exc
-    for tensor in reader.tensors:
-        if tensor.data_offset + int(tensor.n_bytes) > size:
-            raise ConversionError(
-                f"{name} is truncated: tensor {tensor.name} ends at byte "
-                f"{tensor.data_offset + int(tensor.n_bytes)} but the file has {size} bytes"
-            )
     return reader
 
 
@@ -108,6 +102,14 @@ class GGUFSource:
     def __init__(self, path: str):
         self.path = path
         self.reader = _open_reader(path)
+        try:
+            self._read_model()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_model(self) -> None:
+        path = self.path
         arch = _field(self.reader, "general.architecture")
         if arch not in ARCHITECTURES:
             raise UnsupportedModelError(

@@ -40,13 +40,17 @@ class HFSource:
         self.description = f"huggingface:{os.path.basename(os.path.abspath(folder))}"
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, SafetensorsFile] = {}
-        for filename in self._weight_files():
-            st = SafetensorsFile(os.path.join(folder, filename))
-            self._files[filename] = st
-            for name in st.keys():
-                if not name.endswith(IGNORED_SUFFIXES):
-                    self._where[name] = st
-        self.tokenizer = self._read_tokenizer()
+        try:
+            for filename in self._weight_files():
+                st = SafetensorsFile(os.path.join(folder, filename))
+                self._files[filename] = st
+                for name in st.keys():
+                    if not name.endswith(IGNORED_SUFFIXES):
+                        self._where[name] = st
+            self.tokenizer = self._read_tokenizer()
+        except BaseException:
+            self.close()
+            raise
 
     def _weight_files(self) -> list[str]:
         index_path = os.path.join(self.folder, INDEX_FILE)

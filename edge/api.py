@@ -8,7 +8,7 @@ import psutil
 
 from converters.checkpoint import open_checkpoint
 from devices.base import create_backend
-from edge.errors import CheckpointError, ZllmError
+from edge.errors import CheckpointError, SessionError, ZllmError
 from edge.generation import Generation
 from edge.model import Transformer
 from edge.sampling import SamplingParams
@@ -58,13 +58,18 @@ class Model:
             raise CheckpointError(f"{self.path}: tensor {exc.args[0]} is missing; convert the model again") from None
         tok_path = self.checkpoint.tokenizer_path
         self.tokenizer = Tokenizer(tok_path, self.checkpoint.tokenizer_config) if tok_path else None
+        # End-of-generation ids live in the manifest, so generation from ids stops without a tokenizer too.
+        tok_config = self.checkpoint.tokenizer_config
+        self.eog_token_ids = set(tok_config.get("eog_token_ids") or [])
+        if tok_config.get("eos_token_id") is not None:
+            self.eog_token_ids.add(tok_config["eos_token_id"])
 
     # --- sessions -------------------------------------------------------------------------
     def session(self, capacity: int | None = None) -> Session:
         limit = self.spec.max_position_embeddings
         capacity = min(limit, DEFAULT_SESSION_CAPACITY) if capacity is None else capacity
         if not 0 < capacity <= limit:
-            raise ZllmError(f"session capacity must be in [1, {limit}] (the model's context), got {capacity}")
+            raise SessionError(f"session capacity must be in [1, {limit}] (the model's context), got {capacity}")
         return Session(self, capacity)
 
     # --- text -----------------------------------------------------------------------------

@@ -31,8 +31,18 @@ class GenerationResult:
         }
 
 
+@dataclass(frozen=True)
+class Step:
+    """One step of a generation: the token produced (None for text released at the end) and
+    the text that became final with it (often "", while a character or a stop string is pending)."""
+
+    token: int | None
+    text: str
+
+
 class Generation:
-    """Iterate it for text pieces; `result` holds ids, text and timings once it is exhausted."""
+    """Iterate it for text pieces, or `steps()` for (token, text) pairs; `result` holds ids,
+    text and timings once it is exhausted."""
 
     def __init__(self, model, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                  seed: int | None, stop: list[str] | None):
@@ -44,13 +54,13 @@ class Generation:
         self.rng = np.random.default_rng(seed)
         self.stop = [s for s in (stop or []) if s]
         self.result = GenerationResult(prompt_tokens=list(prompt_ids))
-        self._iterator = self._generate()
+        self._steps = self._generate()
+
+    def steps(self):
+        return self._steps
 
     def __iter__(self):
-        return self._iterator
-
-    def __next__(self) -> str:
-        return next(self._iterator)
+        return (step.text for step in self._steps if step.text)
 
     def _stop_hit(self, text: str) -> int | None:
         hits = [text.find(s) for s in self.stop if s in text]
@@ -72,7 +82,7 @@ class Generation:
         session = model.session(capacity=min(len(result.prompt_tokens) + self.max_new_tokens,
                                              model.spec.max_position_embeddings))
         decoder = IncrementalDecoder(tokenizer, result.prompt_tokens) if tokenizer else None
-        emitted = 0  # characters of result.text already yielded
+        emitted = 0  # characters of result.text already released
         if self.max_new_tokens == 0:
             result.finish_reason = "length"
             return
@@ -85,9 +95,10 @@ class Generation:
             seen = np.concatenate([history, np.asarray(result.tokens, dtype=np.int64)])
             token = sample_token(logits, self.params, self.rng, seen)
             result.tokens.append(token)
-            if tokenizer and token in tokenizer.eog_token_ids:
+            if token in model.eog_token_ids:
                 result.finish_reason = "eos"
                 break
+            released = ""
             if decoder is not None:
                 result.text += decoder.push(token)
                 cut = self._stop_hit(result.text)
@@ -97,8 +108,8 @@ class Generation:
                     break
                 ready = len(result.text) - self._held_back(result.text)
                 if ready > emitted:
-                    yield result.text[emitted:ready]
-                    emitted = ready
+                    released, emitted = result.text[emitted:ready], ready
+            yield Step(token, released)
             if len(result.tokens) >= self.max_new_tokens or session.position >= session.capacity:
                 result.finish_reason = "length"
                 break
@@ -107,5 +118,4 @@ class Generation:
             logits = session.decode(token)
         if decode_started is not None:
             result.decode_seconds = time.perf_counter() - decode_started
-        if len(result.text) > emitted:
-            yield result.text[emitted:]
+        yield Step(None, result.text[emitted:])

@@ -19,12 +19,12 @@ class KVCache:
         end = self.length + n_new
         if end > context_limit:
             raise SessionError(
-                f"{n_new} more tokens would bring the sequence to {end}, beyond the model's context of "
+                f"the sequence would grow from {self.length} to {end} tokens, beyond the model's context of "
                 f"{context_limit} tokens; start a new session or shorten the input"
             )
         if end > self.capacity:
             raise SessionError(
-                f"{n_new} more tokens would bring the sequence to {end}, beyond this session's KV cache "
+                f"the sequence would grow from {self.length} to {end} tokens, beyond this session's KV cache "
                 f"capacity of {self.capacity}; open the session with model.session(capacity=...) up to {context_limit}"
             )
 

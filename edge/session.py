@@ -27,7 +27,10 @@ class Session:
         return self.cache.capacity
 
     def _run(self, ids, all_logits: bool, observer=None) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise SessionError(f"token ids must be integers, got {ids.dtype} values such as {ids[0]!r}")
+        ids = ids.astype(np.int64)
         if ids.size == 0:
             raise SessionError("prefill needs at least one token id")
         vocab = self.model.spec.vocab_size

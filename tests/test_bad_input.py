@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -148,8 +149,6 @@ def tiny_checkpoint_template(tiny_llama, tmp_path_factory) -> Path:
 @pytest.fixture
 def tiny_checkpoint(tiny_checkpoint_template, tmp_path) -> Path:
     """A private copy of a converted checkpoint, free to damage."""
-    import shutil
-
     return Path(shutil.copytree(tiny_checkpoint_template, tmp_path / "ckpt"))
 
 
@@ -176,8 +175,6 @@ def case_unsupported_model_type(tmp: Path, tiny_llama: Path):
 
 
 def case_truncated_safetensors(tmp: Path, tiny_llama: Path):
-    import shutil
-
     src = Path(shutil.copytree(tiny_llama, tmp / "truncated"))
     weights = src / "model.safetensors"
     header_len, header = read_safetensors_header(weights)
@@ -196,8 +193,6 @@ def case_truncated_safetensors(tmp: Path, tiny_llama: Path):
 
 
 def case_offsets_outside_file(tmp: Path, tiny_llama: Path):
-    import shutil
-
     src = Path(shutil.copytree(tiny_llama, tmp / "bad-offsets"))
     weights = src / "model.safetensors"
     header_len, header = read_safetensors_header(weights)

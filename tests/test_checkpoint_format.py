@@ -390,7 +390,7 @@ def test_tiny_gguf_q4_0_q4_1_q8_0_round_trip_bit_exact(tiny_gguf, tmp_path, caps
     assert f"{len(types)} tensors kept bit-exact, 0 (re)quantized or cast" in capsys.readouterr().out
     compared = check_gguf_round_trip(path, out)
     assert compared == dict(collections.Counter(types.values()))
-    assert compared == {"Q4_0": 8, "Q4_1": 8, "Q8_0": 8, "F32": 8}
+    assert compared == {"Q4_0": 7, "Q4_1": 8, "Q8_0": 8, "F32": 7}
     q_and_k_types = {types[f"blk.{layer}.attn_{qk}.weight"] for layer in range(3) for qk in "qk"}
     assert q_and_k_types == {"Q4_0", "Q4_1", "Q8_0"}
     check_safetensors_matches_manifest(out)

