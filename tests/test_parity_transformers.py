@@ -39,7 +39,6 @@ from tiny_models import (
     hf_model_with_weights,
     plan_key,
     random_prompt,
-    tiny_zoo,  # noqa: F401  (session fixture)
 )
 
 PROMPT = random_prompt(12, seed=7)

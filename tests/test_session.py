@@ -12,7 +12,7 @@ import pytest
 import edge
 from converters.convert import QuantPlan
 from edge.tokenizer import TokenizerError
-from tiny_models import CONTEXT, VOCAB, random_prompt, tiny_zoo  # noqa: F401  (session fixture)
+from tiny_models import CONTEXT, VOCAB, random_prompt
 
 # The same token through the same weights, computed with a different number of tokens per call:
 # only the f32 summation order inside matmuls (BLAS blocking depends on T) and nothing else
