@@ -6,7 +6,8 @@ A weight is whatever `prepare_weight` returned for a float array or a quant.Quan
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+import importlib
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -38,17 +39,37 @@ class Backend(Protocol):
     def allocate_kv(self, capacity: int, kv_heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
         """Key and value buffers for one layer: [capacity, Hkv, Dh] each."""
 
+    def compile_forward(self, transformer) -> Callable | None:
+        """A fused executor for the whole forward pass, or None to run edge's op-by-op composition.
+
+        Backends whose speed depends on not returning to Python between operations (one compiled
+        call per layer on the CPU, one recorded command buffer on the GPU, one ONNX graph on an
+        NPU) return a callable with the signature of `edge.model.Transformer.forward_ops`:
+        (ids, cache, all_logits, observer) -> logits. It must compute the same math as the
+        composition (the parity tests compare them) and call `observer(layer, hidden)` after each
+        layer when one is given."""
+
     def info(self) -> dict: ...
 
 
-DEVICES = ("reference",)
+class DeviceUnavailableError(RuntimeError):
+    """A backend cannot run on this machine (driver, runtime or hardware missing); the message
+    says what is missing and how to get it. edge/ reports it as a typed error, never falls back."""
+
+
+# device kind -> "module:BackendClass". A device that is missing here, or whose backend cannot
+# start on this machine, is an error: there is never a fallback to another device.
+BACKENDS: dict[str, str] = {
+    "reference": "devices.reference:ReferenceBackend",
+}
+DEVICES = tuple(BACKENDS)
 
 
 def create_backend(device: str, threads: int | None = None) -> Backend:
-    """The backend for a device name; an unknown or unavailable device is an error, never a fallback."""
-    kind = device.split(":", 1)[0]
-    if kind == "reference":
-        from devices.reference import ReferenceBackend
-
-        return ReferenceBackend(threads=threads)
-    raise ValueError(f"device {device!r} is not available; available devices: {', '.join(DEVICES)}")
+    """The backend for a device name such as "reference", "cpu" or "npu:openvino"."""
+    kind, _, variant = device.partition(":")
+    if kind not in BACKENDS:
+        raise ValueError(f"device {device!r} is not available; available devices: {', '.join(DEVICES)}")
+    module_name, class_name = BACKENDS[kind].split(":")
+    backend_class = getattr(importlib.import_module(module_name), class_name)
+    return backend_class(threads=threads, variant=variant or None)

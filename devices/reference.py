@@ -79,7 +79,9 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 class ReferenceBackend:
     name = "reference"
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, variant: str | None = None):
+        if variant is not None:
+            raise ValueError(f"device 'reference' has no variants, got 'reference:{variant}'")
         self.threads = threads
 
     def prepare_weight(self, weight):
@@ -96,6 +98,9 @@ class ReferenceBackend:
         # np.zeros maps untouched pages lazily: memory grows with the valid length, not capacity
         return (np.zeros((capacity, kv_heads, head_dim), np.float32),
                 np.zeros((capacity, kv_heads, head_dim), np.float32))
+
+    def compile_forward(self, transformer):
+        return None  # the oracle is the op-by-op composition itself
 
     def info(self) -> dict:
         return {"device": "reference", "backend": "numpy float32 oracle", "numpy": np.__version__}

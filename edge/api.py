@@ -7,7 +7,7 @@ import re
 import psutil
 
 from converters.checkpoint import open_checkpoint
-from devices.base import create_backend
+from devices.base import DeviceUnavailableError, create_backend
 from edge.errors import CheckpointError, SessionError, ZllmError
 from edge.generation import Generation
 from edge.model import Transformer
@@ -49,7 +49,7 @@ class Model:
             )
         try:
             self.backend = create_backend(device, threads=threads)
-        except ValueError as exc:
+        except (ValueError, DeviceUnavailableError) as exc:
             raise ZllmError(str(exc)) from None
         self.device = device
         try:

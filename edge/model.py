@@ -80,12 +80,18 @@ class Transformer:
             ))
         self.rope = RopeTable(spec)
         self.attention_scale = 1.0 / math.sqrt(spec.head_dim)
+        self._fused_forward = backend.compile_forward(self)
 
     def new_cache(self, capacity: int) -> KVCache:
         spec = self.spec
         return KVCache(self.backend, spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, capacity)
 
     def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool, observer=None) -> np.ndarray:
+        """Run ids through the backend's fused executor if it has one, else op by op."""
+        run = self._fused_forward or self.forward_ops
+        return run(ids, cache, all_logits, observer)
+
+    def forward_ops(self, ids: np.ndarray, cache: KVCache, all_logits: bool, observer=None) -> np.ndarray:
         """Run ids (placed after the cache's valid positions) through the model; fills the cache.
 
         Returns logits [T, V] when all_logits, else [V] for the last token. `observer(layer, hidden)`
