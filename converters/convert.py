@@ -171,6 +171,47 @@ def _encode(value: np.ndarray | QuantizedTensor, source: SourceTensor, scheme: S
     return quantized.to_arrays(source.name), False, report.max_abs, report.rel_rms
 
 
+def _tensors_in_checkpoint_order(source: SourceModel, spec, src: str) -> list[SourceTensor]:
+    """The source's tensors in the order the spec lists them; missing or unexpected ones are errors."""
+    by_name = {t.name: t for t in source.tensors()}
+    expected = spec_tensor_names(spec)
+    missing = [n for n in expected if n not in by_name]
+    if missing:
+        raise ConversionError(
+            f"{src} lacks {len(missing)} tensors the {spec.model_type} config requires, e.g. {missing[:3]}"
+        )
+    if spec.tie_word_embeddings:
+        by_name.pop("lm_head.weight", None)  # some tied checkpoints carry a copy; the spec says tied
+    unexpected = sorted(set(by_name) - set(expected))
+    if unexpected:
+        raise ConversionError(
+            f"{src} holds tensors the {spec.model_type} config does not describe, e.g. {unexpected[:3]}"
+        )
+    return [by_name[n] for n in expected]
+
+
+def _manifest(source: SourceModel, spec, reports: list[TensorReport], schemes: dict[str, Scheme],
+              weights_path: str) -> dict:
+    def tensor_entry(r: TensorReport) -> dict:
+        arrays = ckpt.stored_arrays(r.name, schemes[r.name], r.shape)
+        return {"scheme": r.scheme, "shape": list(r.shape), "file": ckpt.WEIGHTS, "class": tensor_class(r.name),
+                "source_format": r.source_format,
+                "arrays": {key: {"dtype": NUMPY_TO_SAFETENSORS[dtype], "shape": list(shape)}
+                           for key, (dtype, shape) in arrays.items()},
+                "max_abs_error": r.max_abs_error, "rel_rms_error": r.rel_rms_error}
+
+    return {
+        "format": ckpt.FORMAT,
+        "format_version": ckpt.FORMAT_VERSION,
+        "source": source.description,
+        "model": spec.to_dict(),
+        "tokenizer": {"file": ckpt.TOKENIZER if source.tokenizer.tokenizer_json else None,
+                      **source.tokenizer.config},
+        "tensors": {r.name: tensor_entry(r) for r in reports},
+        "files": {ckpt.WEIGHTS: {"bytes": os.path.getsize(weights_path), "sha256": ckpt.sha256_file(weights_path)}},
+    }
+
+
 def convert(src: str, out: str, plan: QuantPlan | None = None, force: bool = False,
             progress: bool = True) -> ConversionSummary:
     """Convert SRC into a checkpoint at OUT, atomically."""
@@ -182,21 +223,7 @@ def convert(src: str, out: str, plan: QuantPlan | None = None, force: bool = Fal
     source = open_source(src)
     try:
         spec = spec_from_dict(source.config)
-        by_name = {t.name: t for t in source.tensors()}
-        expected = spec_tensor_names(spec)
-        missing = [n for n in expected if n not in by_name]
-        if missing:
-            raise ConversionError(
-                f"{src} lacks {len(missing)} tensors the {spec.model_type} config requires, e.g. {missing[:3]}"
-            )
-        if spec.tie_word_embeddings:
-            by_name.pop("lm_head.weight", None)
-        unexpected = sorted(set(by_name) - set(expected))
-        if unexpected:
-            raise ConversionError(
-                f"{src} holds tensors the {spec.model_type} config does not describe, e.g. {unexpected[:3]}"
-            )
-        tensors = [by_name[n] for n in expected]
+        tensors = _tensors_in_checkpoint_order(source, spec, src)
         schemes = {t.name: plan.scheme_for(t) for t in tensors}
         layout: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
         for t in tensors:
@@ -206,8 +233,7 @@ def convert(src: str, out: str, plan: QuantPlan | None = None, force: bool = Fal
         with ckpt.StagingDirectory(out, force=force) as staging:
             weights_path = os.path.join(staging.path, ckpt.WEIGHTS)
             with SafetensorsWriter(weights_path, layout, metadata={"format": "zllm"}) as writer:
-                bar = tqdm(tensors, desc="converting", unit="tensor", disable=not progress, leave=False)
-                for t in bar:
+                for t in tqdm(tensors, desc="converting", unit="tensor", disable=not progress, leave=False):
                     scheme = schemes[t.name]
                     arrays, lossless, max_abs, rel_rms = _encode(source.load(t.name), t, scheme)
                     for key, array in arrays.items():
@@ -216,30 +242,11 @@ def convert(src: str, out: str, plan: QuantPlan | None = None, force: bool = Fal
                     bytes_out = sum(a.nbytes for a in arrays.values())
                     reports.append(TensorReport(t.name, t.source_format, str(scheme), t.shape, t.nbytes,
                                                 bytes_out, lossless, max_abs, rel_rms))
-            manifest = {
-                "format": ckpt.FORMAT,
-                "format_version": ckpt.FORMAT_VERSION,
-                "source": source.description,
-                "model": spec.to_dict(),
-                "tokenizer": {"file": ckpt.TOKENIZER if source.tokenizer.tokenizer_json else None,
-                              **source.tokenizer.config},
-                "tensors": {
-                    r.name: {"scheme": r.scheme, "shape": list(r.shape), "file": ckpt.WEIGHTS,
-                             "class": tensor_class(r.name), "source_format": r.source_format,
-                             "arrays": {key: {"dtype": NUMPY_TO_SAFETENSORS[dtype], "shape": list(shape)}
-                                        for key, (dtype, shape) in
-                                        ckpt.stored_arrays(r.name, schemes[r.name], r.shape).items()},
-                             "max_abs_error": r.max_abs_error, "rel_rms_error": r.rel_rms_error}
-                    for r in reports
-                },
-                "files": {ckpt.WEIGHTS: {"bytes": os.path.getsize(weights_path),
-                                         "sha256": ckpt.sha256_file(weights_path)}},
-            }
             if source.tokenizer.tokenizer_json:
                 with open(os.path.join(staging.path, ckpt.TOKENIZER), "w", encoding="utf-8") as f:
                     f.write(source.tokenizer.tokenizer_json)
             with open(os.path.join(staging.path, ckpt.MANIFEST), "w", encoding="utf-8") as f:
-                json.dump(manifest, f, indent=1)
+                json.dump(_manifest(source, spec, reports, schemes, weights_path), f, indent=1)
             staging.commit()
     except SafetensorsFormatError as exc:
         raise ConversionError(str(exc)) from None
