@@ -61,6 +61,9 @@ class DeviceUnavailableError(RuntimeError):
 # start on this machine, is an error: there is never a fallback to another device.
 BACKENDS: dict[str, str] = {
     "reference": "devices.reference:ReferenceBackend",
+    "cpu": "devices.cpu:CpuBackend",
+    "gpu": "devices.gpu:GpuBackend",
+    "npu": "devices.npu:NpuBackend",
 }
 DEVICES = tuple(BACKENDS)
 

@@ -56,6 +56,8 @@ class Model:
             self.transformer = Transformer(self.spec, self.checkpoint.tensors, self.backend)
         except KeyError as exc:
             raise CheckpointError(f"{self.path}: tensor {exc.args[0]} is missing; convert the model again") from None
+        except DeviceUnavailableError as exc:  # e.g. the device has no kernel for a tensor's scheme
+            raise ZllmError(f"{self.path}: {exc}") from None
         tok_path = self.checkpoint.tokenizer_path
         self.tokenizer = Tokenizer(tok_path, self.checkpoint.tokenizer_config) if tok_path else None
         # End-of-generation ids live in the manifest, so generation from ids stops without a tokenizer too.

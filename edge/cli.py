@@ -194,6 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None)
     _add_generation_args(p)
     p.set_defaults(func=cmd_chat)
+
+    from edge import bench, diff
+
+    p = sub.add_parser("bench", help="load time, prefill/decode tokens/s, first-token time, peak RSS; devices side by side")
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.cmd_bench)
+
+    p = sub.add_parser("diff", help="run a prompt on two devices and name the first layer where they diverge")
+    diff.add_arguments(p)
+    p.set_defaults(func=diff.cmd_diff)
     return parser
 
 

@@ -1,0 +1,79 @@
+"""Memory bandwidth probe: how many bytes per second this machine streams from DRAM, per thread count.
+
+Decode of a dense model reads every weight once per token, so bandwidth / (weight bytes per
+token) is an upper bound on decode tokens/s; benchmarks/peers.py reports each engine's decode
+speed as a fraction of that bound.
+
+Two kernels over arrays far larger than the last-level cache (256 MiB by default), run by
+`threads` Python threads on disjoint slices (numpy releases the GIL inside both):
+    read   np.add.reduce over float32: bytes read / s
+    copy   np.copyto between two arrays: (bytes read + bytes written) / s
+Each is repeated and the best time kept (the least disturbed by other processes). The bound uses
+the higher of the two rates: the rate the machine has been seen to sustain.
+
+    python benchmarks/membw.py [--threads 1,2] [--mib 256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import numpy as np
+
+
+def _timed_parallel(work, slices) -> float:
+    """Seconds for all threads to run work(slice) once, started together."""
+    barrier = threading.Barrier(len(slices) + 1)
+
+    def run(part):
+        barrier.wait()
+        work(part)
+
+    threads = [threading.Thread(target=run, args=(part,)) for part in slices]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - started
+
+
+def probe(threads: int = 1, mib: int = 256, repeats: int = 5) -> dict:
+    """Best read and copy bandwidth (bytes/s) with `threads` threads over `mib` MiB per array."""
+    n = mib * (1 << 20) // 4
+    source = np.ones(n, dtype=np.float32)  # ones, not empty: every page is really mapped
+    target = np.zeros(n, dtype=np.float32)
+    bounds = np.linspace(0, n, threads + 1).astype(np.int64)
+    parts = list(zip(bounds[:-1], bounds[1:]))
+
+    def read(part):
+        np.add.reduce(source[part[0]:part[1]])
+
+    def copy(part):
+        np.copyto(target[part[0]:part[1]], source[part[0]:part[1]])
+
+    read_seconds = min(_timed_parallel(read, parts) for _ in range(repeats))
+    copy_seconds = min(_timed_parallel(copy, parts) for _ in range(repeats))
+    read_rate = source.nbytes / read_seconds
+    copy_rate = 2 * source.nbytes / copy_seconds
+    return {"threads": threads, "array_bytes": int(source.nbytes), "read_bytes_per_second": read_rate,
+            "copy_bytes_per_second": copy_rate, "bandwidth_bytes_per_second": max(read_rate, copy_rate)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--mib", type=int, default=256)
+    args = parser.parse_args()
+    results = [probe(int(t), args.mib) for t in args.threads.split(",")]
+    for r in results:
+        print(f"threads {r['threads']}: read {r['read_bytes_per_second'] / 1e9:.1f} GB/s, "
+              f"copy {r['copy_bytes_per_second'] / 1e9:.1f} GB/s")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""CpuBackend: the backend contract (devices/base.py) on Numba kernels, plus a fused forward.
+
+Every op-level method runs a kernel from kernels/cpu; none of them falls back to the numpy
+reference. `compile_forward` returns the fused executor (devices/cpu/executor.py) that runs a
+whole forward pass in one compiled call.
+"""
+from __future__ import annotations
+
+import os
+import platform
+
+import numpy as np
+
+from devices.base import DeviceUnavailableError
+from devices.cpu.weights import CpuWeight, as_vector, prepare_weight
+
+try:
+    import numba
+    import kernels.cpu  # noqa: F401  (configures Numba's cache and threading before kernels load)
+    from kernels.cpu import attention as attention_kernels
+    from kernels.cpu import elementwise, linear as linear_kernels
+    from kernels.cpu.runtime import threading_info
+except ImportError as exc:  # pragma: no cover - numba is a declared dependency
+    raise DeviceUnavailableError(f"device 'cpu' needs numba and llvmlite ({exc}); pip install numba") from None
+
+
+def _thread_count(threads: int | None) -> int:
+    available = numba.config.NUMBA_NUM_THREADS
+    if threads is None:
+        return available
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    if threads > available:
+        raise ValueError(f"threads={threads} but Numba may start at most {available} threads on this machine "
+                         f"(NUMBA_NUM_THREADS); pass threads <= {available}")
+    return threads
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, threads: int | None = None, variant: str | None = None):
+        if variant is not None:
+            raise ValueError(f"device 'cpu' has no variants, got 'cpu:{variant}'")
+        self.threads = _thread_count(threads)
+        numba.set_num_threads(self.threads)
+
+    def use_threads(self) -> None:
+        """Numba's thread count is per calling thread: set it before every kernel launch."""
+        numba.set_num_threads(self.threads)
+
+    # --- weights -------------------------------------------------------------------------------
+    prepare_weight = staticmethod(prepare_weight)
+
+    @staticmethod
+    def _matrix(weight) -> CpuWeight:
+        if not isinstance(weight, CpuWeight):
+            weight = prepare_weight(weight)
+            if not isinstance(weight, CpuWeight):
+                raise ValueError("expected a 2-D weight [N, K], got a vector")
+        return weight
+
+    # --- the contract's operations ---------------------------------------------------------------
+    def embed(self, table, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids)
+        rows = elementwise.embed(self._matrix(table).descriptor, ids)
+        return rows.reshape(*ids.shape, rows.shape[-1])
+
+    def linear(self, x: np.ndarray, weight, bias=None) -> np.ndarray:
+        weight = self._matrix(weight)
+        x = np.asarray(x, dtype=np.float32)
+        flat = x.reshape(-1, x.shape[-1])
+        self.use_threads()
+        y = linear_kernels.linear(weight.descriptor, flat, None if bias is None else as_vector(bias), self.threads)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def rms_norm(self, x: np.ndarray, weight, eps: float) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        flat = x.reshape(-1, x.shape[-1])
+        out = np.empty_like(flat)
+        self.use_threads()
+        elementwise.rms_norm_kernel(flat, as_vector(weight), np.float32(eps), out)
+        return out.reshape(x.shape)
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        rotated = np.array(x, dtype=np.float32, order="C")  # a copy: the contract returns a new array
+        elementwise.rope_kernel(rotated, np.ascontiguousarray(cos, dtype=np.float32),
+                                np.ascontiguousarray(sin, dtype=np.float32))
+        return rotated
+
+    def attention(self, q, k, v, q_positions, k_positions, scale, window):
+        self.use_threads()
+        return attention_kernels.attention(q, k, v, q_positions, k_positions, scale, window, self.threads)
+
+    def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        gate = np.ascontiguousarray(gate, dtype=np.float32)
+        out = np.empty_like(gate)
+        elementwise.swiglu_kernel(gate.reshape(-1), np.ascontiguousarray(up, dtype=np.float32).reshape(-1),
+                                  out.reshape(-1))
+        return out
+
+    def softmax(self, scores: np.ndarray) -> np.ndarray:
+        """Softmax over the last axis (attention's kernel; exposed for tests and the diff tool)."""
+        scores = np.ascontiguousarray(scores, dtype=np.float32)
+        flat = scores.reshape(-1, scores.shape[-1])
+        out = np.empty_like(flat)
+        elementwise.softmax_kernel(flat, out)
+        return out.reshape(scores.shape)
+
+    def allocate_kv(self, capacity: int, kv_heads: int, head_dim: int):
+        # [capacity, Hkv, Dh] float32, C-contiguous: the layout both edge's op-by-op KVCache.write and
+        # the fused kernel use. np.zeros maps pages lazily, so memory follows the valid length.
+        return (np.zeros((capacity, kv_heads, head_dim), np.float32),
+                np.zeros((capacity, kv_heads, head_dim), np.float32))
+
+    def compile_forward(self, transformer):
+        from devices.cpu.executor import FusedForward
+
+        return FusedForward(transformer, self)
+
+    def info(self) -> dict:
+        import llvmlite.binding as llvm
+
+        return {
+            "device": "cpu",
+            "backend": "numba kernels with hand-written LLVM IR inner loops",
+            "threads": self.threads,
+            **{k: v for k, v in threading_info().items() if k != "threads"},
+            "weight_kernels": linear_kernels.KIND_KERNELS.compiled_kinds(),
+            "cpu": llvm.get_host_cpu_name(),
+            "machine": platform.machine(),
+            "cores": os.cpu_count(),
+            "activations": "float32",
+            # for `zllm-edge diff`: f32 sums, f32 activations, weights dequantized exactly into f32
+            "arithmetic": {"accumulation": 2.0 ** -24,
+                           "activations": {"f32": 0.0, "f16": 0.0, "quantized": 0.0},
+                           "weights": {"f32": 0.0, "f16": 0.0, "quantized": 0.0}},
+            "numba": numba.__version__,
+            "llvm": ".".join(map(str, llvm.llvm_version_info)),
+            "numba_cache_dir": numba.config.CACHE_DIR,
+        }

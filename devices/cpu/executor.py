@@ -1,0 +1,192 @@
+"""The fused forward executor that CpuBackend.compile_forward returns.
+
+It packs the model once at load into the tables kernels/cpu/forward.py reads (weight descriptors,
+one f32 array of norm gains and biases, a layer table), keeps scratch buffers sized for the
+longest call so far, and runs a whole forward pass as one compiled call; with an observer, one
+call per layer so that the observer sees the residual stream in between.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+
+from devices.cpu.weights import CpuWeight, MissingKernelError, as_vector
+from kernels.cpu import formats as wf
+from kernels.cpu import forward as fk
+from kernels.cpu.linear import CHUNK, TILE_M, TILE_ROWS, TILE_T, padded_tokens
+
+
+class _ModelTables:
+    """Descriptors, params and the layer table of one transformer (read by every call)."""
+
+    def __init__(self, transformer):
+        spec = transformer.spec
+        self.weights: list[CpuWeight] = []  # kept referenced: descriptors point into their arrays
+        self._vectors: list[np.ndarray] = []
+        self._params_length = 0
+        layer_rows = []
+        for layer in transformer.layers:
+            row = np.full(fk.LAYER_FIELDS, fk.NO_PARAM, np.int64)
+            row[fk.L_INPUT_NORM] = self._vector(layer.input_norm)
+            row[fk.L_POST_NORM] = self._vector(layer.post_attention_norm)
+            for column, weight in ((fk.L_Q, layer.q), (fk.L_K, layer.k), (fk.L_V, layer.v), (fk.L_O, layer.o),
+                                   (fk.L_GATE, layer.gate), (fk.L_UP, layer.up), (fk.L_DOWN, layer.down)):
+                row[column] = self._matrix(weight)
+            for column, vector in ((fk.L_Q_BIAS, layer.q_bias), (fk.L_K_BIAS, layer.k_bias),
+                                   (fk.L_V_BIAS, layer.v_bias), (fk.L_O_BIAS, layer.o_bias),
+                                   (fk.L_Q_NORM, layer.q_norm), (fk.L_K_NORM, layer.k_norm),
+                                   (fk.L_GATE_BIAS, layer.gate_bias), (fk.L_UP_BIAS, layer.up_bias),
+                                   (fk.L_DOWN_BIAS, layer.down_bias)):
+                if vector is not None:
+                    row[column] = self._vector(vector)
+            row[fk.L_WINDOW] = layer.sliding_window or 0
+            layer_rows.append(row)
+        self.layers = np.stack(layer_rows) if layer_rows else np.zeros((0, fk.LAYER_FIELDS), np.int64)
+        self.dims = np.zeros(fk.MODEL_FIELDS, np.int64)
+        self.dims[fk.M_HIDDEN] = spec.hidden_size
+        self.dims[fk.M_HEADS] = spec.num_attention_heads
+        self.dims[fk.M_KV_HEADS] = spec.num_key_value_heads
+        self.dims[fk.M_HEAD_DIM] = spec.head_dim
+        self.dims[fk.M_INTERMEDIATE] = spec.intermediate_size
+        self.dims[fk.M_VOCAB] = spec.vocab_size
+        self.dims[fk.M_EMBED] = self._matrix(transformer.embed_tokens)
+        self.dims[fk.M_LM_HEAD] = self._matrix(transformer.lm_head)  # tied: the same quantized table
+        self.dims[fk.M_FINAL_NORM] = self._vector(transformer.final_norm)
+        self.dims[fk.M_LAYERS] = spec.num_hidden_layers
+        self.descriptors = np.stack([w.descriptor for w in self.weights])
+        self.params = np.concatenate(self._vectors) if self._vectors else np.zeros(0, np.float32)
+        self.max_cols_padded = int(self.descriptors[:, wf.W_COLS_PADDED].max())
+        self.max_rows = int(self.descriptors[:, wf.W_ROWS].max())
+        self.embedding_cols_padded = int(self.descriptors[self.dims[fk.M_EMBED], wf.W_COLS_PADDED])
+        for name, index in (("embedding", fk.M_EMBED), ("LM head", fk.M_LM_HEAD)):
+            descriptor = self.descriptors[self.dims[index]]
+            if descriptor[wf.W_COLS] != spec.hidden_size or descriptor[wf.W_ROWS] != spec.vocab_size:
+                raise MissingKernelError(f"the {name} is [{descriptor[wf.W_ROWS]}, {descriptor[wf.W_COLS]}], "
+                                         f"expected [{spec.vocab_size}, {spec.hidden_size}]")
+
+    def _matrix(self, weight) -> int:
+        if not isinstance(weight, CpuWeight):
+            raise MissingKernelError(f"device 'cpu' expected a weight matrix prepared by its backend, got {weight!r}")
+        for index, known in enumerate(self.weights):
+            if known is weight:  # a tied LM head is the embedding itself
+                return index
+        self.weights.append(weight)
+        return len(self.weights) - 1
+
+    def _vector(self, weight) -> int:
+        vector = as_vector(weight)
+        offset = self._params_length
+        self._vectors.append(vector)
+        self._params_length += vector.size
+        return offset
+
+
+class _Scratch:
+    """Buffers of one executor, grown (never shrunk) to the longest call and largest cache seen."""
+
+    def __init__(self, tables: _ModelTables, spec, n_threads: int):
+        self.tables, self.spec, self.n_threads = tables, spec, n_threads
+        self.tokens = 0
+        self.capacity = 0
+        k_padded = tables.max_cols_padded
+        self.x_natural = np.zeros(k_padded, np.float32)
+        self.x_pairs = np.zeros(k_padded, np.float32)
+        self.x_sums = np.zeros(k_padded // CHUNK, np.float32)
+        self.blocks = np.zeros((n_threads, TILE_M * TILE_T), np.float32)
+        self.row_scratch = np.zeros(tables.max_rows, np.float32)
+        self.embed_scratch = np.zeros((1, tables.embedding_cols_padded), np.float32)
+        self.sync = np.zeros((fk.sync_rows(spec.num_hidden_layers), fk.SYNC_STRIDE), np.int64)
+
+    def ensure(self, n_tokens: int, capacity: int) -> None:
+        spec, n = self.spec, self.n_threads
+        if n_tokens > self.tokens:
+            t = max(n_tokens, 1)
+            q_width = spec.num_attention_heads * spec.head_dim
+            kv_width = spec.num_key_value_heads * spec.head_dim
+            self.hidden = np.zeros((t, spec.hidden_size), np.float32)
+            self.normed = np.zeros((t, spec.hidden_size), np.float32)
+            self.qkv = np.zeros((t, q_width + 2 * kv_width), np.float32)
+            self.attn = np.zeros((t, q_width), np.float32)
+            self.gate = np.zeros((t, spec.intermediate_size), np.float32)
+            self.up = np.zeros((t, spec.intermediate_size), np.float32)
+            self.logits = np.zeros((t, spec.vocab_size), np.float32)
+            self.xt = np.zeros((self.tables.max_cols_padded, padded_tokens(t)), np.float32)
+            # prefill tiles only when a call has more than one token
+            tile_rows = TILE_ROWS if t > 1 else 1
+            self.tiles = np.zeros((n, tile_rows, self.tables.max_cols_padded), np.float32)
+            n_items = t * spec.num_attention_heads * max(n, 1)
+            self.peaks = np.zeros(n_items, np.float32)
+            self.totals = np.zeros(n_items, np.float32)
+            self.accs = np.zeros((n_items, spec.head_dim), np.float32)
+            self.tokens = t
+        if capacity > self.capacity:
+            self.scores = np.zeros((n, capacity), np.float32)
+            self.key_positions = np.arange(capacity, dtype=np.int64)
+            self.capacity = capacity
+
+
+class FusedForward:
+    """(ids, cache, all_logits, observer) -> logits, with the semantics of Transformer.forward_ops."""
+
+    def __init__(self, transformer, backend):
+        self.backend = backend
+        self.spec = transformer.spec
+        self.rope = transformer.rope
+        self.eps = np.float32(self.spec.rms_norm_eps)
+        self.scale = np.float32(transformer.attention_scale)
+        self.tables = _ModelTables(transformer)
+        self.scratch = _Scratch(self.tables, self.spec, backend.threads)
+        self._kv_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()  # scratch buffers are shared: one call at a time
+
+    def _kv_table(self, cache) -> np.ndarray:
+        table = self._kv_tables.get(cache)
+        if table is None:
+            spec = self.spec
+            expected = (cache.capacity, spec.num_key_value_heads, spec.head_dim)
+            rows = []
+            for keys, values in cache.layers:
+                for buffer in (keys, values):
+                    if buffer.shape != expected or buffer.dtype != np.float32 or not buffer.flags.c_contiguous:
+                        raise ValueError(f"KV buffer {buffer.dtype}{list(buffer.shape)} is not the CPU backend's "
+                                         f"float32{list(expected)} layout; open sessions through this model")
+                rows.append((keys.ctypes.data, values.ctypes.data))
+            table = np.array(rows, dtype=np.int64).reshape(-1, 2)
+            self._kv_tables[cache] = table
+        return table
+
+    def __call__(self, ids, cache, all_logits: bool, observer=None) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        n_tokens = len(ids)
+        start = cache.length
+        cos, sin = self.rope.cos_sin(np.arange(start, start + n_tokens))
+        n_layers = self.spec.num_hidden_layers
+        with self._lock:
+            kv = self._kv_table(cache)
+            scratch = self.scratch
+            scratch.ensure(n_tokens, cache.capacity)
+            self.backend.use_threads()
+            if observer is None:
+                self._run(ids, kv, cache.capacity, start, cos, sin, 0, n_layers, True, True, all_logits)
+            else:
+                for layer in range(n_layers):
+                    self._run(ids, kv, cache.capacity, start, cos, sin, layer, layer + 1, layer == 0, False,
+                              all_logits)
+                    observer(layer, scratch.hidden[:n_tokens].copy())
+                self._run(ids, kv, cache.capacity, start, cos, sin, n_layers, n_layers, n_layers == 0, True,
+                          all_logits)
+            cache.length = start + n_tokens
+            if all_logits:
+                return scratch.logits[:n_tokens].copy()
+            return scratch.logits[0].copy()
+
+    def _run(self, ids, kv, capacity, start, cos, sin, first, last, run_embedding, run_head, all_logits):
+        t, s = self.tables, self.scratch
+        fk.forward_kernel(
+            t.descriptors, t.layers, t.params, t.dims, self.eps, self.scale, kv, capacity, ids, start, cos, sin,
+            first, last, run_embedding, run_head, all_logits, self.backend.threads,
+            s.hidden, s.normed, s.qkv, s.attn, s.gate, s.up, s.xt, s.x_natural, s.x_pairs, s.x_sums, s.tiles,
+            s.blocks, s.row_scratch, s.embed_scratch, s.scores, s.peaks, s.totals, s.accs, s.key_positions,
+            s.sync, s.logits)

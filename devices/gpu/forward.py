@@ -1,0 +1,199 @@
+"""The fused forward pass: a whole call recorded into one command buffer, one submission.
+
+T = tokens in this call (at most `max_tokens`; longer prompts run in several submissions),
+D = hidden size, Hq / Hkv = query / key-value heads, Dh = head dim, I = intermediate size,
+V = vocabulary.
+
+Weights and the KV cache stay in device buffers. Per call the host writes the step uniform
+(T, start), the token ids and the rotary cos/sin of the call's positions (edge's RopeTable,
+so that rope scaling lives in one place), then reads back only the logits. The per-layer
+work is bound once per KV cache (bind groups reference the cache's buffers) and per kind of
+call (decode, T = 1, uses matrix-vector kernels; prefill uses matrix-matrix ones).
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from devices.gpu.launches import Launches
+from devices.gpu.tensors import GpuKV, GpuMatrix
+
+MAX_TOKENS_PER_SUBMISSION = 128
+
+
+class FusedForward:
+    def __init__(self, backend, transformer):
+        self.ctx, self.builder = backend.ctx, backend.builder
+        # what the executor needs from the transformer, not the transformer itself (which holds this
+        # executor): no reference cycle, so device buffers go when the model does
+        self.layers, self.rope = transformer.layers, transformer.rope
+        self.final_norm, self.lm_head = transformer.final_norm, transformer.lm_head
+        self.attention_scale = transformer.attention_scale
+        spec = transformer.spec
+        for name in ("embed_tokens", "lm_head"):
+            if not isinstance(getattr(transformer, name), GpuMatrix):
+                raise TypeError(f"the GPU executor needs {name} prepared by the gpu backend")
+        self.dim = spec.hidden_size
+        self.q_heads, self.kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        self.intermediate = spec.intermediate_size
+        self.vocab = transformer.lm_head.shape[0]
+        self.eps = float(spec.rms_norm_eps)
+        ctx = self.ctx
+        widest_row = max(self.vocab, self.intermediate, self.q_heads * self.head_dim, self.dim)
+        self.max_tokens = max(1, min(MAX_TOKENS_PER_SUBMISSION, ctx.max_binding_bytes // (4 * widest_row)))
+
+        t, d, q_width, kv_width = self.max_tokens, self.dim, self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        scratch, linear_input = self._scratch, self._linear_input
+        self.step = ctx.uniform(np.zeros(4, np.uint32), "step")
+        self.ids = ctx.storage(4 * t, "ids")
+        self.cos = ctx.storage(4 * t * (self.head_dim // 2), "cos")
+        self.sin = ctx.storage(4 * t * (self.head_dim // 2), "sin")
+        self.positions = ctx.upload(np.arange(spec.max_position_embeddings, dtype=np.int32), "positions")
+        self.hidden = scratch(t * d, "hidden")      # [T, D] the residual stream
+        self.normed = linear_input(t * d, "normed")  # [T, D]
+        self.q_raw = scratch(t * q_width, "q")      # [T, Hq, Dh] projected
+        self.q_normed = scratch(t * q_width, "q_normed")
+        self.q_rotated = scratch(t * q_width, "q_rotated")
+        self.k_raw = scratch(t * kv_width, "k")     # [T, Hkv, Dh] projected
+        self.k_normed = scratch(t * kv_width, "k_normed")
+        self.attended = linear_input(t * q_width, "attended")
+        self.gate = scratch(t * self.intermediate, "gate")  # [T, I]
+        self.up = scratch(t * self.intermediate, "up")
+        self.activated = linear_input(t * self.intermediate, "activated")
+        self.logits_last = scratch(self.vocab, "logits")  # [V]
+        self.logits_all = None  # [T, V], allocated when first asked for
+        self.staging = ctx.readback_buffer(4 * self.vocab)
+        self.staging_all = None
+        self._embed = self.builder.embed(self.step, self.ids, transformer.embed_tokens, self.hidden)
+        self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._heads: dict[str, Launches] = {}
+
+    def _scratch(self, n_floats: int, label: str):
+        return self.ctx.storage(4 * n_floats, label, copy_src=True)
+
+    def _linear_input(self, n_floats: int, label: str):
+        """Scratch that feeds linear layers: readable through the CPU kernel's uniform windows too."""
+        return self.ctx.storage(4 * n_floats, label, copy_src=True, input_window=self.builder.input_window)
+
+    # --- binding ---------------------------------------------------------------------------------
+    def _layer_launches(self, layer, kv: tuple[GpuKV, GpuKV], tokens_per_group: int) -> Launches:
+        b, step = self.builder, self.step
+        kv_width, dh = self.kv_heads * self.head_dim, self.head_dim
+        keys, values = kv[0].buffer, kv[1].buffer
+
+        def bias(vector):
+            return None if vector is None else vector.buffer
+
+        def linear(x, weight, y, **options):
+            return b.linear(step, x, weight, y, tokens_per_group=tokens_per_group, max_tokens=self.max_tokens,
+                            **options)
+
+        work = Launches()
+        work.extend(b.rms_norm(step, self.hidden, layer.input_norm.buffer, self.normed, dim=self.dim, eps=self.eps))
+        work.extend(linear(self.normed, layer.q, self.q_raw, bias=bias(layer.q_bias)))
+        work.extend(linear(self.normed, layer.k, self.k_raw, bias=bias(layer.k_bias)))
+        # values go straight into the cache, at the call's first position
+        work.extend(linear(self.normed, layer.v, values, bias=bias(layer.v_bias), y_start_stride=kv_width))
+        q, k = self.q_raw, self.k_raw
+        if layer.q_norm is not None:  # Qwen3 normalises each head before rotating it
+            work.extend(b.rms_norm(step, q, layer.q_norm.buffer, self.q_normed, dim=dh, eps=self.eps,
+                                   rows_per_token=self.q_heads))
+            work.extend(b.rms_norm(step, k, layer.k_norm.buffer, self.k_normed, dim=dh, eps=self.eps,
+                                   rows_per_token=self.kv_heads))
+            q, k = self.q_normed, self.k_normed
+        work.extend(b.rope(step, q, self.cos, self.sin, self.q_rotated, heads=self.q_heads, head_dim=dh))
+        work.extend(b.rope(step, k, self.cos, self.sin, keys, heads=self.kv_heads, head_dim=dh,
+                           y_start_stride=kv_width))
+        work.extend(b.attention(step, self.q_rotated, keys, values, self.positions, self.positions, self.attended,
+                                q_heads=self.q_heads, kv_heads=self.kv_heads, head_dim=dh,
+                                scale=self.attention_scale, window=layer.sliding_window, follow_step=True))
+        work.extend(linear(self.attended, layer.o, self.hidden, bias=bias(layer.o_bias), accumulate=True))
+        work.extend(b.rms_norm(step, self.hidden, layer.post_attention_norm.buffer, self.normed, dim=self.dim,
+                               eps=self.eps))
+        work.extend(linear(self.normed, layer.gate, self.gate, bias=bias(layer.gate_bias)))
+        work.extend(linear(self.normed, layer.up, self.up, bias=bias(layer.up_bias)))
+        work.extend(b.swiglu(step, self.gate, self.up, self.activated, per_token=self.intermediate))
+        work.extend(linear(self.activated, layer.down, self.hidden, bias=bias(layer.down_bias), accumulate=True))
+        return work
+
+    def _plan(self, cache, decode: bool) -> list[Launches]:
+        plans = self._plans.setdefault(cache, {})
+        if decode not in plans:
+            tokens_per_group = 1 if decode else self.builder.tuning.prefill_tokens_per_group
+            plans[decode] = [self._layer_launches(layer, kv, tokens_per_group)
+                             for layer, kv in zip(self.layers, cache.layers)]
+        return plans[decode]
+
+    def _head(self, which: str) -> Launches:
+        """Final norm and LM head: for the last token ("last") or every token ("all")."""
+        if which not in self._heads:
+            b, step = self.builder, self.step
+            work = b.rms_norm(step, self.hidden, self.final_norm.buffer, self.normed, dim=self.dim, eps=self.eps)
+            if which == "last":
+                work.extend(b.linear(step, self.normed, self.lm_head, self.logits_last, last_token_only=True,
+                                     max_tokens=self.max_tokens))
+            else:
+                self.logits_all = self.ctx.storage(4 * self.max_tokens * self.vocab, "logits_all", copy_src=True)
+                self.staging_all = self.ctx.readback_buffer(4 * self.max_tokens * self.vocab)
+                work.extend(b.linear(step, self.normed, self.lm_head, self.logits_all,
+                                     tokens_per_group=b.tuning.prefill_tokens_per_group, max_tokens=self.max_tokens))
+            self._heads[which] = work
+        return self._heads[which]
+
+    # --- running ---------------------------------------------------------------------------------
+    def __call__(self, ids: np.ndarray, cache, all_logits: bool, observer=None) -> np.ndarray:
+        for keys, values in cache.layers:
+            if not (isinstance(keys, GpuKV) and isinstance(values, GpuKV) and keys.ctx is self.ctx):
+                raise TypeError("the GPU executor needs a KV cache allocated by this gpu backend (backend.allocate_kv)")
+        ids = np.asarray(ids).reshape(-1)
+        observed = [[] for _ in self.layers] if observer is not None else None
+        pieces = []
+        for begin in range(0, len(ids), self.max_tokens):
+            chunk = ids[begin : begin + self.max_tokens]
+            is_last = begin + len(chunk) == len(ids)
+            head = "all" if all_logits else ("last" if is_last else None)
+            logits = self._run(chunk, cache, head, observed)
+            if all_logits:
+                pieces.append(logits)
+        if observer is not None:  # each layer's output for all the call's tokens, as forward_ops gives it
+            for index, parts in enumerate(observed):
+                observer(index, np.concatenate(parts))
+        return np.concatenate(pieces) if all_logits else logits
+
+    def _run(self, ids: np.ndarray, cache, head: str | None, observed: list | None) -> np.ndarray | None:
+        """One submission for up to max_tokens tokens (one per layer when `observed` collects layer outputs)."""
+        ctx, n_tokens, start = self.ctx, len(ids), cache.length
+        cos, sin = self.rope.cos_sin(np.arange(start, start + n_tokens))
+        ctx.write(self.step, np.array([n_tokens, start, 0, 0], np.uint32))
+        ctx.write(self.ids, ids.astype(np.uint32))
+        ctx.write(self.cos, cos)
+        ctx.write(self.sin, sin)
+        layers = self._plan(cache, decode=n_tokens == 1)
+
+        encoder = ctx.device.create_command_encoder()
+        compute_pass = encoder.begin_compute_pass()
+        self._embed.encode(compute_pass, n_tokens)
+        for index, work in enumerate(layers):
+            work.encode(compute_pass, n_tokens)
+            if observed is not None:  # read each layer's output back: one submission per layer
+                compute_pass.end()
+                ctx.queue.submit([encoder.finish()])
+                observed[index].append(ctx.download(self.hidden, 4 * n_tokens * self.dim).reshape(n_tokens, self.dim))
+                encoder = ctx.device.create_command_encoder()
+                compute_pass = encoder.begin_compute_pass()
+        logits = None
+        if head is not None:
+            self._head(head).encode(compute_pass, n_tokens)
+        compute_pass.end()
+        if head is not None:
+            last = head == "last"
+            source, staging = (self.logits_last, self.staging) if last else (self.logits_all, self.staging_all)
+            rows = 1 if head == "last" else n_tokens
+            encoder.copy_buffer_to_buffer(source, 0, staging, 0, 4 * rows * self.vocab)
+        ctx.queue.submit([encoder.finish()])
+        cache.length = start + n_tokens
+        if head is None:
+            return None
+        logits = ctx.read(staging, 4 * rows * self.vocab).reshape(rows, self.vocab)
+        return logits[0] if head == "last" else logits

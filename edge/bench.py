@@ -1,0 +1,464 @@
+"""`zllm-edge bench`: load time, prefill and decode speed, time to first token and peak memory of
+one checkpoint on one or several devices, side by side.
+
+Each device runs in its own worker process (spawned, so its peak RSS is its own and one device's
+allocations do not pollute another's). Workers load the model once, run one untimed warm-up
+(it reports the cold first-token time, which includes any JIT compilation), then the repeats
+alternate between devices - device A, device B, device A, ... - so that drifts of a noisy
+machine (frequency, page cache, neighbours) hit every device alike; the table reports medians.
+
+A run is greedy: prefill the fixed prompt, take the argmax, then decode one token at a time
+through the session API (`session.prefill`, `session.decode`). Only those calls are timed;
+argmax and bookkeeping are not (time to first token does include the first argmax). The run
+does not stop at end-of-sequence tokens: every device does the same amount of work.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import psutil
+
+from edge.errors import ZllmError
+
+PROMPT_TOPIC = "execmodel"  # pydoc_data.topics entry the text prompt is cut from: plain English prose
+PROMPT_SEED = 0
+WARMUP_NEW_TOKENS = 2  # one prefill plus one decode step: enough to compile every kernel a run uses
+# Thread pools a backend may draw on. `--threads N` caps all of them, so that a device cannot win
+# by quietly using more cores than another.
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+class BenchError(ZllmError):
+    """A benchmark cannot run as asked (bad counts, a device that fails to load or run)."""
+
+
+# ---------------------------------------------------------------------------------- prompt
+
+
+def text_prompt(tokenizer, n_tokens: int) -> list[int]:
+    """n_tokens ids of real text: a Python documentation topic, tokenized, repeated and cut to length."""
+    from pydoc_data.topics import topics
+
+    body = tokenizer.encode(topics[PROMPT_TOPIC], add_special_tokens=False)
+    prefix = [tokenizer.bos_token_id] if tokenizer.add_bos_token and tokenizer.bos_token_id is not None else []
+    repeats = -(-max(n_tokens - len(prefix), 0) // len(body))
+    return (prefix + body * repeats)[:n_tokens]
+
+
+def id_prompt(vocab_size: int, special_ids: set[int], n_tokens: int) -> list[int]:
+    """n_tokens deterministic ids for a model without a tokenizer, avoiding its special tokens."""
+    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special_ids, dtype=np.int64, count=len(special_ids)))
+    picks = np.random.default_rng(PROMPT_SEED).integers(0, len(allowed), size=n_tokens)
+    return [int(i) for i in allowed[picks]]
+
+
+def benchmark_prompt(checkpoint_path: str, n_tokens: int) -> tuple[list[int], str]:
+    """The benchmark's prompt ids for a checkpoint and where they come from."""
+    from converters.checkpoint import open_checkpoint
+    from edge.spec import spec_from_dict
+    from edge.tokenizer import Tokenizer
+
+    if n_tokens < 1:
+        raise BenchError(f"the prompt needs at least 1 token, got --prompt-tokens {n_tokens}")
+    with open_checkpoint(checkpoint_path) as checkpoint:
+        spec = spec_from_dict(checkpoint.model_config)
+        config = checkpoint.tokenizer_config
+        if checkpoint.tokenizer_path:
+            tokenizer = Tokenizer(checkpoint.tokenizer_path, config)
+            source = (f"pydoc_data.topics[{PROMPT_TOPIC!r}] of Python {platform.python_version()}, "
+                      f"tokenized, repeated and cut to {n_tokens} tokens")
+            return text_prompt(tokenizer, n_tokens), source
+    special = {config.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    special |= set(config.get("eog_token_ids") or [])
+    special.discard(None)
+    source = f"no tokenizer: {n_tokens} ids drawn by numpy default_rng({PROMPT_SEED}), special tokens excluded"
+    return id_prompt(spec.vocab_size, special, n_tokens), source
+
+
+# ---------------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class RunTimes:
+    prefill_seconds: float
+    decode_seconds: float  # sum over the decode calls only
+    time_to_first_token_seconds: float
+    prompt_tokens: int
+    decode_steps: int
+    tokens: list[int]  # the greedy tokens, the first one from the prefill
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        return self.decode_steps / self.decode_seconds if self.decode_steps else None
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "prefill_tokens_per_second": self.prefill_tokens_per_second,
+                "decode_tokens_per_second": self.decode_tokens_per_second}
+
+
+def greedy_run(model, prompt_ids: list[int], new_tokens: int) -> RunTimes:
+    """Prefill prompt_ids, then decode greedily until new_tokens tokens exist; time the model calls."""
+    session = model.session(capacity=len(prompt_ids) + new_tokens)
+    started = time.perf_counter()
+    logits = session.prefill(prompt_ids)
+    prefill_seconds = time.perf_counter() - started
+    token = int(np.argmax(logits))
+    time_to_first_token = time.perf_counter() - started
+    tokens, decode_seconds = [token], 0.0
+    for _ in range(new_tokens - 1):
+        step_started = time.perf_counter()
+        logits = session.decode(token)
+        decode_seconds += time.perf_counter() - step_started
+        token = int(np.argmax(logits))
+        tokens.append(token)
+    return RunTimes(prefill_seconds, decode_seconds, time_to_first_token, len(prompt_ids), new_tokens - 1, tokens)
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set size so far (Linux VmHWM, Windows peak working set)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = getattr(psutil.Process().memory_info(), "peak_wset", None)
+    return int(peak) if peak is not None else None
+
+
+class PeakRSSSampler:
+    """Peak RSS where the OS keeps no high-water mark: a daemon thread samples RSS every few ms."""
+
+    def __init__(self, interval_seconds: float = 0.005):
+        self.peak = psutil.Process().memory_info().rss
+        self._interval = interval_seconds
+        self._process = psutil.Process()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True, name="peak-rss")
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stopped.wait(self._interval):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def stop(self) -> int:
+        self._stopped.set()
+        self._thread.join()
+        return max(self.peak, psutil.Process().memory_info().rss)
+
+
+# ---------------------------------------------------------------------------------- workers
+
+
+def _device_worker(connection, checkpoint_path: str, device: str, threads: int | None) -> None:
+    """Body of a device's worker process: load, then answer run/stop commands on `connection`."""
+    import edge
+
+    sampler = PeakRSSSampler() if peak_rss_bytes() is None else None
+    rss_before_load = psutil.Process().memory_info().rss
+    try:
+        started = time.perf_counter()
+        model = edge.load(checkpoint_path, device=device, threads=threads)
+        load_seconds = time.perf_counter() - started
+        connection.send({"event": "loaded", "load_seconds": load_seconds, "device_info": model.device_info(),
+                         "weight_bytes": model.weight_bytes, "rss_before_load_bytes": rss_before_load,
+                         "rss_after_load_bytes": psutil.Process().memory_info().rss})
+        while True:
+            try:
+                command = connection.recv()
+            except EOFError:  # the parent went away (it failed elsewhere): nothing left to answer
+                return
+            if command["cmd"] == "stop":
+                peak = sampler.stop() if sampler else peak_rss_bytes()
+                connection.send({"event": "stopped", "peak_rss_bytes": peak})
+                return
+            run = greedy_run(model, command["prompt_ids"], command["new_tokens"])
+            text = model.decode(run.tokens) if model.tokenizer else None
+            connection.send({"event": "ran", **run.as_dict(), "text": text})
+    except Exception as exc:  # forwarded whole to the parent, which raises it as a BenchError
+        expected = isinstance(exc, ZllmError)  # errors zllm-edge raises on purpose carry their own wording
+        connection.send({"event": "error", "message": str(exc) if expected else f"{type(exc).__name__}: {exc}"})
+
+
+@contextmanager
+def thread_limits(threads: int | None):
+    """Cap the thread pools of processes started inside this block (they read these at start)."""
+    saved = {name: os.environ.get(name) for name in THREAD_ENV_VARS}
+    if threads is not None:
+        os.environ.update({name: str(threads) for name in THREAD_ENV_VARS})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class DeviceWorker:
+    """A spawned process holding one model on one device."""
+
+    def __init__(self, checkpoint_path: str, device: str, threads: int | None):
+        self.device = device
+        context = multiprocessing.get_context("spawn")
+        self._connection, child_end = context.Pipe()
+        self._process = context.Process(target=_device_worker, args=(child_end, checkpoint_path, device, threads),
+                                        name=f"zllm-bench-{device}", daemon=True)
+        with thread_limits(threads):
+            self._process.start()
+        child_end.close()
+        self.loaded = self._receive("loaded")
+
+    def _receive(self, expected: str) -> dict:
+        try:
+            message = self._connection.recv()
+        except EOFError:
+            self._process.join(5)
+            raise BenchError(f"the {self.device} worker died (exit code {self._process.exitcode}) "
+                             "before answering; run with a single device to see its output") from None
+        if message["event"] == "error":
+            self.close()
+            raise BenchError(f"device {self.device}: {message['message']}")
+        if message["event"] != expected:
+            raise BenchError(f"device {self.device}: worker answered {message['event']!r}, expected {expected!r}")
+        return message
+
+    def run(self, prompt_ids: list[int], new_tokens: int) -> dict:
+        self._connection.send({"cmd": "run", "prompt_ids": prompt_ids, "new_tokens": new_tokens})
+        result = self._receive("ran")
+        del result["event"]
+        return result
+
+    def stop(self) -> int | None:
+        self._connection.send({"cmd": "stop"})
+        peak = self._receive("stopped")["peak_rss_bytes"]
+        self.close()
+        return peak
+
+    def close(self) -> None:
+        self._connection.close()  # a worker waiting for a command sees EOF and returns
+        self._process.join(5)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join()
+
+
+# ---------------------------------------------------------------------------------- the benchmark
+
+
+def device_labels(devices: list[str]) -> list[str]:
+    """Column names: the device itself, with #2, #3 for repeats (an A/A run shows the noise floor)."""
+    labels, seen = [], {}
+    for device in devices:
+        seen[device] = seen.get(device, 0) + 1
+        labels.append(device if seen[device] == 1 else f"{device}#{seen[device]}")
+    return labels
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _agreeing_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+SUMMARY_METRICS = ("load_seconds", "cold_time_to_first_token_seconds", "prefill_tokens_per_second",
+                   "decode_tokens_per_second", "time_to_first_token_seconds", "peak_rss_bytes")
+
+
+def run_bench(checkpoint_path: str, devices: list[str], threads: int | None = None, prompt_tokens: int = 128,
+              new_tokens: int = 128, repeats: int = 3, progress=None, prompt_ids: list[int] | None = None) -> dict:
+    """Measure every device; returns the report (what --json prints). progress(str) gets status lines."""
+    progress = progress or (lambda message: None)
+    if not devices:
+        raise BenchError("name at least one device, e.g. --device reference")
+    if new_tokens < 1 or repeats < 1:
+        raise BenchError(f"--new-tokens and --repeats must be at least 1, got {new_tokens} and {repeats}")
+    from converters.checkpoint import read_manifest
+
+    manifest = read_manifest(checkpoint_path)
+    context = manifest["model"]["max_position_embeddings"]
+    if prompt_ids is None:
+        prompt_ids, prompt_source = benchmark_prompt(checkpoint_path, prompt_tokens)
+    else:
+        prompt_source = "token ids given by the caller"
+    if len(prompt_ids) + new_tokens > context:
+        raise BenchError(f"{len(prompt_ids)} prompt + {new_tokens} new tokens exceed the model's context of "
+                         f"{context} tokens; lower --prompt-tokens or --new-tokens")
+
+    labels = device_labels(devices)
+    workers: dict[str, DeviceWorker] = {}
+    results: dict[str, dict] = {}
+    try:
+        for device, label in zip(devices, labels):
+            progress(f"loading {checkpoint_path} on {device}")
+            worker = workers[label] = DeviceWorker(checkpoint_path, device, threads)
+            progress(f"{label}: loaded in {worker.loaded['load_seconds']:.2f} s; warm-up run")
+            warmup = worker.run(prompt_ids, min(new_tokens, WARMUP_NEW_TOKENS))
+            results[label] = {"device": device, "device_info": worker.loaded["device_info"],
+                               "load_seconds": worker.loaded["load_seconds"],
+                               "weight_bytes": worker.loaded["weight_bytes"],
+                               "rss_after_load_bytes": worker.loaded["rss_after_load_bytes"],
+                               "cold_time_to_first_token_seconds": warmup["time_to_first_token_seconds"],
+                               "runs": []}
+        for repeat in range(repeats):
+            for device, worker in workers.items():  # alternate: every repeat visits every device
+                run = worker.run(prompt_ids, new_tokens)
+                results[device]["runs"].append(run)
+                decode = run["decode_tokens_per_second"]
+                progress(f"repeat {repeat + 1}/{repeats} {device}: prefill {run['prefill_tokens_per_second']:.1f} "
+                         f"tok/s, decode {'-' if decode is None else f'{decode:.1f}'} tok/s")
+        for device, worker in list(workers.items()):
+            results[device]["peak_rss_bytes"] = worker.stop()
+            del workers[device]
+    finally:
+        for worker in workers.values():
+            worker.close()
+
+    for result in results.values():
+        runs = result["runs"]
+        for key in ("prefill_tokens_per_second", "decode_tokens_per_second", "time_to_first_token_seconds",
+                    "prefill_seconds", "decode_seconds"):
+            result[key] = _median(run[key] for run in runs)
+        result["tokens"], result["text"] = runs[0]["tokens"], runs[0]["text"]
+        result["tokens_identical_across_repeats"] = all(run["tokens"] == runs[0]["tokens"] for run in runs)
+    baseline = labels[0]
+    for device in labels:
+        results[device]["greedy_tokens_agreeing_with_" + baseline] = _agreeing_prefix(
+            results[device]["tokens"], results[baseline]["tokens"])
+    ratios = {}
+    for device in labels[1:]:
+        ratios[f"{device}/{baseline}"] = {
+            key: (results[device][key] / results[baseline][key]
+                  if results[device].get(key) and results[baseline].get(key) else None)
+            for key in SUMMARY_METRICS
+        }
+    return {
+        "model": os.path.abspath(checkpoint_path),
+        "model_type": manifest["model"]["model_type"],
+        "prompt_tokens": len(prompt_ids),
+        "prompt_source": prompt_source,
+        "new_tokens": new_tokens,
+        "decode_steps": new_tokens - 1,
+        "repeats": repeats,
+        "threads": threads,
+        "devices": results,
+        "ratios": ratios,
+        "machine": machine_info(),
+    }
+
+
+def machine_info() -> dict:
+    return {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
+            "logical_cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
+            "python": platform.python_version(), "numpy": np.__version__}
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def _format_value(key: str, value) -> str:
+    if value is None:
+        return "-"
+    if key == "peak_rss_bytes":
+        return f"{value / 1e6:.0f}"
+    if key.endswith("_seconds"):
+        return f"{value * 1000:.1f}" if "first_token" in key else f"{value:.2f}"
+    return f"{value:.1f}"
+
+
+ROW_LABELS = {
+    "load_seconds": "load (s)",
+    "cold_time_to_first_token_seconds": "cold first token, incl. JIT (ms)",
+    "prefill_tokens_per_second": "prefill (tokens/s)",
+    "decode_tokens_per_second": "decode (tokens/s)",
+    "time_to_first_token_seconds": "time to first token (ms)",
+    "peak_rss_bytes": "peak RSS (MB)",
+}
+
+
+def format_table(report: dict) -> str:
+    devices = list(report["devices"])
+    baseline = devices[0]
+    ratio_names = list(report["ratios"])
+    header = ["metric", *devices, *ratio_names]
+    rows = [header]
+    for key, label in ROW_LABELS.items():
+        row = [label, *(_format_value(key, report["devices"][d].get(key)) for d in devices)]
+        for name in ratio_names:
+            ratio = report["ratios"][name][key]
+            row.append("-" if ratio is None else f"{ratio:.2f}x")
+        rows.append(row)
+    agree_key = "greedy_tokens_agreeing_with_" + baseline
+    rows.append([f"greedy tokens agreeing with {baseline}",
+                 *(f"{report['devices'][d][agree_key]}/{report['new_tokens']}" for d in devices),
+                 *([""] * len(ratio_names))])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [f"zllm-edge bench {report['model']} ({report['model_type']})",
+             f"prompt: {report['prompt_tokens']} tokens ({report['prompt_source']}); {report['new_tokens']} greedy "
+             f"tokens ({report['decode_steps']} decode steps); threads {report['threads'] or 'default'}; "
+             f"median of {report['repeats']} repeats, devices alternating"]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(widths[j]) if j == 0 else cell.rjust(widths[j]) for j, cell in enumerate(row)))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="checkpoint (default: the built-in default model)")
+    parser.add_argument("--device", default="reference",
+                        help="device, or several separated by commas to compare side by side: reference,cpu "
+                             "(the first is the baseline of the ratios; naming one twice measures the noise floor)")
+    parser.add_argument("--threads", type=int, default=None, help="threads for every device (caps BLAS/Numba pools)")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens to generate (the first from prefill)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per device, alternating; median reported")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON to FILE ('-': stdout)")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def cmd_bench(args) -> int:
+    from edge.home import default_model_checkpoint
+
+    path = args.model or default_model_checkpoint(progress=not args.quiet)
+    devices = [d.strip() for d in args.device.split(",") if d.strip()]
+    progress = None if args.quiet else (lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))
+    report = run_bench(path, devices, threads=args.threads, prompt_tokens=args.prompt_tokens,
+                       new_tokens=args.new_tokens, repeats=args.repeats, progress=progress)
+    table = format_table(report)
+    if args.json == "-":
+        print(table, file=sys.stderr)
+        print(json.dumps(report, indent=1))
+    else:
+        print(table)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+    return 0

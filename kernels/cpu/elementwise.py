@@ -1,0 +1,117 @@
+"""Row-wise kernels: RMSNorm, RoPE (half-split), SiLU * up, softmax, embedding lookup.
+
+Helpers work on one row (or one token) so the fused forward can call them inside its parallel
+loops; the public kernels at the bottom run them over whole arrays for the op-by-op path.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import prange, types
+
+from kernels.cpu import formats as wf
+from kernels.cpu.linear import dequantize_rows
+from kernels.cpu.runtime import helper, kernel, mutable, readonly
+
+
+@helper
+def rms_norm_row(x, weight, eps, out):
+    """out = x / sqrt(mean(x^2) + eps) * weight."""
+    n = x.shape[0]
+    total = np.float32(0.0)
+    for i in range(n):
+        total += x[i] * x[i]
+    inverse = np.float32(1.0) / np.sqrt(total / np.float32(n) + np.float32(eps))
+    for i in range(n):
+        out[i] = x[i] * inverse * weight[i]
+
+
+@helper
+def rope_row(x, cos, sin):
+    """Rotate one head vector x [Dh] in place: [x1 cos - x2 sin, x2 cos + x1 sin] (half-split)."""
+    half = cos.shape[0]
+    for i in range(half):
+        x1 = x[i]
+        x2 = x[half + i]
+        x[i] = x1 * cos[i] - x2 * sin[i]
+        x[half + i] = x2 * cos[i] + x1 * sin[i]
+
+
+@helper
+def silu_times(gate, up, out):
+    """out = silu(gate) * up = gate / (1 + exp(-gate)) * up."""
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        out[i] = g / (np.float32(1.0) + np.exp(-g)) * up[i]
+
+
+@helper
+def softmax_row(scores, out):
+    """out = exp(scores - max) / sum; -inf entries get weight 0."""
+    n = scores.shape[0]
+    peak = -np.inf
+    for i in range(n):
+        peak = max(peak, scores[i])
+    total = np.float32(0.0)
+    for i in range(n):
+        e = np.exp(scores[i] - peak)
+        out[i] = e
+        total += e
+    inverse = np.float32(1.0) / total
+    for i in range(n):
+        out[i] *= inverse
+
+
+@helper
+def embed_row(table, token, row_scratch, out):
+    """out [D] = row `token` of the embedding table (dequantized through row_scratch [>= K_padded])."""
+    dequantize_rows(table, token, 1, row_scratch)
+    for i in range(out.shape[0]):
+        out[i] = row_scratch[0, i]
+
+
+# --------------------------------------------------------------------------------------------
+# Public kernels (op by op)
+
+_f32_ro_1d, _f32_ro_2d = readonly(types.float32, 1), readonly(types.float32, 2)
+_f32_1d, _f32_2d = mutable(types.float32, 1), mutable(types.float32, 2)
+
+
+@kernel(types.void(_f32_ro_2d, _f32_ro_1d, types.float32, _f32_2d), parallel=True)
+def rms_norm_kernel(x, weight, eps, out):
+    for t in prange(x.shape[0]):
+        rms_norm_row(x[t], weight, eps, out[t])
+
+
+@kernel(types.void(mutable(types.float32, 3), _f32_ro_2d, _f32_ro_2d))
+def rope_kernel(x, cos, sin):
+    """x [T, H, Dh] rotated in place by cos/sin [T, Dh/2]."""
+    for t in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            rope_row(x[t, h], cos[t], sin[t])
+
+
+@kernel(types.void(_f32_ro_1d, _f32_ro_1d, _f32_1d))
+def swiglu_kernel(gate, up, out):
+    silu_times(gate, up, out)
+
+
+@kernel(types.void(_f32_ro_2d, _f32_2d))
+def softmax_kernel(scores, out):
+    for t in range(scores.shape[0]):
+        softmax_row(scores[t], out[t])
+
+
+@kernel(types.void(readonly(types.int64, 1), readonly(types.int64, 1), _f32_2d, _f32_2d))
+def embed_kernel(table, ids, row_scratch, out):
+    for t in range(ids.shape[0]):
+        embed_row(table, ids[t], row_scratch, out[t])
+
+
+def embed(descriptor: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    rows = int(descriptor[wf.W_ROWS])
+    if ids.size and (ids.min() < 0 or ids.max() >= rows):
+        raise IndexError(f"token id out of range [0, {rows}) in embedding lookup")
+    out = np.empty((ids.size, int(descriptor[wf.W_COLS])), np.float32)
+    embed_kernel(descriptor, ids, np.empty((1, int(descriptor[wf.W_COLS_PADDED])), np.float32), out)
+    return out

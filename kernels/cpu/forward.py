@@ -1,0 +1,379 @@
+"""The fused decoder forward: embedding -> layers -> final norm -> LM head in one compiled call.
+
+T = tokens in this call, D = hidden size, Hq / Hkv = query / key-value heads, Dh = head dim,
+I = intermediate size, V = vocabulary, P = threads.
+
+Python is not in the loop: one call runs layers [first, last) (all of them, or one at a time when
+an observer wants the hidden state between layers) and the embedding / LM head when asked.
+
+Scheduling. A call is a fixed list of steps (STEPS below, per layer, then the head). A step is
+either serial (norms, RoPE and the cache write, merging attention partials: O(T * D) work, one
+task) or parallel (transposing the input for prefill, projections cut into row ranges, attention
+items): a number of independent tasks. All P threads enter one parallel region and walk the
+steps together; in each step a thread takes the next task number from the step's atomic counter
+until none is left, and a step starts only when every task of the previous one has finished.
+Nothing assigns work to a particular thread, so
+  - there is one parallel region per call, not one per projection (~150 per token would each
+    pay a thread wake-up), and the threads meet only at the task counters;
+  - a thread the OS takes away simply takes fewer tasks: on a busy machine the others carry on,
+    instead of waiting at a fixed partition (with OpenMP's spinning that made 2 threads slower
+    than 1);
+  - it cannot deadlock if the runtime starts the threads late or one after another: whoever runs
+    takes all the tasks, and a late thread finds the counters spent and returns.
+
+Weights arrive as descriptor rows (formats.py); norm gains and biases as offsets into one f32
+`params` array; the KV cache as a (keys, values) address pair per layer, each buffer laid out
+[capacity, Hkv, Dh] exactly as the backend's `allocate_kv` made it.
+"""
+from __future__ import annotations
+
+import numba
+from numba import prange, types
+
+from kernels.cpu.attention import merge_partials, partial_attention, visible_range
+from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_times
+from kernels.cpu.formats import W_COLS_PADDED, W_ROWS
+from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_M, TILE_ROWS, gemm_rows, matvec_rows, prepare_vector,
+                                transpose_tokens)
+from kernels.cpu.llvm_ir import atomic_add, atomic_load, float32_pointer, yield_processor
+from kernels.cpu.runtime import helper, kernel, mutable, readonly
+
+# Columns of the layer table. Weights are row indices into the descriptor table; norms and biases
+# are offsets into `params` (NO_PARAM: absent).
+(L_INPUT_NORM, L_Q, L_K, L_V, L_O, L_Q_BIAS, L_K_BIAS, L_V_BIAS, L_O_BIAS, L_Q_NORM, L_K_NORM,
+ L_POST_NORM, L_GATE, L_UP, L_DOWN, L_GATE_BIAS, L_UP_BIAS, L_DOWN_BIAS, L_WINDOW) = range(19)
+LAYER_FIELDS = 19
+NO_PARAM = -1
+
+# Entries of the model vector `dims`.
+(M_HIDDEN, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_INTERMEDIATE, M_VOCAB, M_EMBED, M_LM_HEAD, M_FINAL_NORM,
+ M_LAYERS) = range(10)
+MODEL_FIELDS = 10
+
+# Steps of one layer (each is one serial task or a set of parallel tasks; 0 tasks = skipped).
+(S_INPUT_NORM, S_INPUT_T, S_QKV, S_ROPE, S_ATTEND, S_MERGE, S_ATTN_T, S_O, S_POST_NORM, S_POST_T,
+ S_GATE_UP, S_DOWN_INPUT, S_DOWN_T, S_DOWN) = range(14)
+LAYER_STEPS = 14
+# Steps before and after the layers.
+S_EMBED, S_FINAL_NORM, S_HEAD_T, S_HEAD = 100, 101, 102, 103
+# Step kinds.
+SERIAL, TRANSPOSE, PROJECT, ATTEND = range(4)
+
+# Task sizes: decode rows per task (64 rows of a 576-wide int4 matrix is ~5 us of work, small
+# enough to balance 2 threads, large enough that taking a task costs nothing); prefill tiles per
+# task; attention items per task.
+DECODE_ROWS_PER_TASK = 64
+PREFILL_ROWS_PER_TASK = TILE_ROWS
+ATTENTION_TASKS_PER_THREAD = 8
+# Counters of a step: [next task to take, tasks finished], one cache line apart.
+SYNC_STRIDE = 8
+SPINS_BEFORE_YIELD = 2000
+
+
+@helper
+def param(params, offset, length):
+    return params[offset:offset + length]
+
+
+@helper
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+@helper
+def step_of(index, first, last, run_embedding):
+    """(layer or -1, step) of the index-th step of this call."""
+    if run_embedding:
+        if index == 0:
+            return -1, S_EMBED
+        index -= 1
+    n_layer_steps = (last - first) * LAYER_STEPS
+    if index < n_layer_steps:
+        return first + index // LAYER_STEPS, index % LAYER_STEPS
+    return -1, S_FINAL_NORM + (index - n_layer_steps)
+
+
+@helper
+def projection_rows(step, spec, weights, dims):
+    """Rows of the concatenated output space of a PROJECT step (q|k|v, gate rows, ...)."""
+    if step == S_QKV:
+        return weights[spec[L_Q], W_ROWS] + weights[spec[L_K], W_ROWS] + weights[spec[L_V], W_ROWS]
+    if step == S_O:
+        return weights[spec[L_O], W_ROWS]
+    if step == S_GATE_UP:
+        return weights[spec[L_GATE], W_ROWS]
+    if step == S_DOWN:
+        return weights[spec[L_DOWN], W_ROWS]
+    return weights[dims[M_LM_HEAD], W_ROWS]  # S_HEAD
+
+
+@helper
+def plan(step, spec, weights, dims, n_tokens, n_out, n_threads, run_head):
+    """(kind, number of tasks) of a step. Every thread computes this for itself."""
+    prefill = n_tokens > 1
+    if step == S_EMBED or step == S_INPUT_NORM or step == S_ROPE or step == S_MERGE or step == S_POST_NORM:
+        return SERIAL, 1
+    if step == S_DOWN_INPUT:
+        return SERIAL, 0 if prefill else 1  # decode prepares the down projection's input vector
+    if step == S_FINAL_NORM:
+        return SERIAL, 1 if run_head else 0
+    if step == S_INPUT_T or step == S_ATTN_T or step == S_POST_T or step == S_DOWN_T:
+        return TRANSPOSE, n_threads if prefill else 0
+    if step == S_HEAD_T:
+        return TRANSPOSE, n_threads if run_head and n_out > 1 else 0
+    if step == S_ATTEND:
+        if prefill:
+            return ATTEND, min(n_tokens * dims[M_HEADS], ATTENTION_TASKS_PER_THREAD * n_threads)
+        return ATTEND, dims[M_HEADS] * n_threads  # one task per (head, KV split), decode
+    if step == S_HEAD and not run_head:
+        return PROJECT, 0
+    rows = projection_rows(step, spec, weights, dims)
+    tokens = n_out if step == S_HEAD else n_tokens
+    per_task = PREFILL_ROWS_PER_TASK if tokens > 1 else DECODE_ROWS_PER_TASK
+    return PROJECT, ceil_div(rows, per_task)
+
+
+@helper
+def prepare_input(x, n_tokens, k_fill, x_natural, x_pairs, x_sums):
+    """Decode: the zero-padded, paired and chunk-summed forms of the one input vector."""
+    if n_tokens == 1:
+        prepare_vector(x[0], x_natural[:k_fill], x_pairs[:k_fill], x_sums[:k_fill // CHUNK])
+
+
+@helper
+def transpose_input(step, spec, weights, dims):
+    """Input code and K_padded (rows of xt to fill) of the projection after a TRANSPOSE step."""
+    if step == S_INPUT_T:
+        k = max(weights[spec[L_Q], W_COLS_PADDED], weights[spec[L_K], W_COLS_PADDED], weights[spec[L_V], W_COLS_PADDED])
+        return 0, k
+    if step == S_ATTN_T:
+        return 1, weights[spec[L_O], W_COLS_PADDED]
+    if step == S_POST_T:
+        return 0, max(weights[spec[L_GATE], W_COLS_PADDED], weights[spec[L_UP], W_COLS_PADDED])
+    if step == S_DOWN_T:
+        return 2, weights[spec[L_DOWN], W_COLS_PADDED]
+    return 0, weights[dims[M_LM_HEAD], W_COLS_PADDED]  # S_HEAD_T
+
+
+@helper
+def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, first_token, cos, sin, keys, values,
+               n_threads, x_natural, x_pairs, x_sums, embed_scratch, peaks, totals, accs, hidden, normed, qkv,
+               attn, gate):
+    d_model, n_heads, n_kv, head_dim = dims[M_HIDDEN], dims[M_HEADS], dims[M_KV_HEADS], dims[M_HEAD_DIM]
+    q_width, kv_width = n_heads * head_dim, n_kv * head_dim
+    if step == S_EMBED:
+        table = weights[dims[M_EMBED]]
+        for t in range(n_tokens):
+            embed_row(table, ids[t], embed_scratch, hidden[t])
+    elif step == S_INPUT_NORM or step == S_POST_NORM:
+        norm = param(params, spec[L_INPUT_NORM if step == S_INPUT_NORM else L_POST_NORM], d_model)
+        for t in range(n_tokens):
+            rms_norm_row(hidden[t], norm, eps, normed[t])
+        if step == S_INPUT_NORM:
+            k_fill = max(weights[spec[L_Q], W_COLS_PADDED], weights[spec[L_K], W_COLS_PADDED],
+                         weights[spec[L_V], W_COLS_PADDED])
+        else:
+            k_fill = max(weights[spec[L_GATE], W_COLS_PADDED], weights[spec[L_UP], W_COLS_PADDED])
+        prepare_input(normed, n_tokens, k_fill, x_natural, x_pairs, x_sums)
+    elif step == S_ROPE:  # per-head q/k norm (Qwen3), rotary embedding, cache write
+        for t in range(n_tokens):
+            row = qkv[t]
+            for h in range(n_heads + n_kv):
+                head = row[h * head_dim:(h + 1) * head_dim]
+                if h < n_heads and spec[L_Q_NORM] != NO_PARAM:
+                    rms_norm_row(head, param(params, spec[L_Q_NORM], head_dim), eps, head)
+                elif h >= n_heads and spec[L_K_NORM] != NO_PARAM:
+                    rms_norm_row(head, param(params, spec[L_K_NORM], head_dim), eps, head)
+                rope_row(head, cos[t], sin[t])
+            position = start + t
+            for h in range(n_kv):
+                for d in range(head_dim):
+                    keys[position, h, d] = row[q_width + h * head_dim + d]
+                    values[position, h, d] = row[q_width + kv_width + h * head_dim + d]
+    elif step == S_MERGE:
+        n_splits = 1 if n_tokens > 1 else n_threads
+        for t in range(n_tokens):
+            for h in range(n_heads):
+                at = (t * n_heads + h) * n_splits
+                merge_partials(peaks[at:at + n_splits], totals[at:at + n_splits], accs[at:at + n_splits],
+                               attn[t, h * head_dim:(h + 1) * head_dim])
+        prepare_input(attn, n_tokens, weights[spec[L_O], W_COLS_PADDED], x_natural, x_pairs, x_sums)
+    elif step == S_DOWN_INPUT:
+        prepare_input(gate, n_tokens, weights[spec[L_DOWN], W_COLS_PADDED], x_natural, x_pairs, x_sums)
+    elif step == S_FINAL_NORM:
+        n_out = n_tokens - first_token
+        norm = param(params, dims[M_FINAL_NORM], d_model)
+        for t in range(n_out):
+            rms_norm_row(hidden[first_token + t], norm, eps, normed[t])
+        prepare_input(normed, n_out, weights[dims[M_LM_HEAD], W_COLS_PADDED], x_natural, x_pairs, x_sums)
+
+
+@helper
+def project_rows(weights, w_index, bias_offset, params, row_begin, row_end, n_tokens, x_natural, x_pairs, x_sums, xt,
+                 tile, block, out, out_col, accumulate, row_scratch):
+    """out[:T, out_col + r] (+)= x W[r]^T (+ bias[r]) for r in [row_begin, row_end) of one weight."""
+    if row_end <= row_begin:
+        return
+    w = weights[w_index]
+    if n_tokens == 1:
+        if accumulate:
+            matvec_rows(w, row_begin, row_end, x_natural, x_pairs, x_sums, row_scratch)
+            for r in range(row_begin, row_end):
+                out[0, out_col + r] += row_scratch[r]
+        else:
+            matvec_rows(w, row_begin, row_end, x_natural, x_pairs, x_sums, out[0, out_col:out_col + w[W_ROWS]])
+    else:
+        gemm_rows(w, row_begin, row_end, xt, n_tokens, tile, block, out, out_col + row_begin, accumulate)
+    if bias_offset != NO_PARAM:
+        for t in range(n_tokens):
+            for r in range(row_begin, row_end):
+                out[t, out_col + r] += params[bias_offset + r]
+
+
+@helper
+def project_part(weights, params, w_index, bias_offset, offset, begin, end, n_tokens, x_natural, x_pairs, x_sums, xt,
+                 tile, block, out, out_col, accumulate, row_scratch):
+    """The part of task rows [begin, end) (of a concatenated output space) that falls in the weight
+    occupying [offset, offset + N)."""
+    n_rows = weights[w_index, W_ROWS]
+    lo, hi = max(begin, offset) - offset, min(end, offset + n_rows) - offset
+    project_rows(weights, w_index, bias_offset, params, lo, hi, n_tokens, x_natural, x_pairs, x_sums, xt, tile,
+                 block, out, out_col, accumulate, row_scratch)
+    return offset + n_rows
+
+
+@helper
+def run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, start, n_tokens, first_token, n_threads,
+             keys, values, key_positions, x_natural, x_pairs, x_sums, xt, tile, block, row_scratch, scores, peaks,
+             totals, accs, hidden, normed, qkv, attn, gate, up, logits):
+    n_heads, n_kv, head_dim = dims[M_HEADS], dims[M_KV_HEADS], dims[M_HEAD_DIM]
+    if kind == TRANSPOSE:
+        source, k_fill = transpose_input(step, spec, weights, dims)
+        chunks = ceil_div(k_fill, CHUNK)
+        k_begin = min(chunks * task // n_tasks * CHUNK, k_fill)
+        k_end = min(chunks * (task + 1) // n_tasks * CHUNK, k_fill)
+        if step == S_HEAD_T:
+            transpose_tokens(normed[:n_tokens - first_token], xt, k_begin, k_end)
+        elif source == 0:
+            transpose_tokens(normed[:n_tokens], xt, k_begin, k_end)
+        elif source == 1:
+            transpose_tokens(attn[:n_tokens], xt, k_begin, k_end)
+        else:
+            transpose_tokens(gate[:n_tokens, :dims[M_INTERMEDIATE]], xt, k_begin, k_end)
+    elif kind == PROJECT:
+        tokens = n_tokens - first_token if step == S_HEAD else n_tokens
+        per_task = PREFILL_ROWS_PER_TASK if tokens > 1 else DECODE_ROWS_PER_TASK
+        begin = task * per_task
+        end = min(begin + per_task, projection_rows(step, spec, weights, dims))
+        if step == S_QKV:
+            q_width = n_heads * head_dim
+            offset = project_part(weights, params, spec[L_Q], spec[L_Q_BIAS], 0, begin, end, tokens, x_natural, x_pairs,
+                                  x_sums, xt, tile, block, qkv, 0, False, row_scratch)
+            offset = project_part(weights, params, spec[L_K], spec[L_K_BIAS], offset, begin, end, tokens, x_natural,
+                                  x_pairs, x_sums, xt, tile, block, qkv, q_width, False, row_scratch)
+            project_part(weights, params, spec[L_V], spec[L_V_BIAS], offset, begin, end, tokens, x_natural, x_pairs,
+                         x_sums, xt, tile, block, qkv, q_width + n_kv * head_dim, False, row_scratch)
+        elif step == S_O:
+            project_rows(weights, spec[L_O], spec[L_O_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums, xt,
+                         tile, block, hidden, 0, True, row_scratch)
+        elif step == S_GATE_UP:  # gate and up rows [begin, end), then h = silu(gate) * up in place of gate
+            project_rows(weights, spec[L_GATE], spec[L_GATE_BIAS], params, begin, end, tokens, x_natural, x_pairs,
+                         x_sums, xt, tile, block, gate, 0, False, row_scratch)
+            project_rows(weights, spec[L_UP], spec[L_UP_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums,
+                         xt, tile, block, up, 0, False, row_scratch)
+            for t in range(tokens):
+                silu_times(gate[t, begin:end], up[t, begin:end], gate[t, begin:end])
+        elif step == S_DOWN:
+            project_rows(weights, spec[L_DOWN], spec[L_DOWN_BIAS], params, begin, end, tokens, x_natural, x_pairs,
+                         x_sums, xt, tile, block, hidden, 0, True, row_scratch)
+        else:  # S_HEAD
+            project_rows(weights, dims[M_LM_HEAD], NO_PARAM, params, begin, end, tokens, x_natural, x_pairs, x_sums,
+                         xt, tile, block, logits, 0, False, row_scratch)
+    else:  # ATTEND: items (token, head, KV split), see attention.py
+        n_splits = 1 if n_tokens > 1 else n_threads
+        n_items = n_tokens * n_heads * n_splits
+        group = n_heads // n_kv
+        window = spec[L_WINDOW]
+        for item in range(task, n_items, n_tasks):
+            split_index = item % n_splits
+            h = (item // n_splits) % n_heads
+            t = item // (n_splits * n_heads)
+            q_position = start + t
+            first_key, end_key = visible_range(key_positions, q_position, window)
+            length = end_key - first_key
+            s_begin = first_key + length * split_index // n_splits
+            s_end = first_key + length * (split_index + 1) // n_splits
+            peaks[item], totals[item] = partial_attention(
+                qkv[t, h * head_dim:(h + 1) * head_dim], keys, values, h // group, s_begin, s_end, key_positions,
+                q_position, window, scale, scores, accs[item])
+
+
+@helper
+def wait_for(address, target):
+    """Spin until the int64 at `address` reaches target, yielding the core after a while."""
+    spins = 0
+    while atomic_load(address) < target:
+        spins += 1
+        if spins >= SPINS_BEFORE_YIELD:
+            yield_processor()
+
+
+def _forward(weights, layers, params, dims, eps, scale, kv, capacity, ids, start, cos, sin, first, last,
+             run_embedding, run_head, all_logits, n_threads, hidden, normed, qkv, attn, gate, up, xt, x_natural,
+             x_pairs, x_sums, tiles, blocks, row_scratch, embed_scratch, scores, peaks, totals, accs, key_positions,
+             sync, logits):
+    n_tokens = ids.shape[0]
+    n_kv, head_dim = dims[M_KV_HEADS], dims[M_HEAD_DIM]
+    first_token = 0 if all_logits else n_tokens - 1
+    n_out = n_tokens - first_token
+    visible_keys = key_positions[:start + n_tokens]
+    n_steps = (1 if run_embedding else 0) + (last - first) * LAYER_STEPS + 4
+    sync[:n_steps] = 0
+    counters = sync.ctypes.data
+    for thread in prange(n_threads):
+        previous, previous_tasks = -1, 0
+        for index in range(n_steps):
+            layer, step = step_of(index, first, last, run_embedding)
+            spec = layers[max(layer, first)] if last > first else layers[0]
+            kind, n_tasks = plan(step, spec, weights, dims, n_tokens, n_out, n_threads, run_head)
+            if n_tasks == 0:
+                continue
+            if previous >= 0:  # a step starts when every task of the one before has finished
+                wait_for(counters + 8 * (previous * SYNC_STRIDE + 1), previous_tasks)
+            kv_layer = max(layer, 0)
+            keys = numba.carray(float32_pointer(kv[kv_layer, 0]), (capacity, n_kv, head_dim))
+            values = numba.carray(float32_pointer(kv[kv_layer, 1]), (capacity, n_kv, head_dim))
+            while True:
+                task = atomic_add(counters + 8 * index * SYNC_STRIDE, 1)
+                if task >= n_tasks:
+                    break
+                if kind == SERIAL:
+                    run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, first_token, cos, sin, keys,
+                               values, n_threads, x_natural, x_pairs, x_sums, embed_scratch, peaks, totals, accs,
+                               hidden, normed, qkv, attn, gate)
+                else:
+                    run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, start, n_tokens,
+                             first_token, n_threads, keys, values, visible_keys, x_natural, x_pairs, x_sums, xt,
+                             tiles[thread], blocks[thread], row_scratch, scores[thread], peaks, totals, accs, hidden,
+                             normed, qkv, attn, gate, up, logits)
+                atomic_add(counters + 8 * (index * SYNC_STRIDE + 1), 1)
+            previous, previous_tasks = index, n_tasks
+
+
+_i64_2d_ro, _i64_1d_ro = readonly(types.int64, 2), readonly(types.int64, 1)
+_f32_1d_ro, _f32_2d_ro = readonly(types.float32, 1), readonly(types.float32, 2)
+_f32_1d, _f32_2d, _f32_3d = mutable(types.float32, 1), mutable(types.float32, 2), mutable(types.float32, 3)
+FORWARD_SIGNATURE = types.void(
+    _i64_2d_ro, _i64_2d_ro, _f32_1d_ro, _i64_1d_ro, types.float32, types.float32,  # weights .. scale
+    _i64_2d_ro, types.int64, _i64_1d_ro, types.int64, _f32_2d_ro, _f32_2d_ro,  # kv .. sin
+    types.int64, types.int64, types.boolean, types.boolean, types.boolean, types.int64,  # first .. n_threads
+    _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d,  # hidden normed qkv attn gate up xt
+    _f32_1d, _f32_1d, _f32_1d, _f32_3d, _f32_2d, _f32_1d, _f32_2d,  # x_natural .. embed_scratch
+    _f32_2d, _f32_1d, _f32_1d, _f32_2d, _i64_1d_ro, mutable(types.int64, 2), _f32_2d,  # scores .. logits
+)
+forward_kernel = kernel(FORWARD_SIGNATURE, parallel=True)(_forward)
+
+
+def sync_rows(n_layers: int) -> int:
+    """Rows of the `sync` counter array a call over n_layers layers needs."""
+    return 1 + n_layers * LAYER_STEPS + 4

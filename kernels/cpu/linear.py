@@ -1,0 +1,353 @@
+"""y = x W^T (+ bias) for every weight kind, dequantizing on the fly.
+
+Decode (one token): a kind's `matvec` runs the hand-written row dot products of llvm_ir.py over
+a range of rows, four rows at a time so that each load of x serves four rows.
+
+Prefill (T tokens): a kind's `gemm` dequantizes TILE_ROWS weight rows once into a small f32 tile
+and multiplies that tile by every token through a register-blocked micro-kernel (TILE_M rows x
+TILE_T tokens), so dequantization is paid once per row, not once per token, and the loop is
+bound by multiply-adds. Tokens are read from xt, the input transposed (tokens minor) and
+zero-padded; each block of results is scattered into the output. Full f32 weight matrices are
+never materialised: the largest dequantized piece is one tile.
+
+Each kind's three kernels (matvec, gemm, dequantize) are compiled separately as C callbacks,
+only when a loaded model has a weight of that kind, and cached on disk; a weight's descriptor
+carries their addresses (W_MATVEC_FN, W_GEMM_FN, W_DEQUANTIZE_FN) and the helpers below call
+through them. Kernels that handle every kind are then compiled once and stay small.
+"""
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+from numba import prange, types
+
+from kernels.cpu import formats as wf
+from kernels.cpu.llvm_ir import (CHUNK, LANES, call_dequantize, call_gemm, call_matvec, float32_pointer, int64_pointer,
+                                 make_dequantize_rows, make_dot_rows, make_tile_times_tokens)
+from kernels.cpu.runtime import FASTMATH, helper, kernel, mutable, readonly
+
+TILE_M = 6  # weight rows per micro-kernel call
+TILE_T = 32  # tokens per micro-kernel call (two vectors of 16)
+TILE_ROWS = 48  # weight rows dequantized per tile: TILE_M * 8
+MATVEC_BLOCK = 4  # rows per row-dot call in decode
+
+K_F32, K_F16 = wf.F32, wf.F16
+K_INT4_SYM, K_INT4_AFFINE, K_INT8_SYM, K_INT8_AFFINE = wf.INT4_SYM, wf.INT4_AFFINE, wf.INT8_SYM, wf.INT8_AFFINE
+W_KIND, W_ROWS, W_COLS, W_COLS_PADDED = wf.W_KIND, wf.W_ROWS, wf.W_COLS, wf.W_COLS_PADDED
+W_DATA, W_ROW_BYTES, W_SCALES, W_OFFSETS = wf.W_DATA, wf.W_ROW_BYTES, wf.W_SCALES, wf.W_OFFSETS
+W_GROUPS, W_CHUNKS_PER_GROUP, W_FIELDS = wf.W_GROUPS, wf.W_CHUNKS_PER_GROUP, wf.W_FIELDS
+W_MATVEC_FN, W_GEMM_FN, W_DEQUANTIZE_FN = wf.W_MATVEC_FN, wf.W_GEMM_FN, wf.W_DEQUANTIZE_FN
+
+# The IR kernels of every kind, as module globals so that the per-kind callbacks below find them
+# by name (Numba resolves globals as compile-time constants).
+dot4_f32, dot4_f16 = make_dot_rows(wf.IR_FORMATS[K_F32], 4), make_dot_rows(wf.IR_FORMATS[K_F16], 4)
+dot1_f32, dot1_f16 = make_dot_rows(wf.IR_FORMATS[K_F32], 1), make_dot_rows(wf.IR_FORMATS[K_F16], 1)
+dot4_int4_sym, dot4_int4_affine = make_dot_rows(wf.IR_FORMATS[K_INT4_SYM], 4), make_dot_rows(wf.IR_FORMATS[K_INT4_AFFINE], 4)
+dot1_int4_sym, dot1_int4_affine = make_dot_rows(wf.IR_FORMATS[K_INT4_SYM], 1), make_dot_rows(wf.IR_FORMATS[K_INT4_AFFINE], 1)
+dot4_int8_sym, dot4_int8_affine = make_dot_rows(wf.IR_FORMATS[K_INT8_SYM], 4), make_dot_rows(wf.IR_FORMATS[K_INT8_AFFINE], 4)
+dot1_int8_sym, dot1_int8_affine = make_dot_rows(wf.IR_FORMATS[K_INT8_SYM], 1), make_dot_rows(wf.IR_FORMATS[K_INT8_AFFINE], 1)
+dequantize_f32, dequantize_f16 = make_dequantize_rows(wf.IR_FORMATS[K_F32]), make_dequantize_rows(wf.IR_FORMATS[K_F16])
+dequantize_int4_sym = make_dequantize_rows(wf.IR_FORMATS[K_INT4_SYM])
+dequantize_int4_affine = make_dequantize_rows(wf.IR_FORMATS[K_INT4_AFFINE])
+dequantize_int8_sym = make_dequantize_rows(wf.IR_FORMATS[K_INT8_SYM])
+dequantize_int8_affine = make_dequantize_rows(wf.IR_FORMATS[K_INT8_AFFINE])
+tile_times_tokens = make_tile_times_tokens(TILE_M, TILE_T // LANES)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels of one kind (C callbacks; every argument an int64: address, size or flag)
+
+_MATVEC_SIGNATURE = types.void(*([types.int64] * 7))
+_DEQUANTIZE_SIGNATURE = types.void(*([types.int64] * 5))
+_GEMM_SIGNATURE = types.void(*([types.int64] * 13))
+
+
+def _matvec_for(kind: int):
+    """out[r] = dot(W[r], x) for r in [row_begin, row_end)."""
+
+    def matvec(descriptor, row_begin, row_end, x, xp, xsum, out):
+        w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
+        data, row_bytes, scales, offsets = w[W_DATA], w[W_ROW_BYTES], w[W_SCALES], w[W_OFFSETS]
+        n_groups, chunks, cols = w[W_GROUPS], w[W_CHUNKS_PER_GROUP], w[W_COLS]
+        n_blocks = (row_end - row_begin) // MATVEC_BLOCK
+        tail = row_begin + n_blocks * MATVEC_BLOCK
+        # `kind` is a constant of this closure: Numba prunes every branch but one before typing.
+        if kind == K_INT4_AFFINE:
+            for b in range(n_blocks):
+                dot4_int4_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin + 4 * b, x, xp, xsum, out)
+            for r in range(tail, row_end):
+                dot1_int4_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+        elif kind == K_INT4_SYM:
+            for b in range(n_blocks):
+                dot4_int4_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin + 4 * b, x, xp, xsum, out)
+            for r in range(tail, row_end):
+                dot1_int4_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+        elif kind == K_INT8_SYM:
+            for b in range(n_blocks):
+                dot4_int8_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin + 4 * b, x, xp, xsum, out)
+            for r in range(tail, row_end):
+                dot1_int8_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+        elif kind == K_INT8_AFFINE:
+            for b in range(n_blocks):
+                dot4_int8_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin + 4 * b, x, xp, xsum, out)
+            for r in range(tail, row_end):
+                dot1_int8_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+        elif kind == K_F16:
+            for b in range(n_blocks):
+                dot4_f16(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin + 4 * b, x, xp, xsum, out)
+            for r in range(tail, row_end):
+                dot1_f16(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+        else:
+            for b in range(n_blocks):
+                dot4_f32(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin + 4 * b, x, xp, xsum, out)
+            for r in range(tail, row_end):
+                dot1_f32(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+
+    return matvec
+
+
+def _dequantize_for(kind: int):
+    """tile[r, :K_padded] = float32 values of W[row_begin + r] for r < n_rows (quantized padding as
+    stored; float rows zero-filled from K to K_padded)."""
+
+    def dequantize(descriptor, row_begin, n_rows, tile, tile_stride):
+        w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
+        data, row_bytes, scales, offsets = w[W_DATA], w[W_ROW_BYTES], w[W_SCALES], w[W_OFFSETS]
+        n_groups, chunks, cols = w[W_GROUPS], w[W_CHUNKS_PER_GROUP], w[W_COLS]
+        if kind == K_INT4_AFFINE:
+            dequantize_int4_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin, n_rows, tile, tile_stride)
+        elif kind == K_INT4_SYM:
+            dequantize_int4_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin, n_rows, tile, tile_stride)
+        elif kind == K_INT8_SYM:
+            dequantize_int8_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin, n_rows, tile, tile_stride)
+        elif kind == K_INT8_AFFINE:
+            dequantize_int8_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin, n_rows, tile, tile_stride)
+        else:
+            if kind == K_F16:
+                dequantize_f16(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin, n_rows, tile, tile_stride)
+            else:
+                dequantize_f32(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin, n_rows, tile, tile_stride)
+            padded = w[W_COLS_PADDED]
+            rows = numba.carray(float32_pointer(tile), (n_rows, tile_stride))
+            for r in range(n_rows):
+                for k in range(padded - cols):
+                    rows[r, cols + k] = 0.0
+
+    return dequantize
+
+
+def gemm(descriptor, row_begin, row_end, xt, xt_stride, n_tokens, tile, tile_stride, block, out, out_stride,
+         out_col, accumulate):
+    """out[t, out_col + r - row_begin] (+)= dot(W[r], x[t]) for r in [row_begin, row_end), t < n_tokens.
+
+    xt: x transposed, [>= K_padded rows, xt_stride (padded tokens) columns], zero-padded. tile:
+    [TILE_ROWS, tile_stride >= K_padded] and block: [TILE_M * TILE_T], both private to the caller's
+    thread. out: [>= n_tokens, out_stride]. The same for every kind: the tile is filled by the
+    kind's dequantize callback, found through the descriptor."""
+    w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
+    depth = w[W_COLS_PADDED]
+    tiles = numba.carray(float32_pointer(tile), (TILE_ROWS, tile_stride))
+    results = numba.carray(float32_pointer(block), (TILE_M * TILE_T,))
+    outputs = numba.carray(float32_pointer(out), (n_tokens, out_stride))
+    for tile_begin in range(row_begin, row_end, TILE_ROWS):
+        n_rows = min(TILE_ROWS, row_end - tile_begin)
+        call_dequantize(w[W_DEQUANTIZE_FN], descriptor, tile_begin, n_rows, tile, tile_stride)
+        filled = -(-n_rows // TILE_M) * TILE_M
+        for r in range(filled - n_rows):  # rows of the last micro-block that W does not have
+            for k in range(depth):
+                tiles[n_rows + r, k] = 0.0
+        for t_begin in range(0, n_tokens, TILE_T):
+            n_t = min(TILE_T, n_tokens - t_begin)
+            for m_begin in range(0, n_rows, TILE_M):
+                tile_times_tokens(tile + 4 * m_begin * tile_stride, tile_stride, xt + 4 * t_begin, xt_stride,
+                                  depth, block)
+                n_m = min(TILE_M, n_rows - m_begin)
+                first_col = out_col + tile_begin - row_begin + m_begin
+                for m in range(n_m):
+                    col = first_col + m
+                    if accumulate:
+                        for t in range(n_t):
+                            outputs[t_begin + t, col] += results[m * TILE_T + t]
+                    else:
+                        for t in range(n_t):
+                            outputs[t_begin + t, col] = results[m * TILE_T + t]
+
+
+class _KindKernels:
+    """The compiled callbacks of each kind, built (or loaded from Numba's cache) on first request."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._callbacks: dict[int, tuple] = {}  # kind -> (matvec, dequantize) cfunc objects
+        self._gemm = None
+
+    def addresses(self, kind: int) -> tuple[int, int, int]:
+        """(matvec, gemm, dequantize) addresses for a kind; the cfunc objects stay referenced here."""
+        options = dict(cache=True, fastmath=set(FASTMATH))
+        with self._lock:
+            if kind not in self._callbacks:
+                self._callbacks[kind] = (numba.cfunc(_MATVEC_SIGNATURE, **options)(_matvec_for(kind)),
+                                         numba.cfunc(_DEQUANTIZE_SIGNATURE, **options)(_dequantize_for(kind)))
+            if self._gemm is None:
+                self._gemm = numba.cfunc(_GEMM_SIGNATURE, **options)(gemm)
+            matvec, dequantize = self._callbacks[kind]
+            return matvec.address, self._gemm.address, dequantize.address
+
+    def compiled_kinds(self) -> list[str]:
+        return [wf.KIND_NAMES[kind] for kind in sorted(self._callbacks)]
+
+
+KIND_KERNELS = _KindKernels()
+
+
+def attach_kernels(descriptor: np.ndarray) -> np.ndarray:
+    """Fill a descriptor's kernel addresses (compiling its kind's kernels if needed)."""
+    kind = int(descriptor[W_KIND])
+    descriptor[W_MATVEC_FN], descriptor[W_GEMM_FN], descriptor[W_DEQUANTIZE_FN] = KIND_KERNELS.addresses(kind)
+    return descriptor
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers that kernels call: inputs, and the kind's kernels through the descriptor
+
+
+@helper
+def prepare_vector(x, x_natural, x_pairs, x_chunk_sums):
+    """x [K] -> x_natural (zero-padded), x_pairs (per chunk of 32: evens then odds, the order of
+    int4 nibbles) and x_chunk_sums (sum of each chunk); the outputs' length fixes the padding."""
+    k = x.shape[0]
+    padded = x_natural.shape[0]
+    for i in range(k):
+        x_natural[i] = x[i]
+    for i in range(padded - k):
+        x_natural[k + i] = 0.0
+    for chunk in range(padded // CHUNK):
+        base = chunk * CHUNK
+        total = np.float32(0.0)
+        for j in range(CHUNK // 2):
+            even = x_natural[base + 2 * j]
+            odd = x_natural[base + 2 * j + 1]
+            x_pairs[base + j] = even
+            x_pairs[base + CHUNK // 2 + j] = odd
+            total += even + odd
+        x_chunk_sums[chunk] = total
+
+
+@helper
+def transpose_tokens(x, xt, k_begin, k_end):
+    """xt[k, t] = x[t, k] for k in [k_begin, k_end): zero beyond x's columns and rows."""
+    n_tokens, k = x.shape
+    padded_tokens = xt.shape[1]
+    for kk in range(k_end - k_begin):
+        col = k_begin + kk
+        row = xt[col]
+        if col < k:
+            for t in range(n_tokens):
+                row[t] = x[t, col]
+            for t in range(padded_tokens - n_tokens):
+                row[n_tokens + t] = 0.0
+        else:
+            for t in range(padded_tokens):
+                row[t] = 0.0
+
+
+def padded_tokens(n_tokens: int) -> int:
+    return -(-n_tokens // TILE_T) * TILE_T
+
+
+@helper
+def matvec_rows(w, row_begin, row_end, x_natural, x_pairs, x_chunk_sums, out):
+    """out[r] = dot(W[r], x) for r in [row_begin, row_end) (out indexed by weight row)."""
+    if row_end > row_begin:
+        call_matvec(w[W_MATVEC_FN], w.ctypes.data, row_begin, row_end, x_natural.ctypes.data, x_pairs.ctypes.data,
+                    x_chunk_sums.ctypes.data, out.ctypes.data)
+
+
+@helper
+def dequantize_rows(w, row_begin, n_rows, tile):
+    """tile[r, :K_padded] = float32 values of W[row_begin + r]."""
+    call_dequantize(w[W_DEQUANTIZE_FN], w.ctypes.data, row_begin, n_rows, tile.ctypes.data, tile.shape[1])
+
+
+@helper
+def gemm_rows(w, row_begin, row_end, xt, n_tokens, tile, block, out, out_col, accumulate):
+    """out[t, out_col + r - row_begin] (+)= dot(W[r], x[t]) for r in [row_begin, row_end), t < n_tokens."""
+    if row_end > row_begin:
+        call_gemm(w[W_GEMM_FN], w.ctypes.data, row_begin, row_end, xt.ctypes.data, xt.shape[1], n_tokens,
+                  tile.ctypes.data, tile.shape[1], block.ctypes.data, out.ctypes.data, out.shape[1], out_col,
+                  1 if accumulate else 0)
+
+
+@helper
+def add_bias(out, t_begin, t_end, col, bias):
+    """out[t, col + i] += bias[i] for t in [t_begin, t_end)."""
+    for t in range(t_begin, t_end):
+        for i in range(bias.shape[0]):
+            out[t, col + i] += bias[i]
+
+
+@helper
+def split(total, parts, part, align):
+    """[begin, end) of part `part` of `parts` near-equal pieces of range(total), cut at multiples of align."""
+    units = -(-total // align)
+    begin = (units * part // parts) * align
+    end = (units * (part + 1) // parts) * align
+    return min(begin, total), min(end, total)
+
+
+# --------------------------------------------------------------------------------------------
+# Public kernel (op by op): the backend's `linear`
+
+_f32_2d, _f32_1d, _f32_3d = mutable(types.float32, 2), mutable(types.float32, 1), mutable(types.float32, 3)
+_LINEAR_SIGNATURE = types.void(readonly(types.int64, 1), readonly(types.float32, 2), readonly(types.float32, 1),
+                               types.boolean, _f32_2d, types.int64, _f32_3d, _f32_2d, _f32_1d, _f32_1d, _f32_1d,
+                               _f32_2d, _f32_1d)
+
+
+@kernel(_LINEAR_SIGNATURE, parallel=True)
+def linear_kernel(w, x, bias, has_bias, out, n_threads, tiles, blocks, x_natural, x_pairs, x_sums, xt, row_out):
+    """out [T, N] = x [T, K] W^T (+ bias); W given by its descriptor; the rest is scratch.
+
+    Decode runs one parallel stage (row dot products), prefill two (transpose x, then tiles)."""
+    n_tokens = x.shape[0]
+    n_rows = w[W_ROWS]
+    if n_tokens == 1:
+        prepare_vector(x[0], x_natural, x_pairs, x_sums)
+    for stage in range(1 if n_tokens == 1 else 2):
+        for part in prange(n_threads):
+            if n_tokens == 1:
+                begin, end = split(n_rows, n_threads, part, MATVEC_BLOCK)
+                matvec_rows(w, begin, end, x_natural, x_pairs, x_sums, row_out)
+            elif stage == 0:
+                k_begin, k_end = split(xt.shape[0], n_threads, part, CHUNK)
+                transpose_tokens(x, xt, k_begin, k_end)
+            else:
+                begin, end = split(n_rows, n_threads, part, TILE_M)
+                gemm_rows(w, begin, end, xt, n_tokens, tiles[part], blocks[part], out, begin, False)
+    if n_tokens == 1:
+        for r in range(n_rows):
+            out[0, r] = row_out[r]
+    if has_bias:
+        add_bias(out, 0, n_tokens, 0, bias)
+
+
+def linear(descriptor: np.ndarray, x: np.ndarray, bias: np.ndarray | None, n_threads: int) -> np.ndarray:
+    """x [T, K] float32 times the weight described by `descriptor`, plus bias: -> [T, N] float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n_tokens, k = x.shape
+    if k != descriptor[W_COLS]:
+        raise ValueError(f"linear: x has {k} features, the weight expects {descriptor[W_COLS]}")
+    n_rows, k_padded = int(descriptor[W_ROWS]), int(descriptor[W_COLS_PADDED])
+    out = np.empty((n_tokens, n_rows), np.float32)
+    prefill = n_tokens > 1
+    tiles = np.empty((n_threads, TILE_ROWS, k_padded) if prefill else (n_threads, 1, 1), np.float32)
+    blocks = np.empty((n_threads, TILE_M * TILE_T), np.float32)
+    vector_len = CHUNK if prefill else k_padded
+    xt = np.empty((k_padded, padded_tokens(n_tokens)) if prefill else (1, 1), np.float32)
+    bias_array = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+    linear_kernel(descriptor, x, bias_array, bias is not None, out, n_threads, tiles, blocks,
+                  np.empty(vector_len, np.float32), np.empty(vector_len, np.float32),
+                  np.empty(vector_len // CHUNK, np.float32), xt, np.empty(n_rows, np.float32))
+    return out

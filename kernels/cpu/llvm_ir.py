@@ -1,0 +1,514 @@
+"""Hand-written LLVM IR for the inner loops that Numba's auto-vectoriser does not produce well.
+
+Each function here is a Numba `@intrinsic`: its IR is emitted into the calling kernel, so it is
+compiled, optimised and cached together with that kernel. The IR uses LLVM's generic vector types
+(<16 x float>, <16 x i8>) and generic intrinsics (llvm.vector.reduce.fadd, llvm.masked.*) only, so
+LLVM lowers it to whatever the host has: AVX-512 zmm registers on this machine, pairs of ymm on an
+AVX2 machine, NEON quads on ARM. No x86-only intrinsic is emitted, so nothing depends on CPU
+feature flags being truthful.
+
+Arguments are int64 byte addresses and sizes; the calling kernel owns the arrays (and their
+lifetime) and passes `array.ctypes.data`. Layouts (quant/formats.py):
+
+    int4: a chunk of 32 weights is 16 bytes; byte j holds weight 2j (low nibble) and 2j+1 (high).
+    int8: a chunk of 32 weights is 32 bytes, one code per byte.
+    A group (one f16 scale, one f16 offset if affine) is 1, 2 or 4 chunks (group size 32/64/128).
+
+Dot products with x use x prepared once per input vector (kernels/cpu/linear.py):
+    x     f32 [K_pad]   natural order, zero beyond K
+    xp    f32 [K_pad]   int4 order: per chunk of 32, the 16 even elements then the 16 odd ones
+    xsum  f32 [K_pad/32] sum of each chunk of 32
+
+so that a row's dot product is, per group g with scale s and offset o,
+    affine:    s * sum(q * x) + o * sum(x)
+    symmetric: s * sum(q * x) - z * s * sum(x)      (z = 8 for int4, 128 for int8)
+and the codes q never need their zero point subtracted inside the loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kernels.cpu.runtime import IR_FASTMATH
+
+LANES = 16  # f32 lanes per vector: one zmm on AVX-512, two ymm elsewhere (LLVM splits it)
+CHUNK = 32  # weights per chunk: the smallest group size
+
+F32, F16 = ir.FloatType(), ir.HalfType()
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+V16F = ir.VectorType(F32, LANES)
+V16I8, V32I8 = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
+V16I16 = ir.VectorType(I16, 16)
+V16H = ir.VectorType(F16, 16)
+
+
+@dataclass(frozen=True)
+class IrFormat:
+    """How a weight row is stored, as far as the emitted IR cares."""
+
+    name: str
+    bits: int  # 4, 8 (codes) or 16, 32 (floats)
+    affine: bool = False
+
+    @property
+    def is_float(self) -> bool:
+        return self.bits >= 16
+
+    @property
+    def zero_point(self) -> int:
+        return 1 << (self.bits - 1)
+
+
+class Emitter:
+    """Small helpers over an llvmlite IRBuilder: addresses, vectors, fast-math arithmetic."""
+
+    def __init__(self, builder: ir.IRBuilder):
+        self.b = builder
+
+    @staticmethod
+    def i64(value: int) -> ir.Constant:
+        return ir.Constant(I64, value)
+
+    def address(self, base, *terms):
+        """base + sum(terms), each term an i64 value or an (i64 value, int scale) pair."""
+        result = base
+        for term in terms:
+            if isinstance(term, tuple):
+                value, scale = term
+                term = self.b.mul(value, self.i64(scale)) if isinstance(scale, int) else self.b.mul(value, scale)
+            result = self.b.add(result, term)
+        return result
+
+    def load(self, ty, address, align: int):
+        return self.b.load(self.b.inttoptr(address, ty.as_pointer()), align=align)
+
+    def store(self, value, address, align: int) -> None:
+        self.b.store(value, self.b.inttoptr(address, value.type.as_pointer()), align=align)
+
+    def half(self, address):
+        return self.b.fpext(self.load(F16, address, 2), F32)
+
+    def splat(self, scalar, lanes: int = LANES):
+        vec_type = ir.VectorType(scalar.type, lanes)
+        vec = self.b.insert_element(ir.Constant(vec_type, ir.Undefined), scalar, ir.Constant(I32, 0))
+        return self.b.shuffle_vector(vec, ir.Constant(vec_type, ir.Undefined), ir.Constant(ir.VectorType(I32, lanes), [0] * lanes))
+
+    def fmul(self, a, b):
+        return self.b.fmul(a, b, flags=IR_FASTMATH)
+
+    def fadd(self, a, b):
+        return self.b.fadd(a, b, flags=IR_FASTMATH)
+
+    def fma(self, a, b, c):
+        """a * b + c; with 'contract' LLVM fuses it into one instruction."""
+        return self.fadd(self.fmul(a, b), c)
+
+    def hsum(self, vector):
+        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(F32, [F32, vector.type]),
+                                            f"llvm.vector.reduce.fadd.v{vector.type.count}f32")
+        return self.b.call(fn, [ir.Constant(F32, 0.0), vector], fastmath=IR_FASTMATH)
+
+    def variable(self, initial):
+        """A mutable local (an alloca in the entry block; mem2reg turns it into a register)."""
+        return cgutils.alloca_once_value(self.b, initial)
+
+    def loop(self, count):
+        return cgutils.for_range(self.b, count)
+
+    def prefetch_range(self, begin, n_bytes):
+        """Hint the lines of [begin, begin + n_bytes) into cache (llvm.prefetch never faults, so
+        addresses past the end of a matrix are harmless)."""
+        prefetch = cgutils.get_or_insert_function(
+            self.b.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
+        n_lines = self.b.udiv(self.b.add(n_bytes, self.i64(63)), self.i64(64))
+        with self.loop(n_lines) as line_loop:
+            address = self.address(begin, (line_loop.index, 64))
+            self.b.call(prefetch, [self.b.inttoptr(address, I8.as_pointer()), ir.Constant(I32, 0),
+                                   ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+    def unpack_int4(self, packed):
+        """<16 x i8> bytes -> (low nibbles, high nibbles): weights 2j and 2j+1 of the chunk."""
+        low = self.b.and_(packed, ir.Constant(V16I8, [0x0F] * 16))
+        high = self.b.lshr(packed, ir.Constant(V16I8, [4] * 16))
+        return low, high
+
+    def codes_to_float(self, codes):
+        return self.b.uitofp(codes, ir.VectorType(F32, codes.type.count))
+
+    def halves(self, vector32):
+        """<32 x T> -> its two <16 x T> halves."""
+        first = self.b.shuffle_vector(vector32, vector32, ir.Constant(ir.VectorType(I32, 16), list(range(16))))
+        second = self.b.shuffle_vector(vector32, vector32, ir.Constant(ir.VectorType(I32, 16), list(range(16, 32))))
+        return first, second
+
+
+INT64_ARGS = types.int64
+
+
+# --------------------------------------------------------------------------------------------
+# Decode: dot products of weight rows with one input vector
+
+
+def _quantized_chunk_dot(e: Emitter, fmt: IrFormat, row_data, chunk, x, xp):
+    """sum over one chunk of 32 weights of q * x, as a <16 x float> of partial sums."""
+    if fmt.bits == 4:
+        packed = e.load(V16I8, e.address(row_data, (chunk, 16)), 1)
+        low, high = e.unpack_int4(packed)
+        x_even = e.load(V16F, e.address(xp, (chunk, 128)), 4)
+        x_odd = e.load(V16F, e.address(xp, (chunk, 128), e.i64(64)), 4)
+        return e.fma(e.codes_to_float(low), x_even, e.fmul(e.codes_to_float(high), x_odd))
+    codes = e.load(V32I8, e.address(row_data, (chunk, 32)), 1)
+    first, second = e.halves(codes)
+    x_first = e.load(V16F, e.address(x, (chunk, 128)), 4)
+    x_second = e.load(V16F, e.address(x, (chunk, 128), e.i64(64)), 4)
+    return e.fma(e.codes_to_float(first), x_first, e.fmul(e.codes_to_float(second), x_second))
+
+
+# Decode streams the weights once per token: while one block of rows is multiplied, the block
+# PREFETCH_BLOCKS ahead is requested, so that memory latency overlaps the arithmetic.
+PREFETCH_BLOCKS = 2
+
+
+def _prefetch_rows_ahead(e: Emitter, n_rows: int, row0, row_bytes, arrays_and_row_sizes):
+    ahead = e.b.add(row0, e.i64(PREFETCH_BLOCKS * n_rows))
+    for base, bytes_per_row in arrays_and_row_sizes:
+        e.prefetch_range(e.address(base, (ahead, bytes_per_row)), e.b.mul(bytes_per_row, e.i64(n_rows)))
+
+
+def _emit_quantized_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
+    data, row_bytes, scales, offsets, n_groups, chunks_per_group, _cols, row0, x, xp, xsum, out = args
+    group_bytes = e.b.mul(n_groups, e.i64(2))
+    _prefetch_rows_ahead(e, n_rows, row0, row_bytes,
+                         [(data, row_bytes), (scales, group_bytes)] + ([(offsets, group_bytes)] if fmt.affine else []))
+    zero = ir.Constant(V16F, [0.0] * LANES)
+    accumulators = [e.variable(zero) for _ in range(n_rows)]
+    corrections = [e.variable(ir.Constant(F32, 0.0)) for _ in range(n_rows)]
+    rows = [e.b.add(row0, e.i64(r)) for r in range(n_rows)]
+    row_data = [e.address(data, (row, row_bytes)) for row in rows]
+    row_scales = [e.address(scales, (row, e.b.mul(n_groups, e.i64(2)))) for row in rows]
+    row_offsets = [e.address(offsets, (row, e.b.mul(n_groups, e.i64(2)))) for row in rows]
+    with e.loop(n_groups) as group_loop:
+        group = group_loop.index
+        first_chunk = e.b.mul(group, chunks_per_group)
+        # sum of x over the group: chunk sums, added up (1, 2 or 4 of them)
+        group_xsum = e.variable(ir.Constant(F32, 0.0))
+        with e.loop(chunks_per_group) as chunk_loop:
+            chunk = e.b.add(first_chunk, chunk_loop.index)
+            e.b.store(e.fadd(e.b.load(group_xsum), e.load(F32, e.address(xsum, (chunk, 4)), 4)), group_xsum)
+        x_group_sum = e.b.load(group_xsum)
+        scale_vectors = []
+        for r in range(n_rows):
+            scale = e.half(e.address(row_scales[r], (group, 2)))
+            scale_vectors.append(e.splat(scale))
+            weight_of_sum = e.half(e.address(row_offsets[r], (group, 2))) if fmt.affine else scale
+            e.b.store(e.fma(weight_of_sum, x_group_sum, e.b.load(corrections[r])), corrections[r])
+        with e.loop(chunks_per_group) as chunk_loop:
+            chunk = e.b.add(first_chunk, chunk_loop.index)
+            for r in range(n_rows):
+                partial = _quantized_chunk_dot(e, fmt, row_data[r], chunk, x, xp)
+                e.b.store(e.fma(partial, scale_vectors[r], e.b.load(accumulators[r])), accumulators[r])
+    for r in range(n_rows):
+        correction = e.b.load(corrections[r])
+        if not fmt.affine:
+            correction = e.fmul(correction, ir.Constant(F32, -float(fmt.zero_point)))
+        total = e.fadd(e.hsum(e.b.load(accumulators[r])), correction)
+        e.store(total, e.address(out, (rows[r], 4)), 4)
+
+
+def _load_float_weights(e: Emitter, fmt: IrFormat, address):
+    if fmt.bits == 32:
+        return e.load(V16F, address, 4)
+    return e.b.fpext(e.b.bitcast(e.load(V16I16, address, 2), V16H), V16F)
+
+
+def _load_float_weight(e: Emitter, fmt: IrFormat, address):
+    return e.load(F32, address, 4) if fmt.bits == 32 else e.half(address)
+
+
+def _emit_float_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
+    data, row_bytes, _scales, _offsets, _n_groups, _cpg, cols, row0, x, _xp, _xsum, out = args
+    _prefetch_rows_ahead(e, n_rows, row0, row_bytes, [(data, row_bytes)])
+    width = fmt.bits // 8
+    zero = ir.Constant(V16F, [0.0] * LANES)
+    accumulators = [e.variable(zero) for _ in range(n_rows)]
+    tails = [e.variable(ir.Constant(F32, 0.0)) for _ in range(n_rows)]
+    rows = [e.b.add(row0, e.i64(r)) for r in range(n_rows)]
+    row_data = [e.address(data, (row, row_bytes)) for row in rows]
+    n_vectors = e.b.udiv(cols, e.i64(LANES))
+    with e.loop(n_vectors) as vector_loop:
+        v = vector_loop.index
+        xv = e.load(V16F, e.address(x, (v, 4 * LANES)), 4)
+        for r in range(n_rows):
+            w = _load_float_weights(e, fmt, e.address(row_data[r], (v, width * LANES)))
+            e.b.store(e.fma(w, xv, e.b.load(accumulators[r])), accumulators[r])
+    first_tail = e.b.mul(n_vectors, e.i64(LANES))
+    with e.loop(e.b.sub(cols, first_tail)) as tail_loop:
+        k = e.b.add(first_tail, tail_loop.index)
+        xk = e.load(F32, e.address(x, (k, 4)), 4)
+        for r in range(n_rows):
+            w = _load_float_weight(e, fmt, e.address(row_data[r], (k, width)))
+            e.b.store(e.fma(w, xk, e.b.load(tails[r])), tails[r])
+    for r in range(n_rows):
+        total = e.fadd(e.hsum(e.b.load(accumulators[r])), e.b.load(tails[r]))
+        e.store(total, e.address(out, (rows[r], 4)), 4)
+
+
+def make_dot_rows(fmt: IrFormat, n_rows: int):
+    """Intrinsic: out[row0 + r] = dot(weight row row0 + r, x) for r < n_rows (no bias).
+
+    Arguments (all int64): data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols,
+    row0, x, xp, xsum, out. Reading n_rows rows together shares each load of x between them."""
+
+    @intrinsic
+    def dot_rows(typingctx, data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
+                 x, xp, xsum, out):
+        signature = types.void(*([INT64_ARGS] * 12))
+
+        def codegen(context, builder, sig, args):
+            e = Emitter(builder)
+            if fmt.is_float:
+                _emit_float_dot_rows(e, fmt, n_rows, args)
+            else:
+                _emit_quantized_dot_rows(e, fmt, n_rows, args)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    dot_rows.__name__ = f"dot_rows_{fmt.name}_{n_rows}"
+    return dot_rows
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill: dequantize a block of rows into an f32 tile, then multiply the tile by many tokens
+
+
+def _emit_dequantize_rows(e: Emitter, fmt: IrFormat, args):
+    data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0, n_rows, tile, tile_stride = args
+    with e.loop(n_rows) as row_loop:
+        row = e.b.add(row0, row_loop.index)
+        row_data = e.address(data, (row, row_bytes))
+        tile_row = e.address(tile, (row_loop.index, e.b.mul(tile_stride, e.i64(4))))
+        if fmt.is_float:
+            _emit_float_row_copy(e, fmt, row_data, cols, tile_row)
+        else:
+            _emit_quantized_row(e, fmt, row_data, row, scales, offsets, n_groups, chunks_per_group, tile_row)
+
+
+def _emit_quantized_row(e: Emitter, fmt: IrFormat, row_data, row, scales, offsets, n_groups, chunks_per_group,
+                        tile_row):
+    row_scales = e.address(scales, (row, e.b.mul(n_groups, e.i64(2))))
+    row_offsets = e.address(offsets, (row, e.b.mul(n_groups, e.i64(2))))
+    zero_point = ir.Constant(V16F, [float(fmt.zero_point)] * LANES)
+    with e.loop(n_groups) as group_loop:
+        group = group_loop.index
+        scale = e.splat(e.half(e.address(row_scales, (group, 2))))
+        offset = e.splat(e.half(e.address(row_offsets, (group, 2)))) if fmt.affine else None
+        with e.loop(chunks_per_group) as chunk_loop:
+            chunk = e.b.add(e.b.mul(group, chunks_per_group), chunk_loop.index)
+            if fmt.bits == 4:
+                low, high = e.unpack_int4(e.load(V16I8, e.address(row_data, (chunk, 16)), 1))
+                # interleave back to natural order: weight 2j = low[j], weight 2j+1 = high[j]
+                codes = e.b.shuffle_vector(low, high, ir.Constant(
+                    ir.VectorType(I32, 32), [i // 2 + (16 if i % 2 else 0) for i in range(32)]))
+            else:
+                codes = e.load(V32I8, e.address(row_data, (chunk, 32)), 1)
+            for half_index, half_codes in enumerate(e.halves(codes)):
+                q = e.codes_to_float(half_codes)
+                # The reference's arithmetic, without fused multiply-add, so that the tile holds exactly
+                # quant.dequantize's values: s * q + o (affine) or s * (q - z) (symmetric).
+                if fmt.affine:
+                    value = e.b.fadd(e.b.fmul(scale, q), offset)
+                else:
+                    value = e.b.fmul(scale, e.b.fsub(q, zero_point))
+                destination = e.address(tile_row, (chunk, 4 * CHUNK), e.i64(4 * LANES * half_index))
+                e.store(value, destination, 4)
+
+
+def _emit_float_row_copy(e: Emitter, fmt: IrFormat, row_data, cols, tile_row):
+    width = fmt.bits // 8
+    n_vectors = e.b.udiv(cols, e.i64(LANES))
+    with e.loop(n_vectors) as vector_loop:
+        v = vector_loop.index
+        e.store(_load_float_weights(e, fmt, e.address(row_data, (v, width * LANES))),
+                e.address(tile_row, (v, 4 * LANES)), 4)
+    first_tail = e.b.mul(n_vectors, e.i64(LANES))
+    with e.loop(e.b.sub(cols, first_tail)) as tail_loop:
+        k = e.b.add(first_tail, tail_loop.index)
+        e.store(_load_float_weight(e, fmt, e.address(row_data, (k, width))), e.address(tile_row, (k, 4)), 4)
+
+
+def make_dequantize_rows(fmt: IrFormat):
+    """Intrinsic: tile[r, :] = float32 values of weight row row0 + r, for r < n_rows.
+
+    Arguments (all int64): data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
+    n_rows, tile, tile_stride (elements between tile rows). Quantized rows are written in full
+    groups (n_groups * group_size values, padding included); float rows write `cols` values."""
+
+    @intrinsic
+    def dequantize_rows(typingctx, data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
+                        n_rows, tile, tile_stride):
+        signature = types.void(*([INT64_ARGS] * 11))
+
+        def codegen(context, builder, sig, args):
+            _emit_dequantize_rows(Emitter(builder), fmt, args)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    dequantize_rows.__name__ = f"dequantize_rows_{fmt.name}"
+    return dequantize_rows
+
+
+def make_tile_times_tokens(rows: int, token_vectors: int):
+    """Intrinsic: block[r, t] = sum_k tile[r, k] * xt[k, t] for r < rows, t < 16 * token_vectors.
+
+    Arguments (all int64): tile (f32, rows apart by tile_stride elements), tile_stride, xt (f32
+    tokens-minor: xt[k, t] at xt + 4 * (k * xt_stride + t)), xt_stride, depth (number of k), block
+    (f32 [rows, 16 * token_vectors], written). The register block holds rows * token_vectors
+    accumulators; each k costs token_vectors loads of x, `rows` broadcasts of a weight and
+    rows * token_vectors fused multiply-adds, so the loop is bound by multiply-adds, not loads."""
+
+    @intrinsic
+    def tile_times_tokens(typingctx, tile, tile_stride, xt, xt_stride, depth, block):
+        signature = types.void(*([INT64_ARGS] * 6))
+
+        def codegen(context, builder, sig, args):
+            tile, tile_stride, xt, xt_stride, depth, block = args
+            e = Emitter(builder)
+            zero = ir.Constant(V16F, [0.0] * LANES)
+            accumulators = [[e.variable(zero) for _ in range(token_vectors)] for _ in range(rows)]
+            tile_rows = [e.address(tile, (e.b.mul(tile_stride, e.i64(r)), 4)) for r in range(rows)]
+            with e.loop(depth) as k_loop:
+                k = k_loop.index
+                x_row = e.address(xt, (e.b.mul(k, xt_stride), 4))
+                xs = [e.load(V16F, e.address(x_row, e.i64(4 * LANES * j)), 4) for j in range(token_vectors)]
+                for r in range(rows):
+                    w = e.splat(e.load(F32, e.address(tile_rows[r], (k, 4)), 4))
+                    for j in range(token_vectors):
+                        acc = accumulators[r][j]
+                        builder.store(e.fma(w, xs[j], builder.load(acc)), acc)
+            for r in range(rows):
+                for j in range(token_vectors):
+                    destination = e.address(block, e.i64(4 * (r * token_vectors * LANES + j * LANES)))
+                    e.store(builder.load(accumulators[r][j]), destination, 4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    tile_times_tokens.__name__ = f"tile_times_tokens_{rows}x{16 * token_vectors}"
+    return tile_times_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# Scalars Numba has no type for
+
+
+@intrinsic
+def half_to_float(typingctx, bits):
+    """float32 value of an IEEE half given as its uint16 bit pattern (Numba has no float16 on CPU)."""
+    signature = types.float32(types.uint16)
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], F16), F32)
+
+    return signature, codegen
+
+
+@intrinsic
+def float32_pointer(typingctx, address):
+    """A float32 pointer at an int64 address, for numba.carray views of buffers the caller owns."""
+    signature = types.CPointer(types.float32)(types.int64)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], F32.as_pointer())
+
+    return signature, codegen
+
+
+@intrinsic
+def int64_pointer(typingctx, address):
+    """An int64 pointer at an int64 address (a weight descriptor row, read by a kind's kernels)."""
+    signature = types.CPointer(types.int64)(types.int64)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], I64.as_pointer())
+
+    return signature, codegen
+
+
+def _indirect_call(n_args: int):
+    """Codegen of a void call to the C function at an int64 address with n_args int64 arguments."""
+
+    def codegen(context, builder, sig, llvm_args):
+        function_type = ir.FunctionType(ir.VoidType(), [I64] * n_args)
+        target = builder.inttoptr(llvm_args[0], function_type.as_pointer())
+        builder.call(target, llvm_args[1:])
+        return context.get_dummy_value()
+
+    return types.void(*([INT64_ARGS] * (n_args + 1))), codegen
+
+
+# The kernels of each weight kind are compiled separately, as C callbacks, and found through the
+# addresses in the weight's descriptor (kernels/cpu/linear.py); these intrinsics call them.
+
+
+@intrinsic
+def call_matvec(typingctx, function, descriptor, row_begin, row_end, x, xp, xsum, out):
+    return _indirect_call(7)
+
+
+@intrinsic
+def call_dequantize(typingctx, function, descriptor, row_begin, n_rows, tile, tile_stride):
+    return _indirect_call(5)
+
+
+@intrinsic
+def call_gemm(typingctx, function, descriptor, row_begin, row_end, xt, xt_stride, n_tokens, tile, tile_stride,
+              block, out, out_stride, out_col, accumulate):
+    return _indirect_call(13)
+
+
+# --------------------------------------------------------------------------------------------
+# Atomics for the task counters of the fused forward (kernels/cpu/forward.py)
+
+
+@intrinsic
+def atomic_add(typingctx, address, value):
+    """Atomically add `value` to the int64 at `address`; returns the previous value (sequentially
+    consistent: a full barrier, so everything written before it is visible to whoever reads it)."""
+    signature = types.int64(types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):
+        pointer = builder.inttoptr(args[0], I64.as_pointer())
+        return builder.atomic_rmw("add", pointer, args[1], "seq_cst")
+
+    return signature, codegen
+
+
+@intrinsic
+def atomic_load(typingctx, address):
+    """The int64 at `address`, loaded with acquire ordering."""
+    signature = types.int64(types.int64)
+
+    def codegen(context, builder, sig, args):
+        pointer = builder.inttoptr(args[0], I64.as_pointer())
+        return builder.load_atomic(pointer, "acquire", 8)
+
+    return signature, codegen
+
+
+@intrinsic
+def yield_processor(typingctx):
+    """sched_yield(): give the core to another runnable thread while waiting for one."""
+    signature = types.void()
+
+    def codegen(context, builder, sig, args):
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, []), "sched_yield")
+        builder.call(function, [])
+        return context.get_dummy_value()
+
+    return signature, codegen

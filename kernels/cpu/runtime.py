@@ -1,0 +1,150 @@
+"""How every CPU kernel is compiled: cache directory, threading layer, fastmath flags, and the
+lazily compiled, explicitly typed kernel wrapper.
+
+Import this module before any other module of kernels.cpu: it points Numba's cache at
+`<ZLLM_EDGE_HOME or ~/.cache/zllm-edge>/numba-cache` before the first `cache=True` kernel is
+decorated. Numba picks a cache locator per function when the decorator runs, and tries a
+user-provided `numba.config.CACHE_DIR` first; without it Numba would write `__pycache__` beside
+the sources, which fails on a read-only install.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import numba
+from numba import types
+
+# The flags LLVM may use on float math. Reassociation and contraction let loops vectorize and
+# fuse multiply-adds; "nnan"/"ninf" are left out on purpose: attention masks are -inf.
+FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
+
+# The same flags spelled for hand-written LLVM IR (kernels/cpu/llvm_ir.py).
+IR_FASTMATH = tuple(sorted(FASTMATH))
+
+# Threading layers in the order we prefer them. Measured on a 2-core Zen 4 (benchmarks/cpu_decode.py
+# prints the layer in use): GNU OpenMP scales a streaming reduction from 30 to 56 GB/s at 2 threads,
+# workqueue does not scale at all; tbb is taken next when the `tbb` package is installed.
+THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+
+_lock = threading.Lock()
+
+
+def zllm_home() -> str:
+    """ZLLM_EDGE_HOME, else $XDG_CACHE_HOME/zllm-edge, else ~/.cache/zllm-edge.
+
+    The same rule as edge/home.py; kernels/ does not import edge/ (data flows one way)."""
+    explicit = os.environ.get("ZLLM_EDGE_HOME")
+    if explicit:
+        return os.path.abspath(explicit)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "zllm-edge")
+
+
+def numba_cache_dir() -> str:
+    return os.path.join(zllm_home(), "numba-cache")
+
+
+def kernels_source_digest() -> str:
+    """A digest of every source file of kernels/cpu.
+
+    Numba invalidates a cached kernel when the kernel's own file changes, not when a helper or an
+    IR generator it calls from another file does; keying the cache directory by all the sources
+    makes any change start from a clean cache instead of loading stale machine code."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as source:
+                digest.update(name.encode() + b"\0" + source.read())
+    return digest.hexdigest()[:16]
+
+
+def configure_numba() -> str:
+    """Point Numba's cache at numba_cache_dir()/<source digest> and choose the threading layer;
+    returns the directory.
+
+    Numba reads NUMBA_CACHE_DIR into numba.config.CACHE_DIR only when it is first imported, and a
+    function's cache locator is fixed when its decorator runs, so this sets numba.config directly
+    and must run before kernel modules are imported (kernels/cpu/__init__.py does it)."""
+    with _lock:
+        cache_dir = os.path.join(numba_cache_dir(), kernels_source_digest())
+        os.makedirs(cache_dir, exist_ok=True)
+        numba.config.CACHE_DIR = cache_dir
+        # A layer chosen explicitly (NUMBA_THREADING_LAYER) wins; otherwise our priority order.
+        if os.environ.get("NUMBA_THREADING_LAYER") is None:
+            numba.config.THREADING_LAYER_PRIORITY = list(THREADING_LAYER_PRIORITY)
+        return cache_dir
+
+
+def readonly(dtype, ndim: int, layout: str = "C") -> types.Array:
+    """The Numba type of a read-only array (an mmap view of the checkpoint)."""
+    return types.Array(dtype, ndim, layout, readonly=True)
+
+
+def mutable(dtype, ndim: int, layout: str = "C") -> types.Array:
+    return types.Array(dtype, ndim, layout)
+
+
+class Kernel:
+    """A Numba kernel with explicit signatures, compiled (or loaded from the cache) on first call.
+
+    Eager `@njit(signature)` compiles when the module is imported, so importing the backend would
+    pay for every kernel whether a model needs it or not. This compiles the declared signatures the
+    first time the kernel is called and then refuses any other types, so a wrong dtype or a writable
+    array where the signature says read-only fails with Numba's typing error instead of compiling a
+    new specialisation silently."""
+
+    def __init__(self, function, signatures, parallel: bool = False, name: str | None = None):
+        self.function = function
+        self.signatures = list(signatures)
+        self.parallel = parallel
+        self.__name__ = name or function.__name__
+        self.__doc__ = function.__doc__
+        self._dispatcher = None
+
+    @property
+    def dispatcher(self):
+        if self._dispatcher is None:
+            with _lock:
+                if self._dispatcher is None:
+                    dispatcher = numba.njit(cache=True, nogil=True, fastmath=set(FASTMATH),
+                                            parallel=self.parallel)(self.function)
+                    for signature in self.signatures:
+                        dispatcher.compile(signature)
+                    dispatcher.disable_compile()
+                    self._dispatcher = dispatcher
+        return self._dispatcher
+
+    def __call__(self, *args):
+        return self.dispatcher(*args)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._dispatcher is not None
+
+
+def kernel(*signatures, parallel: bool = False):
+    """Decorator: a lazily compiled Kernel with these explicit signatures."""
+
+    def wrap(function):
+        return Kernel(function, signatures, parallel=parallel)
+
+    return wrap
+
+
+def helper(function):
+    """A jitted helper that kernels call. Not cached on its own: it is compiled into each calling
+    kernel, whose cache entry holds it, so a warm start never needs it separately."""
+    return numba.njit(nogil=True, fastmath=set(FASTMATH))(function)
+
+
+def threading_info() -> dict:
+    """The threading layer in use (known once a parallel kernel has run) and the thread count."""
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel kernel has run yet
+        layer = None
+    return {"threading_layer": layer, "threads": numba.get_num_threads(),
+            "max_threads": numba.config.NUMBA_NUM_THREADS}

@@ -1,0 +1,244 @@
+"""device="cpu" end to end: the fused executor against the reference backend on every tiny model,
+the SmolLM2 golden output, thread counts, the op-by-op path, observers, errors and the Numba cache.
+
+Whole-model tolerance: the CPU backend and the reference compute the same f32 math in a different
+summation order (vectorised, factored dequantization, split softmax). Each dot product has
+K <= 128 terms, error ~ sqrt(K) * 2^-24 ~ 7e-7 relative, through ~10 dependent operations per
+layer and 2 layers; measured <= 4e-6 absolute on logits of magnitude ~3 (about 1.3e-6 relative).
+Tolerance: 1e-5 of the largest logit. Greedy tokens must be equal (a discrete result).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import edge
+from converters.convert import QuantPlan
+from edge.errors import ZllmError
+from tiny_models import CASE_NAMES, random_prompt
+
+REL_TOL = 1e-5
+N_DECODE = 6
+PLANS = {
+    "f32": QuantPlan(weights="f32"),
+    "int4_affine_g32": QuantPlan(weights="int4", group_size=32, symmetric=False),
+}
+# Every kind at once: int8 attention, int4 MLP, f16 embeddings, an untied f32 head where there is one.
+MIXED = QuantPlan(weights="int4", group_size=64, symmetric=True,
+                  overrides={"attention": "int8_affine_g128", "embeddings": "f16", "lm_head": "f32"})
+
+
+def relative_error(ours: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(ours - expected).max() / np.abs(expected).max())
+
+
+def run_protocol(model, prompt, n_decode=N_DECODE, feed=None, observer=None):
+    """Prefill (all logits) then n_decode greedy steps; `feed` forces the tokens fed (the reference's)."""
+    session = model.session(capacity=64)
+    logits = [session.prefill(prompt, all_logits=True, observer=observer)]
+    tokens = []
+    for step in range(n_decode):
+        token = int(logits[-1].reshape(-1, logits[-1].shape[-1])[-1].argmax())
+        tokens.append(token)
+        logits.append(session.decode(feed[step] if feed else token))
+    return logits, tokens, session
+
+
+@pytest.fixture(scope="module")
+def load(tiny_zoo):
+    opened = []
+
+    def _load(case, plan, device, threads=None):
+        model = edge.load(tiny_zoo.converted(case, plan), device=device, threads=threads)
+        opened.append(model)
+        return model
+
+    yield _load
+    for model in opened:
+        model.close()
+
+
+@pytest.mark.parametrize("plan", list(PLANS), ids=str)
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_tiny_model_matches_reference(load, case, plan):
+    prompt = random_prompt(16, seed=1)
+    expected, expected_tokens, _ = run_protocol(load(case, PLANS[plan], "reference"), prompt)
+    ours, tokens, session = run_protocol(load(case, PLANS[plan], "cpu", threads=2), prompt, feed=expected_tokens)
+    assert tokens == expected_tokens
+    for step, (a, b) in enumerate(zip(ours, expected)):
+        assert a.shape == b.shape and a.dtype == np.float32
+        assert relative_error(a, b) <= REL_TOL, f"step {step}: {relative_error(a, b):.2e}"
+    assert session.position == session.cache.length == len(prompt) + N_DECODE
+
+
+@pytest.mark.parametrize("case", ["llama_mha", "qwen2_swa_layer1", "qwen3_qknorm"])
+def test_mixed_schemes_match_reference(load, case):
+    prompt = random_prompt(12, seed=2)
+    expected, expected_tokens, _ = run_protocol(load(case, MIXED, "reference"), prompt)
+    ours, tokens, _ = run_protocol(load(case, MIXED, "cpu", threads=2), prompt, feed=expected_tokens)
+    assert tokens == expected_tokens
+    assert max(relative_error(a, b) for a, b in zip(ours, expected)) <= REL_TOL
+
+
+def test_append_prefill_and_decode_cross_the_window(load):
+    """AppendPrefill (T > 1 at start > 0) and decode past a sliding window of 4, against the reference."""
+    plan = PLANS["int4_affine_g32"]
+    first, second = random_prompt(7, seed=3), random_prompt(9, seed=4)
+    results = {}
+    for device in ("reference", "cpu"):
+        session = load("mistral_swa4", plan, device, threads=2 if device == "cpu" else None).session(capacity=64)
+        session.prefill(first)
+        appended = session.prefill(second, all_logits=True)
+        decoded = session.decode(5)
+        results[device] = (appended, decoded, session.position)
+    assert results["cpu"][2] == results["reference"][2] == len(first) + len(second) + 1
+    for ours, expected in zip(results["cpu"][:2], results["reference"][:2]):
+        assert relative_error(ours, expected) <= REL_TOL
+
+
+def test_one_and_two_threads_give_the_same_tokens(load):
+    prompt = random_prompt(20, seed=5)
+    _, one, _ = run_protocol(load("llama_gqa_tied", PLANS["int4_affine_g32"], "cpu", threads=1), prompt, n_decode=10)
+    _, two, _ = run_protocol(load("llama_gqa_tied", PLANS["int4_affine_g32"], "cpu", threads=2), prompt, n_decode=10)
+    assert one == two
+
+
+def test_observer_sees_every_layer_like_the_reference(load):
+    prompt = random_prompt(9, seed=6)
+    seen = {}
+    for device in ("reference", "cpu"):
+        hidden = []
+        run_protocol(load("qwen2_bias", PLANS["f32"], device), prompt, n_decode=0,
+                     observer=lambda layer, h: hidden.append((layer, h.copy())))
+        seen[device] = hidden
+    assert [layer for layer, _ in seen["cpu"]] == [layer for layer, _ in seen["reference"]] == [0, 1]
+    for (_, ours), (_, expected) in zip(seen["cpu"], seen["reference"]):
+        assert ours.shape == expected.shape == (len(prompt), 64)
+        assert relative_error(ours, expected) <= REL_TOL
+
+
+def test_op_by_op_composition_with_cpu_kernels_matches_the_fused_executor(load):
+    """Transformer.forward_ops on the CPU backend's op-level kernels (what the diff tool can call)
+    equals the fused executor, and both fill the same KV layout."""
+    model = load("llama_mqa", PLANS["int4_affine_g32"], "cpu", threads=2)
+    prompt = np.array(random_prompt(11, seed=7))
+    fused, by_ops = model.session(capacity=32), model.session(capacity=32)
+    a = model.transformer.forward(prompt, fused.cache, all_logits=True)
+    b = model.transformer.forward_ops(prompt, by_ops.cache, all_logits=True)
+    assert relative_error(a, b) <= REL_TOL
+    assert fused.cache.length == by_ops.cache.length == len(prompt)
+    for (k1, v1), (k2, v2) in zip(fused.cache.layers, by_ops.cache.layers):
+        assert relative_error(k1[: len(prompt)], k2[: len(prompt)]) <= REL_TOL
+        assert relative_error(v1[: len(prompt)], v2[: len(prompt)]) <= REL_TOL
+        assert not k1[len(prompt):].any() and not v1[len(prompt):].any()  # nothing written past the end
+
+
+def test_device_info_reports_threads_and_layer(load):
+    model = load("llama_mha", PLANS["f32"], "cpu", threads=1)
+    run_protocol(model, random_prompt(4), n_decode=1)
+    info = model.device_info()
+    assert info["device"] == "cpu" and info["threads"] == 1
+    assert info["threading_layer"] in ("omp", "tbb", "workqueue")
+    assert info["numba_cache_dir"].startswith(os.environ["ZLLM_EDGE_HOME"])
+
+
+def test_bad_thread_counts_and_variants_are_refused(tiny_zoo):
+    path = tiny_zoo.converted("llama_mha", PLANS["f32"])
+    with pytest.raises(ZllmError, match="threads must be a positive integer, got 0"):
+        edge.load(path, device="cpu", threads=0)
+    with pytest.raises(ZllmError, match="threads=4096 but Numba may start at most"):
+        edge.load(path, device="cpu", threads=4096)
+    with pytest.raises(ZllmError, match="device 'cpu' has no variants, got 'cpu:fast'"):
+        edge.load(path, device="cpu:fast")
+
+
+def test_scheme_without_a_kernel_fails_at_load(tiny_zoo, monkeypatch):
+    """If the kernel table lacks a tensor's scheme, loading fails and says which scheme and what exists."""
+    from kernels.cpu import formats
+
+    path = tiny_zoo.converted("llama_mha", QuantPlan(weights="int8", group_size=64, symmetric=False))
+    monkeypatch.delitem(formats.QUANTIZED_KINDS, ("int8", False))
+    with pytest.raises(ZllmError, match=r"device 'cpu' has no kernel for a weight stored as int8_affine_g64 "
+                                        r"\(shape \(\d+, \d+\)\); its kernels cover matrices in int4_sym_g"):
+        edge.load(path, device="cpu")
+
+
+def test_numba_cache_lives_in_the_zllm_home_not_beside_the_sources(load):
+    import kernels.cpu
+
+    run_protocol(load("llama_mha", PLANS["f32"], "cpu"), random_prompt(4), n_decode=1)
+    cache_root = os.path.join(os.environ["ZLLM_EDGE_HOME"], "numba-cache")
+    cached = [name for _, _, files in os.walk(cache_root) for name in files if name.endswith(".nbi")]
+    assert cached, "no Numba index files under ZLLM_EDGE_HOME/numba-cache"
+    source_dir = os.path.dirname(kernels.cpu.__file__)
+    beside = [name for _, _, files in os.walk(source_dir) for name in files if name.endswith((".nbi", ".nbc"))]
+    assert not beside, f"Numba wrote cache files beside the sources: {beside}"
+
+
+def test_a_second_process_loads_kernels_from_the_cache(tiny_zoo, load):
+    """Warm start: with the session's cache filled, a new process compiles nothing (it would take
+    seconds; loading takes milliseconds) and gets the same logits."""
+    path = tiny_zoo.converted("llama_mha", PLANS["int4_affine_g32"])
+    prompt = random_prompt(5, seed=8)
+    expected = load("llama_mha", PLANS["int4_affine_g32"], "cpu").session(capacity=16).prefill(prompt)
+    script = (
+        "import sys, json, numpy as np, edge\n"
+        "model = edge.load(sys.argv[1], device='cpu')\n"
+        "np.save(sys.argv[3], model.session(capacity=16).prefill(json.loads(sys.argv[2])))\n"
+    )
+    out = os.path.join(os.environ["ZLLM_EDGE_HOME"], "second_process_logits.npy")
+    env = dict(os.environ, NUMBA_DEBUG_CACHE="1")
+    result = subprocess.run([sys.executable, "-c", script, path, str(prompt), out], env=env, capture_output=True,
+                            text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "[cache] data saved" not in result.stdout, "the second process compiled kernels instead of loading them"
+    assert "[cache] data loaded" in result.stdout
+    np.testing.assert_array_equal(np.load(out), expected)
+
+
+@pytest.fixture(scope="module")
+def smollm2_cpu(smollm2_checkpoint):
+    with edge.load(smollm2_checkpoint, device="cpu", threads=2) as model:
+        yield model
+
+
+def test_smollm2_capital_of_france_begins_with_paris(smollm2_cpu):
+    text = "".join(smollm2_cpu.generate("The capital of France is", max_new_tokens=4))
+    assert text.startswith(" Paris"), text
+
+
+def test_smollm2_greedy_ids_match_the_reference_up_to_first_near_tie(smollm2_checkpoint, smollm2_cpu):
+    """The golden test of tests/test_real_model.py on device="cpu": greedy ids equal the reference's
+    (which test_real_model checks against transformers) until the reference's first near-tie; the
+    reference (slow: it dequantizes every weight per token) runs only that far."""
+    from test_real_model import N_GREEDY, NEAR_TIE, PROMPT
+
+    ids = smollm2_cpu.encode(PROMPT)
+    expected = []
+    with edge.load(smollm2_checkpoint, device="reference") as reference_model:
+        session = reference_model.session(capacity=64)
+        logits = session.prefill(ids)
+        while len(expected) < N_GREEDY:
+            top_two = np.sort(logits - np.logaddexp.reduce(logits))[-2:]
+            if top_two[1] - top_two[0] < NEAR_TIE:
+                break
+            expected.append(int(logits.argmax()))
+            logits = session.decode(expected[-1])
+    assert expected, "the first step is already a near-tie; the test prompt cannot discriminate"
+    generation = smollm2_cpu.generate(ids, max_new_tokens=N_GREEDY)
+    list(generation)
+    assert generation.result.tokens[: len(expected)] == expected
+
+
+def test_smollm2_one_and_two_threads_give_the_same_tokens(smollm2_checkpoint, smollm2_cpu):
+    ids = smollm2_cpu.encode("Once upon a time")
+    two = smollm2_cpu.generate(ids, max_new_tokens=12)
+    list(two)
+    with edge.load(smollm2_checkpoint, device="cpu", threads=1) as single:
+        one = single.generate(ids, max_new_tokens=12)
+        list(one)
+    assert one.result.tokens == two.result.tokens

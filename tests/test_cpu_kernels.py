@@ -1,0 +1,189 @@
+"""CPU kernels (kernels/cpu, through devices/cpu's backend) against their references: the numpy
+oracle in devices/reference.py and quant's dequantize.
+
+Tolerances are f32 rounding bounds, derived per test:
+- linear: any summation order of a K-term dot product errs by at most K*eps*sum|terms|; decode
+  computes a quantized row as s*sum(q*x) + o*sum(x) (or s*sum(q*x) - z*s*sum(x)) rather than
+  sum((s*q + o)*x), so its terms are |x|*(|s*q| + |o|) (or |x|*(|s*q| + |s*z|)) and each weight
+  value is one rounding away: bound = (K + 2) * eps * sum_k |x_k| * (|s*q_k| + |o or s*z|).
+- dequantization (tile and embedding rows) is exact: the kernels use the reference's arithmetic.
+- norms, softmax: relative (n + 4) * eps for sums of n terms; RoPE and SiLU: a few ulp.
+- attention: the scores' dot products err by Dh*eps*|scale*q.k|, the softmax and the weighted
+  sum of S values by S*eps; the output by their sum times max|v| (constant 4 for slack in the
+  max-shift and merge).
+Numba compiles into the session's temporary ZLLM_EDGE_HOME (conftest.isolated_home), so no cache
+from an earlier run can hide a bug; kernels are imported inside fixtures, after that is set.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from devices import reference
+from quant.formats import ALL_SCHEMES, Int4Codes, Int8Codes, QuantizedTensor, quantize, symmetric_zero_point
+
+EPS = float(np.finfo(np.float32).eps)
+QUANTIZED = [s for s in ALL_SCHEMES if s.is_quantized]
+SHAPES = [(1, 40), (7, 100), (50, 256), (130, 70)]  # (N, K): N = 1, K off the group grid, tiny and larger
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from devices.cpu import CpuBackend
+
+    return CpuBackend(threads=2)
+
+
+def make_weight(scheme, shape, seed):
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal(shape).astype(np.float32) + np.float32(0.3)  # a mean, so offsets matter
+    if scheme.is_quantized:
+        return quantize(dense, scheme)
+    return dense.astype(np.float16 if scheme.dtype == "f16" else np.float32)
+
+
+def term_magnitudes(weight) -> np.ndarray:
+    """|w| as each kernel's terms see it: |s*q| + |o| (affine), |s*q| + |s*z| (symmetric), |w| (float)."""
+    if not isinstance(weight, QuantizedTensor):
+        return np.abs(weight.astype(np.float32))
+    codec = Int4Codes if weight.scheme.bits == 4 else Int8Codes
+    codes = codec.unpack(weight.qweight).astype(np.float32)
+    scales = weight.scales.astype(np.float32)[..., None]
+    if weight.offsets is None:
+        other = np.abs(scales) * symmetric_zero_point(weight.scheme.bits)
+    else:
+        other = np.abs(weight.offsets.astype(np.float32))[..., None]
+    magnitude = (np.abs(scales * codes) + other).reshape(weight.shape[0], -1)
+    return magnitude[:, : weight.shape[1]]
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=str)
+@pytest.mark.parametrize("n_tokens", [1, 3, 37])
+def test_linear_matches_reference(backend, scheme, n_tokens):
+    for index, (n, k) in enumerate(SHAPES):
+        weight = make_weight(scheme, (n, k), seed=index)
+        x = np.random.default_rng(100 + index).standard_normal((n_tokens, k)).astype(np.float32)
+        bias = np.random.default_rng(200 + index).standard_normal(n).astype(np.float32)
+        ours = backend.linear(x, backend.prepare_weight(weight), bias)
+        expected = reference.linear(x, weight, bias)
+        bound = (k + 2) * EPS * (np.abs(x) @ term_magnitudes(weight).T + np.abs(bias))
+        assert ours.shape == expected.shape == (n_tokens, n)
+        assert np.all(np.abs(ours - expected) <= bound), f"{scheme} N={n} K={k} T={n_tokens}"
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=str)
+def test_embedding_rows_are_dequantized_exactly(backend, scheme):
+    table = make_weight(scheme, (50, 100), seed=3)
+    ids = np.array([0, 49, 7, 7, 23])
+    ours = backend.embed(backend.prepare_weight(table), ids)
+    np.testing.assert_array_equal(ours, reference.embed(table, ids))
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED, ids=str)
+def test_prefill_tiles_hold_the_dequantized_weight(backend, scheme):
+    """A one-hot token through the prefill path returns a weight column exactly (tile = dequantize)."""
+    weight = make_weight(scheme, (20, 70), seed=5)
+    eye = np.eye(70, dtype=np.float32)[:40]  # 40 tokens: more than one block of 32
+    ours = backend.linear(eye, backend.prepare_weight(weight))
+    np.testing.assert_array_equal(ours, weight.dequantize()[:, :40].T)
+
+
+def test_rms_norm_matches_reference(backend):
+    rng = np.random.default_rng(0)
+    for shape in [(1, 7), (5, 64), (3, 4, 32)]:  # 3-D: the per-head norm of Qwen3
+        x = rng.standard_normal(shape).astype(np.float32) * 3
+        gain = rng.standard_normal(shape[-1]).astype(np.float32)
+        ours, expected = backend.rms_norm(x, gain, 1e-6), reference.rms_norm(x, gain, 1e-6)
+        np.testing.assert_allclose(ours, expected, rtol=(shape[-1] + 4) * EPS, atol=(shape[-1] + 4) * EPS * np.abs(gain).max())
+
+
+def test_rope_matches_reference(backend):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 3, 16)).astype(np.float32)
+    angles = rng.uniform(-7, 7, (6, 8))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    ours, expected = backend.rope(x, cos, sin), reference.rope(x, cos, sin)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=4 * EPS * np.abs(x).max())
+    assert not np.shares_memory(ours, x)
+
+
+def test_swiglu_and_softmax_match_reference(backend):
+    rng = np.random.default_rng(2)
+    gate, up = (rng.standard_normal((4, 33)).astype(np.float32) * 5 for _ in range(2))
+    np.testing.assert_allclose(backend.swiglu(gate, up), reference.swiglu(gate, up), rtol=8 * EPS, atol=8 * EPS)
+    scores = rng.standard_normal((3, 5, 41)).astype(np.float32) * 4
+    scores[0, 0, 3:] = -np.inf  # a masked row
+    np.testing.assert_allclose(backend.softmax(scores), reference.softmax(scores), rtol=45 * EPS, atol=45 * EPS)
+
+
+ATTENTION_CASES = [  # (tokens, cached before them, Hq, Hkv, Dh, window)
+    (1, 37, 4, 4, 8, None),  # MHA decode
+    (1, 100, 9, 3, 64, None),  # GQA decode, SmolLM2's heads
+    (1, 50, 8, 1, 16, 8),  # MQA decode in a window
+    (6, 0, 4, 2, 24, None),  # GQA prefill
+    (7, 10, 4, 2, 16, 3),  # append-prefill in a window of 3
+    (16, 0, 8, 1, 8, 4),  # MQA prefill in a window
+]
+
+
+def attention_bound(q, k, v, scale, n_keys):
+    head_dim = q.shape[-1]
+    score_magnitude = scale * np.abs(q).max() * np.abs(k).max() * head_dim
+    return 4 * (head_dim * EPS * score_magnitude + n_keys * EPS) * np.abs(v).max()
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "T{}_S{}_H{}/{}_D{}_w{}".format(*c))
+def test_attention_matches_reference(backend, case):
+    n_tokens, n_cached, n_heads, n_kv, head_dim, window = case
+    rng = np.random.default_rng(n_tokens * 1000 + n_cached)
+    n_keys = n_cached + n_tokens
+    q = rng.standard_normal((n_tokens, n_heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((n_keys, n_kv, head_dim)).astype(np.float32)
+    v = rng.standard_normal((n_keys, n_kv, head_dim)).astype(np.float32)
+    q_positions, k_positions = np.arange(n_cached, n_keys), np.arange(n_keys)
+    scale = 1 / np.sqrt(head_dim)
+    ours = backend.attention(q, k, v, q_positions, k_positions, scale, window)
+    expected = reference.attention(q, k, v, q_positions, k_positions, scale, window)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=attention_bound(q, k, v, scale, n_keys))
+
+
+def test_decode_attention_split_across_threads_equals_one_pass():
+    """Splitting a long KV sequence into parts and merging them through their log-sum-exp equals
+    one pass over all keys, to f32 rounding (same bound as above)."""
+    from kernels.cpu.attention import attention
+
+    rng = np.random.default_rng(7)
+    n_keys, n_heads, n_kv, head_dim = 3001, 9, 3, 64
+    q = rng.standard_normal((1, n_heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((n_keys, n_kv, head_dim)).astype(np.float32)
+    v = rng.standard_normal((n_keys, n_kv, head_dim)).astype(np.float32)
+    positions = np.arange(n_keys)
+    scale = 1 / np.sqrt(head_dim)
+    one_pass = attention(q, k, v, positions[-1:], positions, scale, None, n_threads=1)
+    bound = attention_bound(q, k, v, scale, n_keys)
+    for parts in (2, 3, 7):
+        split = attention(q, k, v, positions[-1:], positions, scale, None, n_threads=parts)
+        np.testing.assert_allclose(split, one_pass, rtol=0, atol=bound)
+    windowed = attention(q, k, v, positions[-1:], positions, scale, 1000, n_threads=5)
+    np.testing.assert_allclose(windowed, reference.attention(q, k, v, positions[-1:], positions, scale, 1000),
+                               rtol=0, atol=bound)
+
+
+def test_weights_stay_views_of_the_checkpoint_arrays(backend):
+    """prepare_weight keeps the mmap'd arrays (no copy, no f32 expansion) and accepts read-only ones."""
+    weight = make_weight(QUANTIZED[0], (16, 64), seed=9)
+    for array in (weight.qweight, weight.scales):
+        array.flags.writeable = False
+    prepared = backend.prepare_weight(weight)
+    assert np.shares_memory(prepared.arrays[0], weight.qweight)
+    assert np.shares_memory(prepared.arrays[1], weight.scales)
+    assert all(a is None or a.dtype != np.float32 for a in prepared.arrays)
+    x = np.ones((1, 64), np.float32)
+    np.testing.assert_allclose(backend.linear(x, prepared), reference.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_unsupported_weight_is_refused_with_a_message(backend):
+    from devices.base import DeviceUnavailableError
+
+    with pytest.raises(DeviceUnavailableError, match=r"device 'cpu' has no kernel for a float64 array of shape \(4, 8\)"):
+        backend.prepare_weight(np.zeros((4, 8), np.float64))
