@@ -72,20 +72,9 @@ class ZllmEngine(Engine):
         import edge
 
         self.model = edge.load(model, device=device, threads=threads)
-        self.context = context
         self.info = {"device_info": self.model.device_info()}
         # tied embeddings: the LM head reads the whole table each token, so every stored byte counts
         self.weight_bytes_per_token = self.model.weight_bytes
-        self.session = None
-
-    def reset(self) -> None:
-        self.session = self.model.session(capacity=self.context)
-
-    def prefill(self, ids):
-        return self.session.prefill(ids)
-
-    def decode(self, token):
-        return self.session.decode(token)
 
     def greedy(self, prompt_ids, new_tokens):
         from edge.bench import greedy_run  # the very loop `zllm-edge bench` times

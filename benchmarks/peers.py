@@ -443,6 +443,8 @@ def main(argv=None) -> int:
     os.makedirs(log_dir, exist_ok=True)
 
     contenders = prepare(args, gguf)
+    if not contenders:
+        raise SystemExit("no engine selected: --engines names none of " + ",".join(ENGINE_KEYS))
     for contender in contenders:
         slow = contender.kind == "zllm" and contender.options.get("device", "").partition(":")[0] == "reference"
         contender.new_tokens = min(args.new_tokens, args.slow_new_tokens) if slow else args.new_tokens

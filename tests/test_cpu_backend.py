@@ -73,6 +73,9 @@ def test_tiny_model_matches_reference(load, case, plan):
         assert a.shape == b.shape and a.dtype == np.float32
         assert relative_error(a, b) <= REL_TOL, f"step {step}: {relative_error(a, b):.2e}"
     assert session.position == session.cache.length == len(prompt) + N_DECODE
+    # a prefill that asks only for the last token's logits (what generation does)
+    last_only = load(case, PLANS[plan], "cpu", threads=2).session(capacity=64).prefill(prompt)
+    assert relative_error(last_only, expected[0][-1]) <= REL_TOL
 
 
 @pytest.mark.parametrize("case", ["llama_mha", "qwen2_swa_layer1", "qwen3_qknorm"])
@@ -190,8 +193,12 @@ def test_a_second_process_loads_kernels_from_the_cache(tiny_zoo, load):
         "model = edge.load(sys.argv[1], device='cpu')\n"
         "np.save(sys.argv[3], model.session(capacity=16).prefill(json.loads(sys.argv[2])))\n"
     )
+    import numba
+
     out = os.path.join(os.environ["ZLLM_EDGE_HOME"], "second_process_logits.npy")
-    env = dict(os.environ, NUMBA_DEBUG_CACHE="1")
+    # the home whose cache this process filled: <home>/numba-cache/<digest>
+    home = os.path.dirname(os.path.dirname(os.path.dirname(numba.config.CACHE_DIR)))
+    env = dict(os.environ, ZLLM_EDGE_HOME=home, NUMBA_DEBUG_CACHE="1")
     result = subprocess.run([sys.executable, "-c", script, path, str(prompt), out], env=env, capture_output=True,
                             text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.returncode == 0, result.stderr[-2000:]

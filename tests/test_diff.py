@@ -181,13 +181,13 @@ def test_cli_exit_status_and_json(tiny_checkpoint, noisy_device, capsys):
 
 
 def test_cli_on_smollm2_text_prompt(smollm2_checkpoint, capsys):
-    code, out, err = run_cli(capsys, "diff", smollm2_checkpoint, PROMPT, "--decode-steps", 1)
+    code, out, err = run_cli(capsys, "diff", smollm2_checkpoint, PROMPT, "--decode-steps", 0)
     assert (code, err) == (0, "")
     lines = out.splitlines()
     with edge.load(smollm2_checkpoint) as model:
         n_tokens = len(model.encode(PROMPT))
     assert lines[0] == (f"zllm-edge diff {smollm2_checkpoint}: reference against reference, prompt of {n_tokens} tokens, "
-                        "1 greedy decode steps (tokens from reference)")
+                        "0 greedy decode steps (tokens from reference)")
     assert sum(line.startswith("prefill ") for line in lines) == 31  # 30 layers + logits
 
 

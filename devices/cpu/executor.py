@@ -15,6 +15,7 @@ import numpy as np
 from devices.cpu.weights import CpuWeight, MissingKernelError, as_vector
 from kernels.cpu import formats as wf
 from kernels.cpu import forward as fk
+from kernels.cpu.attention import scratch_floats
 from kernels.cpu.linear import CHUNK, TILE_M, TILE_ROWS, TILE_T, padded_tokens
 
 
@@ -98,6 +99,7 @@ class _Scratch:
         self.row_scratch = np.zeros(tables.max_rows, np.float32)
         self.embed_scratch = np.zeros((1, tables.embedding_cols_padded), np.float32)
         self.sync = np.zeros((fk.sync_rows(spec.num_hidden_layers), fk.SYNC_STRIDE), np.int64)
+        self.clock = np.zeros(fk.sync_rows(spec.num_hidden_layers) + 1, np.float64)
 
     def ensure(self, n_tokens: int, capacity: int) -> None:
         spec, n = self.spec, self.n_threads
@@ -122,13 +124,20 @@ class _Scratch:
             self.accs = np.zeros((n_items, spec.head_dim), np.float32)
             self.tokens = t
         if capacity > self.capacity:
-            self.scores = np.zeros((n, capacity), np.float32)
+            # per thread: an attention item's scores and accumulators (kernels/cpu/attention.py)
+            self.scores = np.zeros((n, scratch_floats(spec.num_attention_heads, capacity, spec.head_dim)), np.float32)
             self.key_positions = np.arange(capacity, dtype=np.int64)
             self.capacity = capacity
 
 
 class FusedForward:
     """(ids, cache, all_logits, observer) -> logits, with the semantics of Transformer.forward_ops."""
+
+    def last_step_times(self) -> list[tuple[int, str, float]]:
+        """(layer or -1, step, seconds) of the last compiled call (benchmarks/cpu_profile.py)."""
+        if self._last_call is None:
+            return []
+        return fk.step_durations(self.scratch.clock, *self._last_call)
 
     def __init__(self, transformer, backend):
         self.backend = backend
@@ -140,6 +149,7 @@ class FusedForward:
         self.scratch = _Scratch(self.tables, self.spec, backend.threads)
         self._kv_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()  # scratch buffers are shared: one call at a time
+        self._last_call = None
 
     def _kv_table(self, cache) -> np.ndarray:
         table = self._kv_tables.get(cache)
@@ -189,4 +199,5 @@ class FusedForward:
             first, last, run_embedding, run_head, all_logits, self.backend.threads,
             s.hidden, s.normed, s.qkv, s.attn, s.gate, s.up, s.xt, s.x_natural, s.x_pairs, s.x_sums, s.tiles,
             s.blocks, s.row_scratch, s.embed_scratch, s.scores, s.peaks, s.totals, s.accs, s.key_positions,
-            s.sync, s.logits)
+            s.sync, s.clock, s.logits)
+        self._last_call = (first, last, run_embedding)

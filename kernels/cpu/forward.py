@@ -30,12 +30,12 @@ from __future__ import annotations
 import numba
 from numba import prange, types
 
-from kernels.cpu.attention import merge_partials, partial_attention, visible_range
+from kernels.cpu.attention import attention_item, merge_partials
 from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_times
 from kernels.cpu.formats import W_COLS_PADDED, W_ROWS
 from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_M, TILE_ROWS, gemm_rows, matvec_rows, prepare_vector,
                                 transpose_tokens)
-from kernels.cpu.llvm_ir import atomic_add, atomic_load, float32_pointer, yield_processor
+from kernels.cpu.llvm_ir import atomic_add, atomic_load, float32_pointer, monotonic_seconds, sleep_microseconds, spin_pause
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
 # Columns of the layer table. Weights are row indices into the descriptor table; norms and biases
@@ -56,6 +56,7 @@ MODEL_FIELDS = 10
 LAYER_STEPS = 14
 # Steps before and after the layers.
 S_EMBED, S_FINAL_NORM, S_HEAD_T, S_HEAD = 100, 101, 102, 103
+HEAD_STEPS = 3  # S_FINAL_NORM, S_HEAD_T, S_HEAD
 # Step kinds.
 SERIAL, TRANSPOSE, PROJECT, ATTEND = range(4)
 
@@ -67,7 +68,12 @@ PREFILL_ROWS_PER_TASK = TILE_ROWS
 ATTENTION_TASKS_PER_THREAD = 8
 # Counters of a step: [next task to take, tasks finished], one cache line apart.
 SYNC_STRIDE = 8
-SPINS_BEFORE_YIELD = 2000
+# Waiting for a step to finish: spin (decode's steps take microseconds), then nap, which hands the
+# core to the thread being waited for when both share one (a busy machine). Measured here: one
+# `pause` is ~49 ns on Zen 4, so 4000 spins are ~200 us (longer than a prefill task); usleep(1)
+# returns after ~65 us (timer slack).
+SPINS_BEFORE_SLEEP = 4000
+NAP_MICROSECONDS = 1
 
 
 @helper
@@ -123,14 +129,15 @@ def plan(step, spec, weights, dims, n_tokens, n_out, n_threads, run_head):
         return TRANSPOSE, n_threads if run_head and n_out > 1 else 0
     if step == S_ATTEND:
         if prefill:
-            return ATTEND, min(n_tokens * dims[M_HEADS], ATTENTION_TASKS_PER_THREAD * n_threads)
-        return ATTEND, dims[M_HEADS] * n_threads  # one task per (head, KV split), decode
-    if step == S_HEAD and not run_head:
-        return PROJECT, 0
-    rows = projection_rows(step, spec, weights, dims)
-    tokens = n_out if step == S_HEAD else n_tokens
-    per_task = PREFILL_ROWS_PER_TASK if tokens > 1 else DECODE_ROWS_PER_TASK
-    return PROJECT, ceil_div(rows, per_task)
+            return ATTEND, min(n_tokens * dims[M_KV_HEADS], ATTENTION_TASKS_PER_THREAD * n_threads)
+        return ATTEND, dims[M_KV_HEADS] * n_threads  # one task per (KV head, KV split), decode
+    if step == S_QKV or step == S_O or step == S_GATE_UP or step == S_DOWN or step == S_HEAD:
+        if step == S_HEAD and not run_head:
+            return PROJECT, 0
+        tokens = n_out if step == S_HEAD else n_tokens
+        per_task = PREFILL_ROWS_PER_TASK if tokens > 1 else DECODE_ROWS_PER_TASK
+        return PROJECT, ceil_div(projection_rows(step, spec, weights, dims), per_task)
+    return SERIAL, 0  # not a step
 
 
 @helper
@@ -289,46 +296,43 @@ def run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, star
         else:  # S_HEAD
             project_rows(weights, dims[M_LM_HEAD], NO_PARAM, params, begin, end, tokens, x_natural, x_pairs, x_sums,
                          xt, tile, block, logits, 0, False, row_scratch)
-    else:  # ATTEND: items (token, head, KV split), see attention.py
+    else:  # ATTEND: items (token, KV head, KV split), see attention.py
         n_splits = 1 if n_tokens > 1 else n_threads
-        n_items = n_tokens * n_heads * n_splits
-        group = n_heads // n_kv
+        n_items = n_tokens * n_kv * n_splits
         window = spec[L_WINDOW]
+        q_positions = key_positions[start:]  # key positions are cache indices; the new tokens' follow
         for item in range(task, n_items, n_tasks):
-            split_index = item % n_splits
-            h = (item // n_splits) % n_heads
-            t = item // (n_splits * n_heads)
-            q_position = start + t
-            first_key, end_key = visible_range(key_positions, q_position, window)
-            length = end_key - first_key
-            s_begin = first_key + length * split_index // n_splits
-            s_end = first_key + length * (split_index + 1) // n_splits
-            peaks[item], totals[item] = partial_attention(
-                qkv[t, h * head_dim:(h + 1) * head_dim], keys, values, h // group, s_begin, s_end, key_positions,
-                q_position, window, scale, scores, accs[item])
+            attention_item(item, n_splits, n_heads, n_kv, qkv, keys, values, q_positions, key_positions, scale,
+                           window, scores, peaks, totals, accs)
 
 
 @helper
 def wait_for(address, target):
-    """Spin until the int64 at `address` reaches target, yielding the core after a while."""
+    """Wait until the int64 at `address` reaches target: spin first, then nap."""
     spins = 0
     while atomic_load(address) < target:
-        spins += 1
-        if spins >= SPINS_BEFORE_YIELD:
-            yield_processor()
+        if spins < SPINS_BEFORE_SLEEP:
+            spin_pause()
+            spins += 1
+        else:
+            sleep_microseconds(NAP_MICROSECONDS)
 
 
 def _forward(weights, layers, params, dims, eps, scale, kv, capacity, ids, start, cos, sin, first, last,
              run_embedding, run_head, all_logits, n_threads, hidden, normed, qkv, attn, gate, up, xt, x_natural,
              x_pairs, x_sums, tiles, blocks, row_scratch, embed_scratch, scores, peaks, totals, accs, key_positions,
-             sync, logits):
+             sync, clock, logits):
+    """clock [>= n_steps + 1] receives the call's start time (clock[0]) and the time each step's
+    last task finished (clock[1 + step index]); 0 for skipped steps. A few clock reads per token."""
     n_tokens = ids.shape[0]
     n_kv, head_dim = dims[M_KV_HEADS], dims[M_HEAD_DIM]
     first_token = 0 if all_logits else n_tokens - 1
     n_out = n_tokens - first_token
     visible_keys = key_positions[:start + n_tokens]
-    n_steps = (1 if run_embedding else 0) + (last - first) * LAYER_STEPS + 4
+    n_steps = (1 if run_embedding else 0) + (last - first) * LAYER_STEPS + HEAD_STEPS
     sync[:n_steps] = 0
+    clock[:n_steps + 1] = 0.0
+    clock[0] = monotonic_seconds()
     counters = sync.ctypes.data
     for thread in prange(n_threads):
         previous, previous_tasks = -1, 0
@@ -356,7 +360,8 @@ def _forward(weights, layers, params, dims, eps, scale, kv, capacity, ids, start
                              first_token, n_threads, keys, values, visible_keys, x_natural, x_pairs, x_sums, xt,
                              tiles[thread], blocks[thread], row_scratch, scores[thread], peaks, totals, accs, hidden,
                              normed, qkv, attn, gate, up, logits)
-                atomic_add(counters + 8 * (index * SYNC_STRIDE + 1), 1)
+                if atomic_add(counters + 8 * (index * SYNC_STRIDE + 1), 1) == n_tasks - 1:
+                    clock[1 + index] = monotonic_seconds()  # this was the step's last task
             previous, previous_tasks = index, n_tasks
 
 
@@ -369,11 +374,42 @@ FORWARD_SIGNATURE = types.void(
     types.int64, types.int64, types.boolean, types.boolean, types.boolean, types.int64,  # first .. n_threads
     _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d,  # hidden normed qkv attn gate up xt
     _f32_1d, _f32_1d, _f32_1d, _f32_3d, _f32_2d, _f32_1d, _f32_2d,  # x_natural .. embed_scratch
-    _f32_2d, _f32_1d, _f32_1d, _f32_2d, _i64_1d_ro, mutable(types.int64, 2), _f32_2d,  # scores .. logits
+    _f32_2d, _f32_1d, _f32_1d, _f32_2d, _i64_1d_ro, mutable(types.int64, 2),  # scores .. sync
+    mutable(types.float64, 1), _f32_2d,  # clock, logits
 )
 forward_kernel = kernel(FORWARD_SIGNATURE, parallel=True)(_forward)
 
 
 def sync_rows(n_layers: int) -> int:
     """Rows of the `sync` counter array a call over n_layers layers needs."""
-    return 1 + n_layers * LAYER_STEPS + 4
+    return 1 + n_layers * LAYER_STEPS + HEAD_STEPS
+
+
+STEP_NAMES = {S_INPUT_NORM: "input norm", S_INPUT_T: "transpose (qkv input)", S_QKV: "q/k/v projection",
+              S_ROPE: "q/k norm + rope + cache write", S_ATTEND: "attention", S_MERGE: "attention merge",
+              S_ATTN_T: "transpose (o input)", S_O: "o projection", S_POST_NORM: "post-attention norm",
+              S_POST_T: "transpose (mlp input)", S_GATE_UP: "gate/up projection + silu",
+              S_DOWN_INPUT: "down input", S_DOWN_T: "transpose (down input)", S_DOWN: "down projection",
+              S_EMBED: "embedding", S_FINAL_NORM: "final norm", S_HEAD_T: "transpose (head input)",
+              S_HEAD: "lm head"}
+
+
+def step_durations(clock, first: int, last: int, run_embedding: bool) -> list[tuple[int, str, float]]:
+    """(layer or -1, step name, seconds) of every step a call ran, from its clock array: a step
+    lasts from the end of the step before it (or the call's start) to the end of its last task."""
+    n_steps = (1 if run_embedding else 0) + (last - first) * LAYER_STEPS + HEAD_STEPS
+    durations, previous_end = [], clock[0]
+    for index in range(n_steps):
+        end = clock[1 + index]
+        if end == 0.0:
+            continue
+        if run_embedding and index == 0:
+            layer, step = -1, S_EMBED
+        else:
+            i = index - (1 if run_embedding else 0)
+            n_layer_steps = (last - first) * LAYER_STEPS
+            layer, step = ((first + i // LAYER_STEPS, i % LAYER_STEPS) if i < n_layer_steps
+                           else (-1, S_FINAL_NORM + i - n_layer_steps))
+        durations.append((layer, STEP_NAMES[step], end - previous_end))
+        previous_end = end
+    return durations

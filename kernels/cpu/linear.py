@@ -26,7 +26,7 @@ from numba import prange, types
 from kernels.cpu import formats as wf
 from kernels.cpu.llvm_ir import (CHUNK, LANES, call_dequantize, call_gemm, call_matvec, float32_pointer, int64_pointer,
                                  make_dequantize_rows, make_dot_rows, make_tile_times_tokens)
-from kernels.cpu.runtime import FASTMATH, helper, kernel, mutable, readonly
+from kernels.cpu.runtime import FASTMATH, helper, kernel, mutable, readonly, use_cache_dir
 
 TILE_M = 6  # weight rows per micro-kernel call
 TILE_T = 32  # tokens per micro-kernel call (two vectors of 16)
@@ -185,8 +185,10 @@ class _KindKernels:
 
     def addresses(self, kind: int) -> tuple[int, int, int]:
         """(matvec, gemm, dequantize) addresses for a kind; the cfunc objects stay referenced here."""
-        options = dict(cache=True, fastmath=set(FASTMATH))
+        options = dict(cache=True, fastmath=set(FASTMATH), error_model="numpy")
         with self._lock:
+            if kind not in self._callbacks or self._gemm is None:
+                use_cache_dir()
             if kind not in self._callbacks:
                 self._callbacks[kind] = (numba.cfunc(_MATVEC_SIGNATURE, **options)(_matvec_for(kind)),
                                          numba.cfunc(_DEQUANTIZE_SIGNATURE, **options)(_dequantize_for(kind)))

@@ -502,13 +502,70 @@ def atomic_load(typingctx, address):
 
 
 @intrinsic
-def yield_processor(typingctx):
-    """sched_yield(): give the core to another runnable thread while waiting for one."""
+def spin_pause(typingctx):
+    """One iteration's pause of a spin-wait: the instruction that tells the core a thread is
+    spinning (x86 `pause`, ARM `yield`; it frees resources for a sibling hyperthread). Chosen by the
+    architecture this process runs on; elsewhere the loop spins without a hint."""
+    from llvmlite import binding
+
     signature = types.void()
+    arch = binding.get_process_triple().split("-")[0]
 
     def codegen(context, builder, sig, args):
-        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, []), "sched_yield")
-        builder.call(function, [])
+        if arch in ("x86_64", "i386", "i686"):
+            hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                  "llvm.x86.sse2.pause")
+            builder.call(hint, [])
+        elif arch in ("aarch64", "arm64"):
+            hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I32]),
+                                                  "llvm.aarch64.hint")
+            builder.call(hint, [ir.Constant(I32, 1)])  # 1 = YIELD
         return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def sleep_microseconds(typingctx, microseconds):
+    """usleep(): block this thread, giving its core away (POSIX; in every libc Numba runs on)."""
+    signature = types.void(types.int64)
+
+    def codegen(context, builder, sig, args):
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [I32]), "usleep")
+        builder.call(function, [builder.trunc(args[0], I32)])
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def monotonic_seconds(typingctx):
+    """clock_gettime(CLOCK_MONOTONIC) in seconds (float64), for the fused forward's step timer."""
+    import time
+
+    signature = types.float64()
+    clock_id = time.CLOCK_MONOTONIC  # the constant of the platform this compiles on
+
+    def codegen(context, builder, sig, args):
+        timespec = ir.LiteralStructType([I64, I64])
+        slot = cgutils.alloca_once(builder, timespec)
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(I32, [I32, timespec.as_pointer()]), "clock_gettime")
+        builder.call(function, [ir.Constant(I32, clock_id), slot])
+        seconds = builder.load(builder.gep(slot, [ir.Constant(I32, 0), ir.Constant(I32, 0)]))
+        nanoseconds = builder.load(builder.gep(slot, [ir.Constant(I32, 0), ir.Constant(I32, 1)]))
+        return builder.fadd(builder.sitofp(seconds, ir.DoubleType()),
+                            builder.fmul(builder.sitofp(nanoseconds, ir.DoubleType()), ir.Constant(ir.DoubleType(), 1e-9)))
+
+    return signature, codegen
+
+
+@intrinsic
+def float_from_bits(typingctx, bits):
+    """The float32 whose IEEE bit pattern is the int32 `bits` (a bitcast; Numba has no scalar view)."""
+    signature = types.float32(types.int32)
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], F32)
 
     return signature, codegen

@@ -1,11 +1,11 @@
 """How every CPU kernel is compiled: cache directory, threading layer, fastmath flags, and the
 lazily compiled, explicitly typed kernel wrapper.
 
-Import this module before any other module of kernels.cpu: it points Numba's cache at
-`<ZLLM_EDGE_HOME or ~/.cache/zllm-edge>/numba-cache` before the first `cache=True` kernel is
-decorated. Numba picks a cache locator per function when the decorator runs, and tries a
-user-provided `numba.config.CACHE_DIR` first; without it Numba would write `__pycache__` beside
-the sources, which fails on a read-only install.
+Numba's cache goes to `<ZLLM_EDGE_HOME or ~/.cache/zllm-edge>/numba-cache/<digest of these
+sources>`. Numba picks a cache locator per function when its decorator runs and tries a
+user-provided `numba.config.CACHE_DIR` first; without one it would write `__pycache__` beside the
+sources, which fails on a read-only install. Every cached kernel here is decorated lazily, right
+after `use_cache_dir()` sets that directory.
 """
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 
 # The same flags spelled for hand-written LLVM IR (kernels/cpu/llvm_ir.py).
 IR_FASTMATH = tuple(sorted(FASTMATH))
+
+# Options of every jitted function. error_model="numpy": a float division by zero gives inf/nan
+# as in numpy instead of raising; the check Numba would otherwise insert keeps LLVM from
+# vectorising any loop that divides (it made SiLU 5x slower).
+JIT_OPTIONS = dict(nogil=True, fastmath=set(FASTMATH), error_model="numpy")
 
 # Threading layers in the order we prefer them. Measured on a 2-core Zen 4 (benchmarks/cpu_decode.py
 # prints the layer in use): GNU OpenMP scales a streaming reduction from 30 to 56 GB/s at 2 threads,
@@ -61,21 +66,41 @@ def kernels_source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def configure_numba() -> str:
-    """Point Numba's cache at numba_cache_dir()/<source digest> and choose the threading layer;
-    returns the directory.
+def use_cache_dir() -> str:
+    """Point Numba's cache at numba_cache_dir()/<source digest> (created if missing); returns it.
 
     Numba reads NUMBA_CACHE_DIR into numba.config.CACHE_DIR only when it is first imported, and a
-    function's cache locator is fixed when its decorator runs, so this sets numba.config directly
-    and must run before kernel modules are imported (kernels/cpu/__init__.py does it)."""
+    function's cache locator is fixed when its decorator runs. Every cached kernel here is decorated
+    lazily, on first use, right after this runs: so the directory follows ZLLM_EDGE_HOME as it is
+    when a kernel is first needed, not as it was when the package was imported."""
+    cache_dir = os.path.join(numba_cache_dir(), _source_digest())
+    os.makedirs(cache_dir, exist_ok=True)
+    numba.config.CACHE_DIR = cache_dir
+    return cache_dir
+
+
+_digest = None
+
+
+def _source_digest() -> str:
+    global _digest
+    if _digest is None:
+        _digest = kernels_source_digest()
+    return _digest
+
+
+def configure_numba() -> None:
+    """Choose the threading layer and wait policy; runs when kernels/cpu is imported, before any
+    parallel kernel has started (Numba and libgomp read these at their first parallel launch)."""
     with _lock:
-        cache_dir = os.path.join(numba_cache_dir(), kernels_source_digest())
-        os.makedirs(cache_dir, exist_ok=True)
-        numba.config.CACHE_DIR = cache_dir
         # A layer chosen explicitly (NUMBA_THREADING_LAYER) wins; otherwise our priority order.
         if os.environ.get("NUMBA_THREADING_LAYER") is None:
             numba.config.THREADING_LAYER_PRIORITY = list(THREADING_LAYER_PRIORITY)
-        return cache_dir
+        # The fused forward keeps its threads inside one parallel region per call and waits on its
+        # own counters; between calls OpenMP's default (spin ~300k iterations at every region end)
+        # only burns cores that Python, or other processes on a busy machine, need. libgomp reads
+        # this when Numba first loads its OpenMP layer, i.e. at the first parallel kernel.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def readonly(dtype, ndim: int, layout: str = "C") -> types.Array:
@@ -109,8 +134,8 @@ class Kernel:
         if self._dispatcher is None:
             with _lock:
                 if self._dispatcher is None:
-                    dispatcher = numba.njit(cache=True, nogil=True, fastmath=set(FASTMATH),
-                                            parallel=self.parallel)(self.function)
+                    use_cache_dir()
+                    dispatcher = numba.njit(cache=True, parallel=self.parallel, **JIT_OPTIONS)(self.function)
                     for signature in self.signatures:
                         dispatcher.compile(signature)
                     dispatcher.disable_compile()
@@ -137,7 +162,7 @@ def kernel(*signatures, parallel: bool = False):
 def helper(function):
     """A jitted helper that kernels call. Not cached on its own: it is compiled into each calling
     kernel, whose cache entry holds it, so a warm start never needs it separately."""
-    return numba.njit(nogil=True, fastmath=set(FASTMATH))(function)
+    return numba.njit(**JIT_OPTIONS)(function)
 
 
 def threading_info() -> dict:
