@@ -33,9 +33,13 @@ every layer adding its own, independent rounding errors to the stream (they add 
 The logits get rtol(L) with L = the number of layers (the head is one more stage). For scale: an
 f32 device emulated by float64 matmuls rounded to f32 differs from the reference by about 1e-6 at
 every layer of SmolLM2-135M (K = 1536), against budgets of 2e-5 (layer 0) to 1e-4 (layer 29);
-noise of 1% of the weights' spread on one layer's down-projection shows as 6e-4. The tolerance of a pair
-of devices is the sum of theirs, so reference vs reference has tolerance 0: any difference at all
-is reported, since both run the very same code.
+noise of 1% of the weights' spread on one layer's down-projection shows as 6e-4. The tolerance of
+a pair of devices is the sum of theirs, so reference vs reference has tolerance 0: any difference
+at all is reported, since both run the very same code.
+
+MoE routing: the observer takes extra keyword arguments (LayerRecorder keeps them) so that MoE
+layers can pass their routing; comparing it (expert ids exactly, weights within tolerance) belongs
+in compare_extras, which today lists any extras as not compared.
 
 A backend declares its arithmetic by returning {"arithmetic": {"accumulation": ..., "activations":
 {...}, "weights": {...}}} from info(). Failing that, the precision keys backends already report are

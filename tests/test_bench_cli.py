@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 import pytest
-from tiny_models import VOCAB, tiny_zoo  # noqa: F401
+from tiny_models import VOCAB
 
 import edge
 import edge.cli

@@ -197,7 +197,7 @@ def test_a_second_process_loads_kernels_from_the_cache(tiny_zoo, load):
 
     out = os.path.join(os.environ["ZLLM_EDGE_HOME"], "second_process_logits.npy")
     # the home whose cache this process filled: <home>/numba-cache/<digest>
-    home = os.path.dirname(os.path.dirname(os.path.dirname(numba.config.CACHE_DIR)))
+    home = os.path.dirname(os.path.dirname(numba.config.CACHE_DIR))
     env = dict(os.environ, ZLLM_EDGE_HOME=home, NUMBA_DEBUG_CACHE="1")
     result = subprocess.run([sys.executable, "-c", script, path, str(prompt), out], env=env, capture_output=True,
                             text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

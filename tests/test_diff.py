@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pytest
-from tiny_models import random_prompt, tiny_zoo  # noqa: F401
+from tiny_models import random_prompt
 
 import edge.cli
 from converters.convert import QuantPlan

@@ -16,7 +16,7 @@ from devices.cpu.weights import CpuWeight, MissingKernelError, as_vector
 from kernels.cpu import formats as wf
 from kernels.cpu import forward as fk
 from kernels.cpu.attention import scratch_floats
-from kernels.cpu.linear import CHUNK, TILE_M, TILE_ROWS, TILE_T, padded_tokens
+from kernels.cpu.linear import TILE_M, TILE_ROWS, TILE_T, padded_tokens, sums_length
 
 
 class _ModelTables:
@@ -94,7 +94,7 @@ class _Scratch:
         k_padded = tables.max_cols_padded
         self.x_natural = np.zeros(k_padded, np.float32)
         self.x_pairs = np.zeros(k_padded, np.float32)
-        self.x_sums = np.zeros(k_padded // CHUNK, np.float32)
+        self.x_sums = np.zeros(sums_length(k_padded), np.float32)
         self.blocks = np.zeros((n_threads, TILE_M * TILE_T), np.float32)
         self.row_scratch = np.zeros(tables.max_rows, np.float32)
         self.embed_scratch = np.zeros((1, tables.embedding_cols_padded), np.float32)
@@ -113,6 +113,11 @@ class _Scratch:
             self.attn = np.zeros((t, q_width), np.float32)
             self.gate = np.zeros((t, spec.intermediate_size), np.float32)
             self.up = np.zeros((t, spec.intermediate_size), np.float32)
+            # prefill's transposed gate/up [I, T]: the down projection reads gate_t as its xt, so it has
+            # that weight's padded K rows (the rows past I stay zero) and xt's padded token columns
+            down_rows = max(self.tables.max_cols_padded, spec.intermediate_size) if t > 1 else 1
+            self.gate_t = np.zeros((down_rows, padded_tokens(t) if t > 1 else 1), np.float32)
+            self.up_t = np.zeros_like(self.gate_t)
             self.logits = np.zeros((t, spec.vocab_size), np.float32)
             self.xt = np.zeros((self.tables.max_cols_padded, padded_tokens(t)), np.float32)
             # prefill tiles only when a call has more than one token
@@ -197,7 +202,7 @@ class FusedForward:
         fk.forward_kernel(
             t.descriptors, t.layers, t.params, t.dims, self.eps, self.scale, kv, capacity, ids, start, cos, sin,
             first, last, run_embedding, run_head, all_logits, self.backend.threads,
-            s.hidden, s.normed, s.qkv, s.attn, s.gate, s.up, s.xt, s.x_natural, s.x_pairs, s.x_sums, s.tiles,
+            s.hidden, s.normed, s.qkv, s.attn, s.gate, s.up, s.gate_t, s.up_t, s.xt, s.x_natural, s.x_pairs, s.x_sums, s.tiles,
             s.blocks, s.row_scratch, s.embed_scratch, s.scores, s.peaks, s.totals, s.accs, s.key_positions,
             s.sync, s.clock, s.logits)
         self._last_call = (first, last, run_embedding)

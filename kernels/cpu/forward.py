@@ -33,7 +33,7 @@ from numba import prange, types
 from kernels.cpu.attention import attention_item, merge_partials
 from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_times
 from kernels.cpu.formats import W_COLS_PADDED, W_ROWS
-from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_M, TILE_ROWS, gemm_rows, matvec_rows, prepare_vector,
+from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_ROWS, gemm_rows, matvec_rows, prepare_vector,
                                 transpose_tokens)
 from kernels.cpu.llvm_ir import atomic_add, atomic_load, float32_pointer, monotonic_seconds, sleep_microseconds, spin_pause
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
@@ -52,22 +52,27 @@ MODEL_FIELDS = 10
 
 # Steps of one layer (each is one serial task or a set of parallel tasks; 0 tasks = skipped).
 (S_INPUT_NORM, S_INPUT_T, S_QKV, S_ROPE, S_ATTEND, S_MERGE, S_ATTN_T, S_O, S_POST_NORM, S_POST_T,
- S_GATE_UP, S_DOWN_INPUT, S_DOWN_T, S_DOWN) = range(14)
-LAYER_STEPS = 14
+ S_GATE_UP, S_DOWN_INPUT, S_DOWN) = range(13)
+LAYER_STEPS = 13
+# (Prefill writes gate/up transposed, [I, T]: silu(gate) * up is then already the down
+# projection's transposed input, so the down projection needs no transpose step.)
 # Steps before and after the layers.
 S_EMBED, S_FINAL_NORM, S_HEAD_T, S_HEAD = 100, 101, 102, 103
 HEAD_STEPS = 3  # S_FINAL_NORM, S_HEAD_T, S_HEAD
 # Step kinds.
 SERIAL, TRANSPOSE, PROJECT, ATTEND = range(4)
 
-# Task sizes: decode rows per task (64 rows of a 576-wide int4 matrix is ~5 us of work, small
-# enough to balance 2 threads, large enough that taking a task costs nothing); prefill tiles per
-# task; attention items per task.
-DECODE_ROWS_PER_TASK = 64
+# Task sizes. Decode: at least 64 rows (of a 576-wide int4 matrix, ~4 us of work), and no more
+# than TASKS_PER_THREAD tasks per thread in a step: enough to balance threads that the OS slows
+# down, few enough that the two atomic updates per task (on lines every thread touches) stay
+# negligible (the LM head in 64-row tasks would be 768 of them). Prefill: one tile per task.
+DECODE_MIN_ROWS_PER_TASK = 64
+TASKS_PER_THREAD = 8
 PREFILL_ROWS_PER_TASK = TILE_ROWS
-ATTENTION_TASKS_PER_THREAD = 8
-# Counters of a step: [next task to take, tasks finished], one cache line apart.
-SYNC_STRIDE = 8
+# Counters of a step: the next task to take and the tasks finished, each on its own cache line
+# (threads take tasks while others report finishing them).
+SYNC_STRIDE = 16
+NEXT, DONE = 0, 8
 # Waiting for a step to finish: spin (decode's steps take microseconds), then nap, which hands the
 # core to the thread being waited for when both share one (a busy machine). Measured here: one
 # `pause` is ~49 ns on Zen 4, so 4000 spins are ~200 us (longer than a prefill task); usleep(1)
@@ -123,28 +128,36 @@ def plan(step, spec, weights, dims, n_tokens, n_out, n_threads, run_head):
         return SERIAL, 0 if prefill else 1  # decode prepares the down projection's input vector
     if step == S_FINAL_NORM:
         return SERIAL, 1 if run_head else 0
-    if step == S_INPUT_T or step == S_ATTN_T or step == S_POST_T or step == S_DOWN_T:
+    if step == S_INPUT_T or step == S_ATTN_T or step == S_POST_T:
         return TRANSPOSE, n_threads if prefill else 0
     if step == S_HEAD_T:
         return TRANSPOSE, n_threads if run_head and n_out > 1 else 0
     if step == S_ATTEND:
         if prefill:
-            return ATTEND, min(n_tokens * dims[M_KV_HEADS], ATTENTION_TASKS_PER_THREAD * n_threads)
+            return ATTEND, min(n_tokens * dims[M_KV_HEADS], TASKS_PER_THREAD * n_threads)
         return ATTEND, dims[M_KV_HEADS] * n_threads  # one task per (KV head, KV split), decode
     if step == S_QKV or step == S_O or step == S_GATE_UP or step == S_DOWN or step == S_HEAD:
         if step == S_HEAD and not run_head:
             return PROJECT, 0
         tokens = n_out if step == S_HEAD else n_tokens
-        per_task = PREFILL_ROWS_PER_TASK if tokens > 1 else DECODE_ROWS_PER_TASK
-        return PROJECT, ceil_div(projection_rows(step, spec, weights, dims), per_task)
+        rows = projection_rows(step, spec, weights, dims)
+        return PROJECT, ceil_div(rows, rows_per_task(rows, tokens, n_threads))
     return SERIAL, 0  # not a step
+
+
+@helper
+def rows_per_task(rows, n_tokens, n_threads):
+    if n_tokens > 1:
+        return PREFILL_ROWS_PER_TASK
+    per_task = max(DECODE_MIN_ROWS_PER_TASK, ceil_div(rows, TASKS_PER_THREAD * n_threads))
+    return ceil_div(per_task, MATVEC_BLOCK) * MATVEC_BLOCK
 
 
 @helper
 def prepare_input(x, n_tokens, k_fill, x_natural, x_pairs, x_sums):
     """Decode: the zero-padded, paired and chunk-summed forms of the one input vector."""
     if n_tokens == 1:
-        prepare_vector(x[0], x_natural[:k_fill], x_pairs[:k_fill], x_sums[:k_fill // CHUNK])
+        prepare_vector(x[0], x_natural[:k_fill], x_pairs[:k_fill], x_sums)
 
 
 @helper
@@ -157,8 +170,6 @@ def transpose_input(step, spec, weights, dims):
         return 1, weights[spec[L_O], W_COLS_PADDED]
     if step == S_POST_T:
         return 0, max(weights[spec[L_GATE], W_COLS_PADDED], weights[spec[L_UP], W_COLS_PADDED])
-    if step == S_DOWN_T:
-        return 2, weights[spec[L_DOWN], W_COLS_PADDED]
     return 0, weights[dims[M_LM_HEAD], W_COLS_PADDED]  # S_HEAD_T
 
 
@@ -217,11 +228,19 @@ def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, fir
 
 @helper
 def project_rows(weights, w_index, bias_offset, params, row_begin, row_end, n_tokens, x_natural, x_pairs, x_sums, xt,
-                 tile, block, out, out_col, accumulate, row_scratch):
-    """out[:T, out_col + r] (+)= x W[r]^T (+ bias[r]) for r in [row_begin, row_end) of one weight."""
+                 tile, block, out, out_col, accumulate, row_scratch, transposed=False):
+    """out[:T, out_col + r] (+)= x W[r]^T (+ bias[r]) for r in [row_begin, row_end) of one weight
+    (transposed, prefill only: out[out_col + r, :T])."""
     if row_end <= row_begin:
         return
     w = weights[w_index]
+    if transposed:
+        gemm_rows(w, row_begin, row_end, xt, n_tokens, tile, block, out, out_col + row_begin, accumulate, True)
+        if bias_offset != NO_PARAM:
+            for r in range(row_begin, row_end):
+                for t in range(n_tokens):
+                    out[out_col + r, t] += params[bias_offset + r]
+        return
     if n_tokens == 1:
         if accumulate:
             matvec_rows(w, row_begin, row_end, x_natural, x_pairs, x_sums, row_scratch)
@@ -230,7 +249,7 @@ def project_rows(weights, w_index, bias_offset, params, row_begin, row_end, n_to
         else:
             matvec_rows(w, row_begin, row_end, x_natural, x_pairs, x_sums, out[0, out_col:out_col + w[W_ROWS]])
     else:
-        gemm_rows(w, row_begin, row_end, xt, n_tokens, tile, block, out, out_col + row_begin, accumulate)
+        gemm_rows(w, row_begin, row_end, xt, n_tokens, tile, block, out, out_col + row_begin, accumulate, False)
     if bias_offset != NO_PARAM:
         for t in range(n_tokens):
             for r in range(row_begin, row_end):
@@ -252,7 +271,7 @@ def project_part(weights, params, w_index, bias_offset, offset, begin, end, n_to
 @helper
 def run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, start, n_tokens, first_token, n_threads,
              keys, values, key_positions, x_natural, x_pairs, x_sums, xt, tile, block, row_scratch, scores, peaks,
-             totals, accs, hidden, normed, qkv, attn, gate, up, logits):
+             totals, accs, hidden, normed, qkv, attn, gate, up, gate_t, up_t, logits):
     n_heads, n_kv, head_dim = dims[M_HEADS], dims[M_KV_HEADS], dims[M_HEAD_DIM]
     if kind == TRANSPOSE:
         source, k_fill = transpose_input(step, spec, weights, dims)
@@ -263,15 +282,14 @@ def run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, star
             transpose_tokens(normed[:n_tokens - first_token], xt, k_begin, k_end)
         elif source == 0:
             transpose_tokens(normed[:n_tokens], xt, k_begin, k_end)
-        elif source == 1:
-            transpose_tokens(attn[:n_tokens], xt, k_begin, k_end)
         else:
-            transpose_tokens(gate[:n_tokens, :dims[M_INTERMEDIATE]], xt, k_begin, k_end)
+            transpose_tokens(attn[:n_tokens], xt, k_begin, k_end)
     elif kind == PROJECT:
         tokens = n_tokens - first_token if step == S_HEAD else n_tokens
-        per_task = PREFILL_ROWS_PER_TASK if tokens > 1 else DECODE_ROWS_PER_TASK
+        rows = projection_rows(step, spec, weights, dims)
+        per_task = rows_per_task(rows, tokens, n_threads)
         begin = task * per_task
-        end = min(begin + per_task, projection_rows(step, spec, weights, dims))
+        end = min(begin + per_task, rows)
         if step == S_QKV:
             q_width = n_heads * head_dim
             offset = project_part(weights, params, spec[L_Q], spec[L_Q_BIAS], 0, begin, end, tokens, x_natural, x_pairs,
@@ -283,16 +301,22 @@ def run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, star
         elif step == S_O:
             project_rows(weights, spec[L_O], spec[L_O_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums, xt,
                          tile, block, hidden, 0, True, row_scratch)
-        elif step == S_GATE_UP:  # gate and up rows [begin, end), then h = silu(gate) * up in place of gate
+        elif step == S_GATE_UP and tokens == 1:  # gate and up rows [begin, end), then silu(gate) * up
             project_rows(weights, spec[L_GATE], spec[L_GATE_BIAS], params, begin, end, tokens, x_natural, x_pairs,
                          x_sums, xt, tile, block, gate, 0, False, row_scratch)
             project_rows(weights, spec[L_UP], spec[L_UP_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums,
                          xt, tile, block, up, 0, False, row_scratch)
-            for t in range(tokens):
-                silu_times(gate[t, begin:end], up[t, begin:end], gate[t, begin:end])
+            silu_times(gate[0, begin:end], up[0, begin:end], gate[0, begin:end])
+        elif step == S_GATE_UP:  # prefill: the same, transposed ([I, T]), so h^T is the down input
+            project_rows(weights, spec[L_GATE], spec[L_GATE_BIAS], params, begin, end, tokens, x_natural, x_pairs,
+                         x_sums, xt, tile, block, gate_t, 0, False, row_scratch, True)
+            project_rows(weights, spec[L_UP], spec[L_UP_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums,
+                         xt, tile, block, up_t, 0, False, row_scratch, True)
+            for r in range(begin, end):
+                silu_times(gate_t[r, :tokens], up_t[r, :tokens], gate_t[r, :tokens])
         elif step == S_DOWN:
             project_rows(weights, spec[L_DOWN], spec[L_DOWN_BIAS], params, begin, end, tokens, x_natural, x_pairs,
-                         x_sums, xt, tile, block, hidden, 0, True, row_scratch)
+                         x_sums, gate_t if tokens > 1 else xt, tile, block, hidden, 0, True, row_scratch)
         else:  # S_HEAD
             project_rows(weights, dims[M_LM_HEAD], NO_PARAM, params, begin, end, tokens, x_natural, x_pairs, x_sums,
                          xt, tile, block, logits, 0, False, row_scratch)
@@ -319,7 +343,8 @@ def wait_for(address, target):
 
 
 def _forward(weights, layers, params, dims, eps, scale, kv, capacity, ids, start, cos, sin, first, last,
-             run_embedding, run_head, all_logits, n_threads, hidden, normed, qkv, attn, gate, up, xt, x_natural,
+             run_embedding, run_head, all_logits, n_threads, hidden, normed, qkv, attn, gate, up, gate_t, up_t, xt,
+             x_natural,
              x_pairs, x_sums, tiles, blocks, row_scratch, embed_scratch, scores, peaks, totals, accs, key_positions,
              sync, clock, logits):
     """clock [>= n_steps + 1] receives the call's start time (clock[0]) and the time each step's
@@ -343,12 +368,12 @@ def _forward(weights, layers, params, dims, eps, scale, kv, capacity, ids, start
             if n_tasks == 0:
                 continue
             if previous >= 0:  # a step starts when every task of the one before has finished
-                wait_for(counters + 8 * (previous * SYNC_STRIDE + 1), previous_tasks)
+                wait_for(counters + 8 * (previous * SYNC_STRIDE + DONE), previous_tasks)
             kv_layer = max(layer, 0)
             keys = numba.carray(float32_pointer(kv[kv_layer, 0]), (capacity, n_kv, head_dim))
             values = numba.carray(float32_pointer(kv[kv_layer, 1]), (capacity, n_kv, head_dim))
             while True:
-                task = atomic_add(counters + 8 * index * SYNC_STRIDE, 1)
+                task = atomic_add(counters + 8 * (index * SYNC_STRIDE + NEXT), 1)
                 if task >= n_tasks:
                     break
                 if kind == SERIAL:
@@ -359,8 +384,8 @@ def _forward(weights, layers, params, dims, eps, scale, kv, capacity, ids, start
                     run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, start, n_tokens,
                              first_token, n_threads, keys, values, visible_keys, x_natural, x_pairs, x_sums, xt,
                              tiles[thread], blocks[thread], row_scratch, scores[thread], peaks, totals, accs, hidden,
-                             normed, qkv, attn, gate, up, logits)
-                if atomic_add(counters + 8 * (index * SYNC_STRIDE + 1), 1) == n_tasks - 1:
+                             normed, qkv, attn, gate, up, gate_t, up_t, logits)
+                if atomic_add(counters + 8 * (index * SYNC_STRIDE + DONE), 1) == n_tasks - 1:
                     clock[1 + index] = monotonic_seconds()  # this was the step's last task
             previous, previous_tasks = index, n_tasks
 
@@ -372,7 +397,7 @@ FORWARD_SIGNATURE = types.void(
     _i64_2d_ro, _i64_2d_ro, _f32_1d_ro, _i64_1d_ro, types.float32, types.float32,  # weights .. scale
     _i64_2d_ro, types.int64, _i64_1d_ro, types.int64, _f32_2d_ro, _f32_2d_ro,  # kv .. sin
     types.int64, types.int64, types.boolean, types.boolean, types.boolean, types.int64,  # first .. n_threads
-    _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d,  # hidden normed qkv attn gate up xt
+    _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d,  # hidden .. gate up gate_t up_t xt
     _f32_1d, _f32_1d, _f32_1d, _f32_3d, _f32_2d, _f32_1d, _f32_2d,  # x_natural .. embed_scratch
     _f32_2d, _f32_1d, _f32_1d, _f32_2d, _i64_1d_ro, mutable(types.int64, 2),  # scores .. sync
     mutable(types.float64, 1), _f32_2d,  # clock, logits
@@ -389,7 +414,7 @@ STEP_NAMES = {S_INPUT_NORM: "input norm", S_INPUT_T: "transpose (qkv input)", S_
               S_ROPE: "q/k norm + rope + cache write", S_ATTEND: "attention", S_MERGE: "attention merge",
               S_ATTN_T: "transpose (o input)", S_O: "o projection", S_POST_NORM: "post-attention norm",
               S_POST_T: "transpose (mlp input)", S_GATE_UP: "gate/up projection + silu",
-              S_DOWN_INPUT: "down input", S_DOWN_T: "transpose (down input)", S_DOWN: "down projection",
+              S_DOWN_INPUT: "down input", S_DOWN: "down projection",
               S_EMBED: "embedding", S_FINAL_NORM: "final norm", S_HEAD_T: "transpose (head input)",
               S_HEAD: "lm head"}
 

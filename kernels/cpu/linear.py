@@ -1,7 +1,7 @@
 """y = x W^T (+ bias) for every weight kind, dequantizing on the fly.
 
 Decode (one token): a kind's `matvec` runs the hand-written row dot products of llvm_ir.py over
-a range of rows, four rows at a time so that each load of x serves four rows.
+a range of rows, DOT_ROWS rows at a time so that each load of x serves several rows.
 
 Prefill (T tokens): a kind's `gemm` dequantizes TILE_ROWS weight rows once into a small f32 tile
 and multiplies that tile by every token through a register-blocked micro-kernel (TILE_M rows x
@@ -31,7 +31,7 @@ from kernels.cpu.runtime import FASTMATH, helper, kernel, mutable, readonly, use
 TILE_M = 6  # weight rows per micro-kernel call
 TILE_T = 32  # tokens per micro-kernel call (two vectors of 16)
 TILE_ROWS = 48  # weight rows dequantized per tile: TILE_M * 8
-MATVEC_BLOCK = 4  # rows per row-dot call in decode
+MATVEC_BLOCK = 4  # decode row ranges are cut at multiples of this (a multiple of every DOT_ROWS)
 
 K_F32, K_F16 = wf.F32, wf.F16
 K_INT4_SYM, K_INT4_AFFINE, K_INT8_SYM, K_INT8_AFFINE = wf.INT4_SYM, wf.INT4_AFFINE, wf.INT8_SYM, wf.INT8_AFFINE
@@ -40,20 +40,35 @@ W_DATA, W_ROW_BYTES, W_SCALES, W_OFFSETS = wf.W_DATA, wf.W_ROW_BYTES, wf.W_SCALE
 W_GROUPS, W_CHUNKS_PER_GROUP, W_FIELDS = wf.W_GROUPS, wf.W_CHUNKS_PER_GROUP, wf.W_FIELDS
 W_MATVEC_FN, W_GEMM_FN, W_DEQUANTIZE_FN = wf.W_MATVEC_FN, wf.W_GEMM_FN, wf.W_DEQUANTIZE_FN
 
+# Rows each decode row-dot reads together. More rows share each load of x, but each row is one
+# more memory stream. Measured on Zen 4 (single thread, matrices past the L3 cache): int4 with
+# K = 576 (288 B rows) streams best 4 rows at a time (14.8 Gw/s vs 13.2 with 2), int4 with
+# K = 1536 (768 B rows) 2 at a time (14.6 vs 12.3 with 4), int8 with K = 576 (576 B rows) 2 at a
+# time (16 Gw/s vs 6 with 4). So a block takes as many rows (4, 2 or 1) as fit in BLOCK_BYTES.
+BLOCK_BYTES = 2048
+
+
+def _dot_kernels(kind: int):
+    fmt = wf.IR_FORMATS[kind]
+    return make_dot_rows(fmt, 4), make_dot_rows(fmt, 2), make_dot_rows(fmt, 1)
+
+
 # The IR kernels of every kind, as module globals so that the per-kind callbacks below find them
 # by name (Numba resolves globals as compile-time constants).
-dot4_f32, dot4_f16 = make_dot_rows(wf.IR_FORMATS[K_F32], 4), make_dot_rows(wf.IR_FORMATS[K_F16], 4)
-dot1_f32, dot1_f16 = make_dot_rows(wf.IR_FORMATS[K_F32], 1), make_dot_rows(wf.IR_FORMATS[K_F16], 1)
-dot4_int4_sym, dot4_int4_affine = make_dot_rows(wf.IR_FORMATS[K_INT4_SYM], 4), make_dot_rows(wf.IR_FORMATS[K_INT4_AFFINE], 4)
-dot1_int4_sym, dot1_int4_affine = make_dot_rows(wf.IR_FORMATS[K_INT4_SYM], 1), make_dot_rows(wf.IR_FORMATS[K_INT4_AFFINE], 1)
-dot4_int8_sym, dot4_int8_affine = make_dot_rows(wf.IR_FORMATS[K_INT8_SYM], 4), make_dot_rows(wf.IR_FORMATS[K_INT8_AFFINE], 4)
-dot1_int8_sym, dot1_int8_affine = make_dot_rows(wf.IR_FORMATS[K_INT8_SYM], 1), make_dot_rows(wf.IR_FORMATS[K_INT8_AFFINE], 1)
+dot4_f32, dot2_f32, dot1_f32 = _dot_kernels(K_F32)
+dot4_f16, dot2_f16, dot1_f16 = _dot_kernels(K_F16)
+dot4_int4_sym, dot2_int4_sym, dot1_int4_sym = _dot_kernels(K_INT4_SYM)
+dot4_int4_affine, dot2_int4_affine, dot1_int4_affine = _dot_kernels(K_INT4_AFFINE)
+dot4_int8_sym, dot2_int8_sym, dot1_int8_sym = _dot_kernels(K_INT8_SYM)
+dot4_int8_affine, dot2_int8_affine, dot1_int8_affine = _dot_kernels(K_INT8_AFFINE)
 dequantize_f32, dequantize_f16 = make_dequantize_rows(wf.IR_FORMATS[K_F32]), make_dequantize_rows(wf.IR_FORMATS[K_F16])
 dequantize_int4_sym = make_dequantize_rows(wf.IR_FORMATS[K_INT4_SYM])
 dequantize_int4_affine = make_dequantize_rows(wf.IR_FORMATS[K_INT4_AFFINE])
 dequantize_int8_sym = make_dequantize_rows(wf.IR_FORMATS[K_INT8_SYM])
 dequantize_int8_affine = make_dequantize_rows(wf.IR_FORMATS[K_INT8_AFFINE])
 tile_times_tokens = make_tile_times_tokens(TILE_M, TILE_T // LANES)
+# Short prompts (<= 16 tokens) take one vector of tokens per call: half the padding of TILE_T.
+tile_times_16_tokens = make_tile_times_tokens(TILE_M, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,7 +76,7 @@ tile_times_tokens = make_tile_times_tokens(TILE_M, TILE_T // LANES)
 
 _MATVEC_SIGNATURE = types.void(*([types.int64] * 7))
 _DEQUANTIZE_SIGNATURE = types.void(*([types.int64] * 5))
-_GEMM_SIGNATURE = types.void(*([types.int64] * 13))
+_GEMM_SIGNATURE = types.void(*([types.int64] * 14))
 
 
 def _matvec_for(kind: int):
@@ -71,37 +86,74 @@ def _matvec_for(kind: int):
         w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
         data, row_bytes, scales, offsets = w[W_DATA], w[W_ROW_BYTES], w[W_SCALES], w[W_OFFSETS]
         n_groups, chunks, cols = w[W_GROUPS], w[W_CHUNKS_PER_GROUP], w[W_COLS]
-        n_blocks = (row_end - row_begin) // MATVEC_BLOCK
-        tail = row_begin + n_blocks * MATVEC_BLOCK
+        rows = 4 if 4 * row_bytes <= BLOCK_BYTES else (2 if 2 * row_bytes <= BLOCK_BYTES else 1)
+        n_blocks = (row_end - row_begin) // rows
+        tail = row_begin + n_blocks * rows
         # `kind` is a constant of this closure: Numba prunes every branch but one before typing.
         if kind == K_INT4_AFFINE:
             for b in range(n_blocks):
-                dot4_int4_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin + 4 * b, x, xp, xsum, out)
+                r = row_begin + rows * b
+                if rows == 4:
+                    dot4_int4_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+                elif rows == 2:
+                    dot2_int4_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+                else:
+                    dot1_int4_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
             for r in range(tail, row_end):
                 dot1_int4_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
         elif kind == K_INT4_SYM:
             for b in range(n_blocks):
-                dot4_int4_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin + 4 * b, x, xp, xsum, out)
+                r = row_begin + rows * b
+                if rows == 4:
+                    dot4_int4_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+                elif rows == 2:
+                    dot2_int4_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+                else:
+                    dot1_int4_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
             for r in range(tail, row_end):
                 dot1_int4_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
         elif kind == K_INT8_SYM:
             for b in range(n_blocks):
-                dot4_int8_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin + 4 * b, x, xp, xsum, out)
+                r = row_begin + rows * b
+                if rows == 4:
+                    dot4_int8_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+                elif rows == 2:
+                    dot2_int8_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+                else:
+                    dot1_int8_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
             for r in range(tail, row_end):
                 dot1_int8_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
         elif kind == K_INT8_AFFINE:
             for b in range(n_blocks):
-                dot4_int8_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin + 4 * b, x, xp, xsum, out)
+                r = row_begin + rows * b
+                if rows == 4:
+                    dot4_int8_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+                elif rows == 2:
+                    dot2_int8_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+                else:
+                    dot1_int8_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
             for r in range(tail, row_end):
                 dot1_int8_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
         elif kind == K_F16:
             for b in range(n_blocks):
-                dot4_f16(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin + 4 * b, x, xp, xsum, out)
+                r = row_begin + rows * b
+                if rows == 4:
+                    dot4_f16(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+                elif rows == 2:
+                    dot2_f16(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+                else:
+                    dot1_f16(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
             for r in range(tail, row_end):
                 dot1_f16(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
         else:
             for b in range(n_blocks):
-                dot4_f32(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin + 4 * b, x, xp, xsum, out)
+                r = row_begin + rows * b
+                if rows == 4:
+                    dot4_f32(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+                elif rows == 2:
+                    dot2_f32(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+                else:
+                    dot1_f32(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
             for r in range(tail, row_end):
                 dot1_f32(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
 
@@ -139,18 +191,22 @@ def _dequantize_for(kind: int):
 
 
 def gemm(descriptor, row_begin, row_end, xt, xt_stride, n_tokens, tile, tile_stride, block, out, out_stride,
-         out_col, accumulate):
-    """out[t, out_col + r - row_begin] (+)= dot(W[r], x[t]) for r in [row_begin, row_end), t < n_tokens.
+         out_col, accumulate, transposed):
+    """out[t, out_col + r - row_begin] (+)= dot(W[r], x[t]) for r in [row_begin, row_end), t < n_tokens;
+    with `transposed`, out[out_col + r - row_begin, t] instead (tokens minor: whole rows of a block
+    are stored at once, and the result is already the next projection's xt).
 
     xt: x transposed, [>= K_padded rows, xt_stride (padded tokens) columns], zero-padded. tile:
     [TILE_ROWS, tile_stride >= K_padded] and block: [TILE_M * TILE_T], both private to the caller's
-    thread. out: [>= n_tokens, out_stride]. The same for every kind: the tile is filled by the
-    kind's dequantize callback, found through the descriptor."""
+    thread. out: [>= n_tokens, out_stride] (transposed: [>= out_col + rows, out_stride]). The same
+    for every kind: the tile is filled by the kind's dequantize callback, found through the
+    descriptor."""
     w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
     depth = w[W_COLS_PADDED]
     tiles = numba.carray(float32_pointer(tile), (TILE_ROWS, tile_stride))
     results = numba.carray(float32_pointer(block), (TILE_M * TILE_T,))
-    outputs = numba.carray(float32_pointer(out), (n_tokens, out_stride))
+    out_rows = out_col + row_end - row_begin if transposed else n_tokens
+    outputs = numba.carray(float32_pointer(out), (out_rows, out_stride))
     for tile_begin in range(row_begin, row_end, TILE_ROWS):
         n_rows = min(TILE_ROWS, row_end - tile_begin)
         call_dequantize(w[W_DEQUANTIZE_FN], descriptor, tile_begin, n_rows, tile, tile_stride)
@@ -158,21 +214,35 @@ def gemm(descriptor, row_begin, row_end, xt, xt_stride, n_tokens, tile, tile_str
         for r in range(filled - n_rows):  # rows of the last micro-block that W does not have
             for k in range(depth):
                 tiles[n_rows + r, k] = 0.0
+        short = n_tokens <= LANES
         for t_begin in range(0, n_tokens, TILE_T):
             n_t = min(TILE_T, n_tokens - t_begin)
             for m_begin in range(0, n_rows, TILE_M):
-                tile_times_tokens(tile + 4 * m_begin * tile_stride, tile_stride, xt + 4 * t_begin, xt_stride,
-                                  depth, block)
+                if short:  # results: block[m * 16 + t]
+                    tile_times_16_tokens(tile + 4 * m_begin * tile_stride, tile_stride, xt + 4 * t_begin, xt_stride,
+                                         depth, block)
+                else:  # results: block[m * 32 + t]
+                    tile_times_tokens(tile + 4 * m_begin * tile_stride, tile_stride, xt + 4 * t_begin, xt_stride,
+                                      depth, block)
+                block_stride = LANES if short else TILE_T
                 n_m = min(TILE_M, n_rows - m_begin)
                 first_col = out_col + tile_begin - row_begin + m_begin
                 for m in range(n_m):
                     col = first_col + m
-                    if accumulate:
+                    if transposed:
+                        destination = outputs[col, t_begin:t_begin + n_t]
+                        if accumulate:
+                            for t in range(n_t):
+                                destination[t] += results[m * block_stride + t]
+                        else:
+                            for t in range(n_t):
+                                destination[t] = results[m * block_stride + t]
+                    elif accumulate:
                         for t in range(n_t):
-                            outputs[t_begin + t, col] += results[m * TILE_T + t]
+                            outputs[t_begin + t, col] += results[m * block_stride + t]
                     else:
                         for t in range(n_t):
-                            outputs[t_begin + t, col] = results[m * TILE_T + t]
+                            outputs[t_begin + t, col] = results[m * block_stride + t]
 
 
 class _KindKernels:
@@ -216,16 +286,19 @@ def attach_kernels(descriptor: np.ndarray) -> np.ndarray:
 
 
 @helper
-def prepare_vector(x, x_natural, x_pairs, x_chunk_sums):
+def prepare_vector(x, x_natural, x_pairs, x_sums):
     """x [K] -> x_natural (zero-padded), x_pairs (per chunk of 32: evens then odds, the order of
-    int4 nibbles) and x_chunk_sums (sum of each chunk); the outputs' length fixes the padding."""
+    int4 nibbles) and x_sums: three regions of x_sums.shape[0] // 3 values holding the sums of x
+    over groups of 32, of 64 and of 128 (group_sums picks one). x_natural's length fixes the padding."""
     k = x.shape[0]
     padded = x_natural.shape[0]
+    n_chunks = padded // CHUNK
+    region = x_sums.shape[0] // 3
     for i in range(k):
         x_natural[i] = x[i]
     for i in range(padded - k):
         x_natural[k + i] = 0.0
-    for chunk in range(padded // CHUNK):
+    for chunk in range(n_chunks):
         base = chunk * CHUNK
         total = np.float32(0.0)
         for j in range(CHUNK // 2):
@@ -234,7 +307,24 @@ def prepare_vector(x, x_natural, x_pairs, x_chunk_sums):
             x_pairs[base + j] = even
             x_pairs[base + CHUNK // 2 + j] = odd
             total += even + odd
-        x_chunk_sums[chunk] = total
+        x_sums[chunk] = total
+    for pair in range(n_chunks // 2):
+        x_sums[region + pair] = x_sums[2 * pair] + x_sums[2 * pair + 1]
+    for quad in range(n_chunks // 4):
+        x_sums[2 * region + quad] = x_sums[region + 2 * quad] + x_sums[region + 2 * quad + 1]
+
+
+def sums_length(padded_cols: int) -> int:
+    """Length of prepare_vector's x_sums for vectors of up to padded_cols values."""
+    return 3 * (padded_cols // CHUNK)
+
+
+@helper
+def group_sums(x_sums, chunks_per_group):
+    """prepare_vector's sums of x over groups of 32 * chunks_per_group (1, 2 or 4)."""
+    region = x_sums.shape[0] // 3
+    which = 0 if chunks_per_group == 1 else (1 if chunks_per_group == 2 else 2)
+    return x_sums[which * region:(which + 1) * region]
 
 
 @helper
@@ -260,11 +350,13 @@ def padded_tokens(n_tokens: int) -> int:
 
 
 @helper
-def matvec_rows(w, row_begin, row_end, x_natural, x_pairs, x_chunk_sums, out):
-    """out[r] = dot(W[r], x) for r in [row_begin, row_end) (out indexed by weight row)."""
+def matvec_rows(w, row_begin, row_end, x_natural, x_pairs, x_sums, out):
+    """out[r] = dot(W[r], x) for r in [row_begin, row_end) (out indexed by weight row); x_natural,
+    x_pairs and x_sums as prepare_vector made them."""
     if row_end > row_begin:
+        sums = group_sums(x_sums, w[W_CHUNKS_PER_GROUP])
         call_matvec(w[W_MATVEC_FN], w.ctypes.data, row_begin, row_end, x_natural.ctypes.data, x_pairs.ctypes.data,
-                    x_chunk_sums.ctypes.data, out.ctypes.data)
+                    sums.ctypes.data, out.ctypes.data)
 
 
 @helper
@@ -274,12 +366,13 @@ def dequantize_rows(w, row_begin, n_rows, tile):
 
 
 @helper
-def gemm_rows(w, row_begin, row_end, xt, n_tokens, tile, block, out, out_col, accumulate):
-    """out[t, out_col + r - row_begin] (+)= dot(W[r], x[t]) for r in [row_begin, row_end), t < n_tokens."""
+def gemm_rows(w, row_begin, row_end, xt, n_tokens, tile, block, out, out_col, accumulate, transposed):
+    """out[t, out_col + r - row_begin] (+)= dot(W[r], x[t]) for r in [row_begin, row_end), t < n_tokens
+    (transposed: out[out_col + r - row_begin, t])."""
     if row_end > row_begin:
         call_gemm(w[W_GEMM_FN], w.ctypes.data, row_begin, row_end, xt.ctypes.data, xt.shape[1], n_tokens,
                   tile.ctypes.data, tile.shape[1], block.ctypes.data, out.ctypes.data, out.shape[1], out_col,
-                  1 if accumulate else 0)
+                  1 if accumulate else 0, 1 if transposed else 0)
 
 
 @helper
@@ -327,7 +420,7 @@ def linear_kernel(w, x, bias, has_bias, out, n_threads, tiles, blocks, x_natural
                 transpose_tokens(x, xt, k_begin, k_end)
             else:
                 begin, end = split(n_rows, n_threads, part, TILE_M)
-                gemm_rows(w, begin, end, xt, n_tokens, tiles[part], blocks[part], out, begin, False)
+                gemm_rows(w, begin, end, xt, n_tokens, tiles[part], blocks[part], out, begin, False, False)
     if n_tokens == 1:
         for r in range(n_rows):
             out[0, r] = row_out[r]
@@ -351,5 +444,5 @@ def linear(descriptor: np.ndarray, x: np.ndarray, bias: np.ndarray | None, n_thr
     bias_array = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
     linear_kernel(descriptor, x, bias_array, bias is not None, out, n_threads, tiles, blocks,
                   np.empty(vector_len, np.float32), np.empty(vector_len, np.float32),
-                  np.empty(vector_len // CHUNK, np.float32), xt, np.empty(n_rows, np.float32))
+                  np.empty(sums_length(vector_len), np.float32), xt, np.empty(n_rows, np.float32))
     return out

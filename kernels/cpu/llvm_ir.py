@@ -1,11 +1,12 @@
 """Hand-written LLVM IR for the inner loops that Numba's auto-vectoriser does not produce well.
 
 Each function here is a Numba `@intrinsic`: its IR is emitted into the calling kernel, so it is
-compiled, optimised and cached together with that kernel. The IR uses LLVM's generic vector types
-(<16 x float>, <16 x i8>) and generic intrinsics (llvm.vector.reduce.fadd, llvm.masked.*) only, so
-LLVM lowers it to whatever the host has: AVX-512 zmm registers on this machine, pairs of ymm on an
-AVX2 machine, NEON quads on ARM. No x86-only intrinsic is emitted, so nothing depends on CPU
-feature flags being truthful.
+compiled, optimised and cached together with that kernel. The arithmetic uses LLVM's generic
+vector types (<16 x float>, <16 x i8>) and generic intrinsics (llvm.vector.reduce.fadd,
+llvm.prefetch, llvm.cttz) only, so LLVM lowers it to whatever the host has: AVX-512 zmm registers
+on this machine, pairs of ymm on an AVX2 machine, NEON quads on ARM. Nothing selects instructions
+by CPU feature flags (this machine advertises features it cannot run); the one target-specific
+instruction is the spin-wait hint of `spin_pause`, chosen by the architecture, not by flags.
 
 Arguments are int64 byte addresses and sizes; the calling kernel owns the arrays (and their
 lifetime) and passes `array.ctypes.data`. Layouts (quant/formats.py):
@@ -17,7 +18,7 @@ lifetime) and passes `array.ctypes.data`. Layouts (quant/formats.py):
 Dot products with x use x prepared once per input vector (kernels/cpu/linear.py):
     x     f32 [K_pad]   natural order, zero beyond K
     xp    f32 [K_pad]   int4 order: per chunk of 32, the 16 even elements then the 16 odd ones
-    xsum  f32 [K_pad/32] sum of each chunk of 32
+    xsum  f32 [K_pad/group size]  sum of x over each group (of the weight's group size)
 
 so that a row's dot product is, per group g with scale s and offset o,
     affine:    s * sum(q * x) + o * sum(x)
@@ -43,6 +44,7 @@ I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64
 V16F = ir.VectorType(F32, LANES)
 V16I8, V32I8 = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
 V16I16 = ir.VectorType(I16, 16)
+V16I32 = ir.VectorType(I32, 16)
 V16H = ir.VectorType(F16, 16)
 
 
@@ -91,6 +93,11 @@ class Emitter:
 
     def half(self, address):
         return self.b.fpext(self.load(F16, address, 2), F32)
+
+    def half_splat(self, address):
+        """<16 x float> of one f16 value: broadcast as f16, then one vector conversion (two
+        instructions instead of load, convert, broadcast)."""
+        return self.b.fpext(self.splat(self.load(F16, address, 2)), V16F)
 
     def splat(self, scalar, lanes: int = LANES):
         vec_type = ir.VectorType(scalar.type, lanes)
@@ -156,11 +163,14 @@ INT64_ARGS = types.int64
 def _quantized_chunk_dot(e: Emitter, fmt: IrFormat, row_data, chunk, x, xp):
     """sum over one chunk of 32 weights of q * x, as a <16 x float> of partial sums."""
     if fmt.bits == 4:
-        packed = e.load(V16I8, e.address(row_data, (chunk, 16)), 1)
-        low, high = e.unpack_int4(packed)
+        # widen the 16 bytes once, then split the nibbles in 32-bit lanes: one zero-extension
+        # instead of two, and the nibble masks become plain integer ops
+        packed = e.b.zext(e.load(V16I8, e.address(row_data, (chunk, 16)), 1), V16I32)
+        low = e.b.and_(packed, ir.Constant(V16I32, [0x0F] * 16))
+        high = e.b.lshr(packed, ir.Constant(V16I32, [4] * 16))
         x_even = e.load(V16F, e.address(xp, (chunk, 128)), 4)
         x_odd = e.load(V16F, e.address(xp, (chunk, 128), e.i64(64)), 4)
-        return e.fma(e.codes_to_float(low), x_even, e.fmul(e.codes_to_float(high), x_odd))
+        return e.fma(e.b.uitofp(low, V16F), x_even, e.fmul(e.b.uitofp(high, V16F), x_odd))
     codes = e.load(V32I8, e.address(row_data, (chunk, 32)), 1)
     first, second = e.halves(codes)
     x_first = e.load(V16F, e.address(x, (chunk, 128)), 4)
@@ -170,7 +180,7 @@ def _quantized_chunk_dot(e: Emitter, fmt: IrFormat, row_data, chunk, x, xp):
 
 # Decode streams the weights once per token: while one block of rows is multiplied, the block
 # PREFETCH_BLOCKS ahead is requested, so that memory latency overlaps the arithmetic.
-PREFETCH_BLOCKS = 2
+PREFETCH_BLOCKS = 4
 
 
 def _prefetch_rows_ahead(e: Emitter, n_rows: int, row0, row_bytes, arrays_and_row_sizes):
@@ -180,39 +190,50 @@ def _prefetch_rows_ahead(e: Emitter, n_rows: int, row0, row_bytes, arrays_and_ro
 
 
 def _emit_quantized_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
-    data, row_bytes, scales, offsets, n_groups, chunks_per_group, _cols, row0, x, xp, xsum, out = args
+    data, row_bytes, scales, offsets, n_groups, chunks_per_group, _cols, row0, x, xp, group_sums, out = args
     group_bytes = e.b.mul(n_groups, e.i64(2))
     _prefetch_rows_ahead(e, n_rows, row0, row_bytes,
                          [(data, row_bytes), (scales, group_bytes)] + ([(offsets, group_bytes)] if fmt.affine else []))
-    zero = ir.Constant(V16F, [0.0] * LANES)
-    accumulators = [e.variable(zero) for _ in range(n_rows)]
-    corrections = [e.variable(ir.Constant(F32, 0.0)) for _ in range(n_rows)]
     rows = [e.b.add(row0, e.i64(r)) for r in range(n_rows)]
     row_data = [e.address(data, (row, row_bytes)) for row in rows]
-    row_scales = [e.address(scales, (row, e.b.mul(n_groups, e.i64(2)))) for row in rows]
-    row_offsets = [e.address(offsets, (row, e.b.mul(n_groups, e.i64(2)))) for row in rows]
-    with e.loop(n_groups) as group_loop:
-        group = group_loop.index
-        first_chunk = e.b.mul(group, chunks_per_group)
-        # sum of x over the group: chunk sums, added up (1, 2 or 4 of them)
-        group_xsum = e.variable(ir.Constant(F32, 0.0))
-        with e.loop(chunks_per_group) as chunk_loop:
-            chunk = e.b.add(first_chunk, chunk_loop.index)
-            e.b.store(e.fadd(e.b.load(group_xsum), e.load(F32, e.address(xsum, (chunk, 4)), 4)), group_xsum)
-        x_group_sum = e.b.load(group_xsum)
-        scale_vectors = []
+    row_scales = [e.address(scales, (row, group_bytes)) for row in rows]
+    row_offsets = [e.address(offsets, (row, group_bytes)) for row in rows]
+    zero = ir.Constant(V16F, [0.0] * LANES)
+
+    # sum over chunks c of s[group(c)] * sum(q * x) over the chunk; one flat loop, group = c >> shift
+    cttz = cgutils.get_or_insert_function(e.b.module, ir.FunctionType(I64, [I64, ir.IntType(1)]), "llvm.cttz.i64")
+    shift = e.b.call(cttz, [chunks_per_group, ir.Constant(ir.IntType(1), 1)])  # group size 32 << shift
+    accumulators = [e.variable(zero) for _ in range(n_rows)]
+    with e.loop(e.b.shl(n_groups, shift)) as chunk_loop:
+        chunk = chunk_loop.index
+        group = e.b.lshr(chunk, shift)
         for r in range(n_rows):
-            scale = e.half(e.address(row_scales[r], (group, 2)))
-            scale_vectors.append(e.splat(scale))
-            weight_of_sum = e.half(e.address(row_offsets[r], (group, 2))) if fmt.affine else scale
-            e.b.store(e.fma(weight_of_sum, x_group_sum, e.b.load(corrections[r])), corrections[r])
-        with e.loop(chunks_per_group) as chunk_loop:
-            chunk = e.b.add(first_chunk, chunk_loop.index)
-            for r in range(n_rows):
-                partial = _quantized_chunk_dot(e, fmt, row_data[r], chunk, x, xp)
-                e.b.store(e.fma(partial, scale_vectors[r], e.b.load(accumulators[r])), accumulators[r])
+            scale = e.half_splat(e.address(row_scales[r], (group, 2)))
+            partial = _quantized_chunk_dot(e, fmt, row_data[r], chunk, x, xp)
+            e.b.store(e.fma(partial, scale, e.b.load(accumulators[r])), accumulators[r])
+
+    # the zero point / offset term: sum over groups of (o or s)[g] * sum(x over group g), as a
+    # vector dot product over 16 groups at a time (group_sums: this group size's sums of x)
+    weights_of_sums = row_offsets if fmt.affine else row_scales
+    corrections = [e.variable(zero) for _ in range(n_rows)]
+    n_vectors = e.b.udiv(n_groups, e.i64(LANES))
+    with e.loop(n_vectors) as vector_loop:
+        v = vector_loop.index
+        sums = e.load(V16F, e.address(group_sums, (v, 4 * LANES)), 4)
+        for r in range(n_rows):
+            w = e.b.fpext(e.b.bitcast(e.load(V16I16, e.address(weights_of_sums[r], (v, 2 * LANES)), 2), V16H), V16F)
+            e.b.store(e.fma(w, sums, e.b.load(corrections[r])), corrections[r])
+    tails = [e.variable(ir.Constant(F32, 0.0)) for _ in range(n_rows)]
+    first_tail = e.b.mul(n_vectors, e.i64(LANES))
+    with e.loop(e.b.sub(n_groups, first_tail)) as tail_loop:
+        g = e.b.add(first_tail, tail_loop.index)
+        total = e.load(F32, e.address(group_sums, (g, 4)), 4)
+        for r in range(n_rows):
+            w = e.half(e.address(weights_of_sums[r], (g, 2)))
+            e.b.store(e.fma(w, total, e.b.load(tails[r])), tails[r])
+
     for r in range(n_rows):
-        correction = e.b.load(corrections[r])
+        correction = e.fadd(e.hsum(e.b.load(corrections[r])), e.b.load(tails[r]))
         if not fmt.affine:
             correction = e.fmul(correction, ir.Constant(F32, -float(fmt.zero_point)))
         total = e.fadd(e.hsum(e.b.load(accumulators[r])), correction)
@@ -261,7 +282,8 @@ def make_dot_rows(fmt: IrFormat, n_rows: int):
     """Intrinsic: out[row0 + r] = dot(weight row row0 + r, x) for r < n_rows (no bias).
 
     Arguments (all int64): data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols,
-    row0, x, xp, xsum, out. Reading n_rows rows together shares each load of x between them."""
+    row0, x, xp, xsum (sums of x per group of this weight's size), out. Reading n_rows rows
+    together shares each load of x between them."""
 
     @intrinsic
     def dot_rows(typingctx, data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
@@ -468,8 +490,8 @@ def call_dequantize(typingctx, function, descriptor, row_begin, n_rows, tile, ti
 
 @intrinsic
 def call_gemm(typingctx, function, descriptor, row_begin, row_end, xt, xt_stride, n_tokens, tile, tile_stride,
-              block, out, out_stride, out_col, accumulate):
-    return _indirect_call(13)
+              block, out, out_stride, out_col, accumulate, transposed):
+    return _indirect_call(14)
 
 
 # --------------------------------------------------------------------------------------------
