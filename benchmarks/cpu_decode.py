@@ -169,8 +169,8 @@ def main(argv=None) -> int:
     print(f"{os.path.basename(checkpoint)}: {args.prompt_tokens}-token prompt, {args.new_tokens} greedy tokens, "
           f"best of {args.repeats} (median); cpu {results['cpu']}, {results['cores']} cores, load average "
           f"{load_before[0]:.2f} before / {results['load_average_after'][0]:.2f} after")
-    header = f"{'threads':>7} {'prefill tok/s':>22} {'decode tok/s':>20} {'cold start':>11} {'warm start':>11} {'= reference':>12}"
-    print(header)
+    print(f"{'threads':>7} {'prefill tok/s':>22} {'decode tok/s':>20} {'cold start':>11} {'warm start':>11} "
+          f"{'= reference':>12}")
     for row in rows:
         start = row.get("startup")
         cold = f"{start['cold']['load_to_first_token_seconds']:.2f} s" if start else "-"

@@ -138,12 +138,6 @@ class _Scratch:
 class FusedForward:
     """(ids, cache, all_logits, observer) -> logits, with the semantics of Transformer.forward_ops."""
 
-    def last_step_times(self) -> list[tuple[int, str, float]]:
-        """(layer or -1, step, seconds) of the last compiled call (benchmarks/cpu_profile.py)."""
-        if self._last_call is None:
-            return []
-        return fk.step_durations(self.scratch.clock, *self._last_call)
-
     def __init__(self, transformer, backend):
         self.backend = backend
         self.spec = transformer.spec
@@ -197,12 +191,18 @@ class FusedForward:
                 return scratch.logits[:n_tokens].copy()
             return scratch.logits[0].copy()
 
+    def last_step_times(self) -> list[tuple[int, str, float]]:
+        """(layer or -1, step, seconds) of the last compiled call (benchmarks/cpu_profile.py)."""
+        if self._last_call is None:
+            return []
+        return fk.step_durations(self.scratch.clock, *self._last_call)
+
     def _run(self, ids, kv, capacity, start, cos, sin, first, last, run_embedding, run_head, all_logits):
         t, s = self.tables, self.scratch
         fk.forward_kernel(
             t.descriptors, t.layers, t.params, t.dims, self.eps, self.scale, kv, capacity, ids, start, cos, sin,
             first, last, run_embedding, run_head, all_logits, self.backend.threads,
-            s.hidden, s.normed, s.qkv, s.attn, s.gate, s.up, s.gate_t, s.up_t, s.xt, s.x_natural, s.x_pairs, s.x_sums, s.tiles,
-            s.blocks, s.row_scratch, s.embed_scratch, s.scores, s.peaks, s.totals, s.accs, s.key_positions,
-            s.sync, s.clock, s.logits)
+            s.hidden, s.normed, s.qkv, s.attn, s.gate, s.up, s.gate_t, s.up_t, s.xt, s.x_natural, s.x_pairs,
+            s.x_sums, s.tiles, s.blocks, s.row_scratch, s.embed_scratch, s.scores, s.peaks, s.totals, s.accs,
+            s.key_positions, s.sync, s.clock, s.logits)
         self._last_call = (first, last, run_embedding)

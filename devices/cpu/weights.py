@@ -62,15 +62,16 @@ def prepare_weight(weight):
         codes = _contiguous(weight.qweight)
         scales = _contiguous(weight.scales).view(np.uint16)  # Numba has no float16: kernels read the bits
         offsets = None if weight.offsets is None else _contiguous(weight.offsets).view(np.uint16)
-        descriptor = attach_kernels(wf.describe_quantized(kind, weight.shape, scheme.group_size, codes, scales, offsets))
+        descriptor = wf.describe_quantized(kind, weight.shape, scheme.group_size, codes, scales, offsets)
+        attach_kernels(descriptor)
         return CpuWeight(descriptor, (codes, scales, offsets), str(scheme), weight.shape)
     if isinstance(weight, np.ndarray) and weight.ndim == 1 and weight.dtype.kind == "f":
         return np.ascontiguousarray(weight, dtype=np.float32)  # a few KB; kernels read f32 vectors
     if isinstance(weight, np.ndarray) and weight.ndim == 2 and weight.dtype in wf.FLOAT_KINDS:
         matrix = _contiguous(weight)
         view = matrix.view(np.uint16) if matrix.dtype == np.float16 else matrix
-        return CpuWeight(attach_kernels(wf.describe_float(matrix)), (matrix, view), wf.KIND_NAMES[wf.FLOAT_KINDS[matrix.dtype]],
-                         matrix.shape)
+        descriptor = attach_kernels(wf.describe_float(matrix))
+        return CpuWeight(descriptor, (matrix, view), wf.KIND_NAMES[wf.FLOAT_KINDS[matrix.dtype]], matrix.shape)
     what = f"{weight.dtype} array of shape {weight.shape}" if isinstance(weight, np.ndarray) else type(weight).__name__
     raise MissingKernelError(
         f"device 'cpu' has no kernel for a {what}; its kernels cover {supported_formats()}. "

@@ -153,7 +153,7 @@ _f32_1d, _f32_2d, _f32_3d = mutable(types.float32, 1), mutable(types.float32, 2)
 
 @kernel(types.void(readonly(types.float32, 2), _f32_ro_3d, _f32_ro_3d, _i64_ro_1d, _i64_ro_1d, types.float32,
                    types.int64, types.int64, types.int64, types.int64, _f32_2d, _f32_1d, _f32_1d, _f32_2d, _f32_2d),
-        parallel=True)
+        parallel=True, optimization=2)
 def attention_kernel(q_rows, keys, values, q_positions, k_positions, scale, window, n_heads, n_splits, n_threads,
                      scores, peaks, totals, accs, out):
     """out [T, Hq * Dh] from q_rows [T, Hq * Dh]; scores [n_threads, scratch_floats(Hq, S, Dh)]
@@ -183,9 +183,9 @@ def attention(q, k, v, q_positions, k_positions, scale: float, window: int | Non
     n_splits = n_threads if n_tokens == 1 else 1
     n_rows = n_tokens * n_heads * n_splits
     out = np.empty((n_tokens, n_heads * head_dim), np.float32)
+    work = np.empty((n_threads, scratch_floats(n_heads, k.shape[0], head_dim)), np.float32)
     attention_kernel(q.reshape(n_tokens, n_heads * head_dim), k, v, np.ascontiguousarray(q_positions, dtype=np.int64),
                      np.ascontiguousarray(k_positions, dtype=np.int64), np.float32(scale), int(window or 0), n_heads,
-                     n_splits, n_threads, np.empty((n_threads, scratch_floats(n_heads, k.shape[0], head_dim)), np.float32),
-                     np.empty(n_rows, np.float32), np.empty(n_rows, np.float32),
+                     n_splits, n_threads, work, np.empty(n_rows, np.float32), np.empty(n_rows, np.float32),
                      np.empty((n_rows, head_dim), np.float32), out)
     return out.reshape(n_tokens, n_heads, head_dim)

@@ -168,19 +168,20 @@ def _dequantize_for(kind: int):
         w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
         data, row_bytes, scales, offsets = w[W_DATA], w[W_ROW_BYTES], w[W_SCALES], w[W_OFFSETS]
         n_groups, chunks, cols = w[W_GROUPS], w[W_CHUNKS_PER_GROUP], w[W_COLS]
+        layout = (data, row_bytes, scales, offsets, n_groups, chunks, cols)
         if kind == K_INT4_AFFINE:
-            dequantize_int4_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin, n_rows, tile, tile_stride)
+            dequantize_int4_affine(*layout, row_begin, n_rows, tile, tile_stride)
         elif kind == K_INT4_SYM:
-            dequantize_int4_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin, n_rows, tile, tile_stride)
+            dequantize_int4_sym(*layout, row_begin, n_rows, tile, tile_stride)
         elif kind == K_INT8_SYM:
-            dequantize_int8_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin, n_rows, tile, tile_stride)
+            dequantize_int8_sym(*layout, row_begin, n_rows, tile, tile_stride)
         elif kind == K_INT8_AFFINE:
-            dequantize_int8_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin, n_rows, tile, tile_stride)
+            dequantize_int8_affine(*layout, row_begin, n_rows, tile, tile_stride)
         else:
             if kind == K_F16:
-                dequantize_f16(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin, n_rows, tile, tile_stride)
+                dequantize_f16(*layout, row_begin, n_rows, tile, tile_stride)
             else:
-                dequantize_f32(data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin, n_rows, tile, tile_stride)
+                dequantize_f32(*layout, row_begin, n_rows, tile, tile_stride)
             padded = w[W_COLS_PADDED]
             rows = numba.carray(float32_pointer(tile), (n_rows, tile_stride))
             for r in range(n_rows):
@@ -401,7 +402,7 @@ _LINEAR_SIGNATURE = types.void(readonly(types.int64, 1), readonly(types.float32,
                                _f32_2d, _f32_1d)
 
 
-@kernel(_LINEAR_SIGNATURE, parallel=True)
+@kernel(_LINEAR_SIGNATURE, parallel=True, optimization=2)
 def linear_kernel(w, x, bias, has_bias, out, n_threads, tiles, blocks, x_natural, x_pairs, x_sums, xt, row_out):
     """out [T, N] = x [T, K] W^T (+ bias); W given by its descriptor; the rest is scratch.
 

@@ -102,7 +102,8 @@ class Emitter:
     def splat(self, scalar, lanes: int = LANES):
         vec_type = ir.VectorType(scalar.type, lanes)
         vec = self.b.insert_element(ir.Constant(vec_type, ir.Undefined), scalar, ir.Constant(I32, 0))
-        return self.b.shuffle_vector(vec, ir.Constant(vec_type, ir.Undefined), ir.Constant(ir.VectorType(I32, lanes), [0] * lanes))
+        lane_zero = ir.Constant(ir.VectorType(I32, lanes), [0] * lanes)
+        return self.b.shuffle_vector(vec, ir.Constant(vec_type, ir.Undefined), lane_zero)
 
     def fmul(self, a, b):
         return self.b.fmul(a, b, flags=IR_FASTMATH)
@@ -576,8 +577,9 @@ def monotonic_seconds(typingctx):
         builder.call(function, [ir.Constant(I32, clock_id), slot])
         seconds = builder.load(builder.gep(slot, [ir.Constant(I32, 0), ir.Constant(I32, 0)]))
         nanoseconds = builder.load(builder.gep(slot, [ir.Constant(I32, 0), ir.Constant(I32, 1)]))
-        return builder.fadd(builder.sitofp(seconds, ir.DoubleType()),
-                            builder.fmul(builder.sitofp(nanoseconds, ir.DoubleType()), ir.Constant(ir.DoubleType(), 1e-9)))
+        f64 = ir.DoubleType()
+        return builder.fadd(builder.sitofp(seconds, f64),
+                            builder.fmul(builder.sitofp(nanoseconds, f64), ir.Constant(f64, 1e-9)))
 
     return signature, codegen
 

@@ -121,10 +121,12 @@ class Kernel:
     array where the signature says read-only fails with Numba's typing error instead of compiling a
     new specialisation silently."""
 
-    def __init__(self, function, signatures, parallel: bool = False, name: str | None = None):
+    def __init__(self, function, signatures, parallel: bool = False, name: str | None = None,
+                 optimization: int | None = None):
         self.function = function
         self.signatures = list(signatures)
         self.parallel = parallel
+        self.optimization = optimization
         self.__name__ = name or function.__name__
         self.__doc__ = function.__doc__
         self._dispatcher = None
@@ -136,8 +138,14 @@ class Kernel:
                 if self._dispatcher is None:
                     use_cache_dir()
                     dispatcher = numba.njit(cache=True, parallel=self.parallel, **JIT_OPTIONS)(self.function)
-                    for signature in self.signatures:
-                        dispatcher.compile(signature)
+                    default_level = numba.config.OPT
+                    if self.optimization is not None:
+                        numba.config.OPT = self.optimization
+                    try:
+                        for signature in self.signatures:
+                            dispatcher.compile(signature)
+                    finally:
+                        numba.config.OPT = default_level
                     dispatcher.disable_compile()
                     self._dispatcher = dispatcher
         return self._dispatcher
@@ -150,11 +158,12 @@ class Kernel:
         return self._dispatcher is not None
 
 
-def kernel(*signatures, parallel: bool = False):
-    """Decorator: a lazily compiled Kernel with these explicit signatures."""
+def kernel(*signatures, parallel: bool = False, optimization: int | None = None):
+    """Decorator: a lazily compiled Kernel with these explicit signatures (and, if given, this LLVM
+    optimisation level instead of Numba's default 3)."""
 
     def wrap(function):
-        return Kernel(function, signatures, parallel=parallel)
+        return Kernel(function, signatures, parallel=parallel, optimization=optimization)
 
     return wrap
 
