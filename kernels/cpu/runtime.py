@@ -16,6 +16,8 @@ import threading
 import numba
 from numba import types
 
+from kernels.cache_home import zllm_home
+
 # The flags LLVM may use on float math. Reassociation and contraction let loops vectorize and
 # fuse multiply-adds; "nnan"/"ninf" are left out on purpose: attention masks are -inf.
 FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
@@ -34,17 +36,6 @@ JIT_OPTIONS = dict(nogil=True, fastmath=set(FASTMATH), error_model="numpy")
 THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
 _lock = threading.Lock()
-
-
-def zllm_home() -> str:
-    """ZLLM_EDGE_HOME, else $XDG_CACHE_HOME/zllm-edge, else ~/.cache/zllm-edge.
-
-    The same rule as edge/home.py; kernels/ does not import edge/ (data flows one way)."""
-    explicit = os.environ.get("ZLLM_EDGE_HOME")
-    if explicit:
-        return os.path.abspath(explicit)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "zllm-edge")
 
 
 def numba_cache_dir() -> str:
