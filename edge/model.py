@@ -91,11 +91,14 @@ class Transformer:
         run = self._fused_forward or self.forward_ops
         return run(ids, cache, all_logits, observer)
 
-    def forward_ops(self, ids: np.ndarray, cache: KVCache, all_logits: bool, observer=None) -> np.ndarray:
+    def forward_ops(self, ids: np.ndarray, cache: KVCache, all_logits: bool, observer=None,
+                    ffn_hook=None) -> np.ndarray:
         """Run ids (placed after the cache's valid positions) through the model; fills the cache.
 
         Returns logits [T, V] when all_logits, else [V] for the last token. `observer(layer, hidden)`
-        sees the residual stream after each layer (the diff tool uses it).
+        sees the residual stream after each layer (the diff tool uses it). `ffn_hook(layer, x)` sees
+        each feed-forward block's input x [T, D] (after its norm) and may return a replacement for
+        the block's output [T, D], or None to run the block (MoEfication calibrates through it).
         """
         be, spec = self.backend, self.spec
         start = cache.length
@@ -119,9 +122,13 @@ class Transformer:
                                     layer.sliding_window)  # [T, Hq, Dh]
             hidden = hidden + be.linear(attended.reshape(n_tokens, -1), layer.o, layer.o_bias)
             x = be.rms_norm(hidden, layer.post_attention_norm, spec.rms_norm_eps)
-            gate = be.linear(x, layer.gate, layer.gate_bias)
-            up = be.linear(x, layer.up, layer.up_bias)
-            hidden = hidden + be.linear(be.swiglu(gate, up), layer.down, layer.down_bias)
+            replaced = ffn_hook(index, x) if ffn_hook is not None else None
+            if replaced is not None:
+                hidden = hidden + replaced
+            else:
+                gate = be.linear(x, layer.gate, layer.gate_bias)
+                up = be.linear(x, layer.up, layer.up_bias)
+                hidden = hidden + be.linear(be.swiglu(gate, up), layer.down, layer.down_bias)
             if observer is not None:
                 observer(index, hidden)
         cache.length = start + n_tokens

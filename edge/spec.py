@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edge.errors import UnsupportedModelError
+from edge.moe import MoeConfig
 
 
 @dataclass
@@ -59,6 +60,10 @@ class LlamaSpec:
         return False
 
     def sliding_window_for_layer(self, layer: int) -> int | None:
+        return None
+
+    def moe_for_layer(self, layer: int) -> "MoeConfig | None":
+        """How the layer's feed-forward block routes to experts; None for a dense block."""
         return None
 
     def to_dict(self) -> dict[str, Any]:
