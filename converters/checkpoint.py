@@ -5,6 +5,8 @@
     tokenizer.json    Hugging Face tokenizers format (absent when the source had none)
     model.safetensors dense weights; a quantized tensor W is stored as W.qweight, W.scales
                       and (affine) W.offsets, laid out as quant/formats.py documents
+    experts.bin       MoE models only: the routed experts, one aligned record per (layer, expert)
+                      (converters/expert_file.py; indexed by the manifest's "experts" entry)
 
 Writers create the directory under a temporary name beside its destination and rename it
 when complete, so a directory named like a checkpoint is always a whole one.
@@ -17,12 +19,16 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from converters.safetensors_io import SafetensorsFile, SafetensorsFormatError
 from edge.errors import CheckpointError
 from quant import QuantizedTensor, Scheme
+
+if TYPE_CHECKING:
+    from converters.expert_file import ExpertIndex
 
 FORMAT = "zllm"
 FORMAT_VERSION = 1
@@ -95,6 +101,7 @@ class Checkpoint:
     manifest: dict
     tensors: dict[str, np.ndarray | QuantizedTensor]
     _files: list[SafetensorsFile]
+    experts: "ExpertIndex | None" = None  # routed experts of a MoE model (experts.bin), else None
 
     @property
     def model_config(self) -> dict:
@@ -147,6 +154,22 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
+def _verify_experts(path: str, experts, sha256: str) -> None:
+    """Check every expert record's crc32 (naming a damaged one), then the whole file's sha256."""
+    from converters.expert_file import read_expert_bytes
+
+    fd = os.open(experts.path, os.O_RDONLY)
+    try:
+        for layer, layer_experts in sorted(experts.layers.items()):
+            for expert in range(len(layer_experts.records)):
+                read_expert_bytes(fd, experts, layer, expert, verify=True)
+    finally:
+        os.close(fd)
+    if sha256_file(experts.path) != sha256:
+        raise CheckpointError(f"{path}: {os.path.basename(experts.path)} fails its sha256 check outside its expert "
+                              "records; the checkpoint is damaged")
+
+
 def open_checkpoint(path: str, verify: bool = False) -> Checkpoint:
     """mmap a checkpoint; with `verify`, check every file's sha256 first."""
     path = os.fspath(path)
@@ -162,9 +185,12 @@ def open_checkpoint(path: str, verify: bool = False) -> Checkpoint:
                     f"{path}: {filename} has {os.path.getsize(file_path)} bytes, the manifest says {info['bytes']}; "
                     "the checkpoint is damaged, convert it again"
                 )
-            if verify and sha256_file(file_path) != info["sha256"]:
+            # the expert file is verified after its index is read: record checksums name the damaged expert
+            is_expert_file = filename == (manifest.get("experts") or {}).get("file")
+            if verify and not is_expert_file and sha256_file(file_path) != info["sha256"]:
                 raise CheckpointError(f"{path}: {filename} fails its sha256 check; the checkpoint is damaged")
-            files[filename] = SafetensorsFile(file_path)
+            if filename.endswith(".safetensors"):
+                files[filename] = SafetensorsFile(file_path)
         tensors: dict[str, np.ndarray | QuantizedTensor] = {}
         for name, info in manifest["tensors"].items():
             st = files[info["file"]]
@@ -182,4 +208,22 @@ def open_checkpoint(path: str, verify: bool = False) -> Checkpoint:
         for f in files.values():
             f.close()
         raise CheckpointError(f"{path}: manifest and weights disagree ({exc}); convert the model again") from None
-    return Checkpoint(path, manifest, tensors, list(files.values()))
+    experts = None
+    if manifest.get("experts") is not None:
+        from converters.expert_file import ExpertIndex  # expert_file imports this module
+
+        try:
+            experts = ExpertIndex(path, manifest["experts"])
+        except (KeyError, ValueError, TypeError) as exc:
+            for f in files.values():
+                f.close()
+            raise CheckpointError(f"{path}: the manifest's experts entry is malformed ({exc}); "
+                                  "convert the model again") from None
+        if verify:
+            try:
+                _verify_experts(path, experts, manifest["files"][os.path.basename(experts.path)]["sha256"])
+            except CheckpointError:
+                for f in files.values():
+                    f.close()
+                raise
+    return Checkpoint(path, manifest, tensors, list(files.values()), experts)

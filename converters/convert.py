@@ -2,6 +2,11 @@
 
 Tensors stream through one at a time: read (mmap), dequantize if needed, quantize into the
 tensor's scheme, write, forget. Peak memory is a small multiple of the largest tensor.
+
+A MoE model's routed experts (class "experts") go to experts.bin instead of model.safetensors,
+one aligned record per (layer, expert) holding its gate/up/down projections (converters/expert_file.py),
+so that one read fetches one expert; routers (class "router") stay f32 unless overridden, since
+routing is a discrete choice that must match the source model.
 """
 from __future__ import annotations
 
@@ -17,13 +22,16 @@ from converters import checkpoint as ckpt
 from converters.safetensors_io import NUMPY_TO_SAFETENSORS, SafetensorsFormatError, SafetensorsWriter
 from converters.source import SourceModel, SourceTensor
 from edge.errors import ConversionError
-from edge.spec import spec_from_dict, spec_tensor_names
+from converters.expert_file import EXPERTS_FILE, PROJECTIONS, ExpertFileWriter, ExpertLayout
+from edge.spec import spec_expert_tensor_names, spec_from_dict, spec_optional_tensor_names, spec_tensor_names
 from quant import QuantizedTensor, Scheme, quantize
 from quant.metrics import quantization_error
 
 WEIGHT_CHOICES = ("f32", "f16", "int8", "int4", "source")
 GROUP_SIZES = (32, 64, 128)
-TENSOR_CLASSES = ("embeddings", "attention", "ffn", "lm_head")
+TENSOR_CLASSES = ("embeddings", "attention", "ffn", "lm_head", "experts", "router")
+# Routers stay f32 unless overridden: routing is a discrete choice that must match the source model.
+CLASS_DEFAULTS = {"router": "f32"}
 # GGUF formats that map onto one of our schemes without requantization.
 LOSSLESS_SOURCE_SCHEMES = {
     "Q4_0": Scheme("int4", 32, True),
@@ -42,8 +50,12 @@ def tensor_class(name: str) -> str:
         return "lm_head"
     if ".self_attn." in name:
         return "attention"
+    if ".mlp.experts." in name:
+        return "experts"  # routed experts, written to experts.bin
+    if ".mlp.gate." in name or name.endswith(".mlp.shared_expert_gate.weight"):
+        return "router"
     if ".mlp." in name:
-        return "ffn"
+        return "ffn"  # dense FFNs and shared experts
     raise ConversionError(f"tensor {name!r} belongs to no known class")
 
 
@@ -84,7 +96,7 @@ class QuantPlan:
         cls = tensor_class(tensor.name)
         if cls == "norm" or len(tensor.shape) != 2:
             return Scheme("f32")
-        choice = self._parse_choice(self.overrides.get(cls, self.weights))
+        choice = self._parse_choice(self.overrides.get(cls, CLASS_DEFAULTS.get(cls, self.weights)))
         if choice != "source":
             return choice
         if tensor.source_format in LOSSLESS_SOURCE_SCHEMES:
@@ -156,42 +168,88 @@ def open_source(src: str) -> SourceModel:
     raise ConversionError(f"{src} does not exist; SRC is a Hugging Face model folder or a .gguf file")
 
 
-def _encode(value: np.ndarray | QuantizedTensor, source: SourceTensor, scheme: Scheme
-            ) -> tuple[dict[str, np.ndarray], bool, float, float]:
-    """Arrays to store, whether the conversion was lossless, and its max-abs / rel-RMS error."""
+def _to_scheme(value: np.ndarray | QuantizedTensor, scheme: Scheme
+               ) -> tuple[np.ndarray | QuantizedTensor, bool, float, float]:
+    """The tensor in `scheme`, whether the conversion was lossless, and its max-abs / rel-RMS error."""
     if isinstance(value, QuantizedTensor) and value.scheme == scheme:
-        return value.to_arrays(source.name), True, 0.0, 0.0
+        return value, True, 0.0, 0.0
     reference = value.dequantize() if isinstance(value, QuantizedTensor) else np.asarray(value, dtype=np.float32)
     if not scheme.is_quantized:
         stored = reference.astype(np.float16 if scheme.dtype == "f16" else np.float32)
         report = quantization_error(reference, stored)
-        return {source.name: stored}, report.max_abs == 0.0, report.max_abs, report.rel_rms
+        return stored, report.max_abs == 0.0, report.max_abs, report.rel_rms
     quantized = quantize(reference, scheme)
     report = quantization_error(reference, quantized)
-    return quantized.to_arrays(source.name), False, report.max_abs, report.rel_rms
+    return quantized, False, report.max_abs, report.rel_rms
 
 
-def _tensors_in_checkpoint_order(source: SourceModel, spec, src: str) -> list[SourceTensor]:
-    """The source's tensors in the order the spec lists them; missing or unexpected ones are errors."""
+def _encode(value: np.ndarray | QuantizedTensor, source: SourceTensor, scheme: Scheme
+            ) -> tuple[dict[str, np.ndarray], bool, float, float]:
+    """Arrays to store, whether the conversion was lossless, and its max-abs / rel-RMS error."""
+    stored, lossless, max_abs, rel_rms = _to_scheme(value, scheme)
+    arrays = stored.to_arrays(source.name) if isinstance(stored, QuantizedTensor) else {source.name: stored}
+    return arrays, lossless, max_abs, rel_rms
+
+
+def _tensors_in_checkpoint_order(source: SourceModel, spec, src: str
+                                  ) -> tuple[list[SourceTensor], dict[int, list[list[SourceTensor]]]]:
+    """The source's dense tensors in the order the spec lists them, and its routed experts by layer
+    (per expert: gate_proj, up_proj, down_proj); missing or unexpected tensors are errors."""
     by_name = {t.name: t for t in source.tensors()}
     expected = spec_tensor_names(spec)
-    missing = [n for n in expected if n not in by_name]
+    expected += [n for n in spec_optional_tensor_names(spec) if n in by_name]
+    expert_names = spec_expert_tensor_names(spec)
+    required = expected + [n for layer in expert_names.values() for expert in layer for n in expert]
+    missing = [n for n in required if n not in by_name]
     if missing:
         raise ConversionError(
             f"{src} lacks {len(missing)} tensors the {spec.model_type} config requires, e.g. {missing[:3]}"
         )
     if spec.tie_word_embeddings:
         by_name.pop("lm_head.weight", None)  # some tied checkpoints carry a copy; the spec says tied
-    unexpected = sorted(set(by_name) - set(expected))
+    unexpected = sorted(set(by_name) - set(required))
     if unexpected:
         raise ConversionError(
             f"{src} holds tensors the {spec.model_type} config does not describe, e.g. {unexpected[:3]}"
         )
-    return [by_name[n] for n in expected]
+    experts = {layer: [[by_name[n] for n in expert] for expert in names] for layer, names in expert_names.items()}
+    return [by_name[n] for n in expected], experts
+
+
+def _write_experts(source: SourceModel, plan: QuantPlan, experts: dict[int, list[list[SourceTensor]]],
+                   path: str, compression: str | None, progress: bool) -> tuple[dict, list[TensorReport]]:
+    """Write every routed expert into the expert file at `path`, one tensor in memory at a time.
+
+    Returns the manifest's "experts" entry and a report per expert projection."""
+    reports: list[TensorReport] = []
+    with ExpertFileWriter(path, compression) as writer:
+        for layer, layer_experts in experts.items():
+            schemes = dict(zip(PROJECTIONS, (plan.scheme_for(t) for t in layer_experts[0])))
+            shapes = {proj: tuple(t.shape) for proj, t in zip(PROJECTIONS, layer_experts[0])}
+            for expert in layer_experts:
+                for proj, t in zip(PROJECTIONS, expert):
+                    if tuple(t.shape) != shapes[proj] or plan.scheme_for(t) != schemes[proj]:
+                        raise ConversionError(
+                            f"{t.name}: shape {t.shape} / scheme {plan.scheme_for(t)} differs from expert 0's "
+                            f"{shapes[proj]} / {schemes[proj]}; every expert of a layer must share them")
+            writer.add_layer(layer, ExpertLayout.plan(schemes, shapes), len(layer_experts))
+            for index, expert in enumerate(tqdm(layer_experts, desc=f"experts of layer {layer}", unit="expert",
+                                                disable=not progress, leave=False)):
+                stored = {}
+                for proj, t in zip(PROJECTIONS, expert):
+                    value, lossless, max_abs, rel_rms = _to_scheme(source.load(t.name), schemes[proj])
+                    stored[proj] = value
+                    source.release(t.name)
+                    bytes_out = (sum(a.nbytes for a in value.to_arrays("").values())
+                                 if isinstance(value, QuantizedTensor) else value.nbytes)
+                    reports.append(TensorReport(t.name, t.source_format, str(schemes[proj]), t.shape, t.nbytes,
+                                                bytes_out, lossless, max_abs, rel_rms))
+                writer.write(layer, index, stored)
+    return writer.entry(), reports
 
 
 def _manifest(source: SourceModel, spec, reports: list[TensorReport], schemes: dict[str, Scheme],
-              weights_path: str) -> dict:
+              weights_path: str, experts_entry: dict | None = None) -> dict:
     def tensor_entry(r: TensorReport) -> dict:
         arrays = ckpt.stored_arrays(r.name, schemes[r.name], r.shape)
         return {"scheme": r.scheme, "shape": list(r.shape), "file": ckpt.WEIGHTS, "class": tensor_class(r.name),
@@ -200,7 +258,8 @@ def _manifest(source: SourceModel, spec, reports: list[TensorReport], schemes: d
                            for key, (dtype, shape) in arrays.items()},
                 "max_abs_error": r.max_abs_error, "rel_rms_error": r.rel_rms_error}
 
-    return {
+    files = {ckpt.WEIGHTS: {"bytes": os.path.getsize(weights_path), "sha256": ckpt.sha256_file(weights_path)}}
+    manifest = {
         "format": ckpt.FORMAT,
         "format_version": ckpt.FORMAT_VERSION,
         "source": source.description,
@@ -208,22 +267,34 @@ def _manifest(source: SourceModel, spec, reports: list[TensorReport], schemes: d
         "tokenizer": {"file": ckpt.TOKENIZER if source.tokenizer.tokenizer_json else None,
                       **source.tokenizer.config},
         "tensors": {r.name: tensor_entry(r) for r in reports},
-        "files": {ckpt.WEIGHTS: {"bytes": os.path.getsize(weights_path), "sha256": ckpt.sha256_file(weights_path)}},
+        "files": files,
     }
+    # A source that derives its model (MoEfication) records how, e.g. {"moefy": {...}}.
+    manifest.update(getattr(source, "manifest_extra", None) or {})
+    if experts_entry is not None:
+        manifest["experts"] = experts_entry
+        experts_path = os.path.join(os.path.dirname(weights_path), experts_entry["file"])
+        files[experts_entry["file"]] = {"bytes": os.path.getsize(experts_path),
+                                        "sha256": ckpt.sha256_file(experts_path)}
+    return manifest
 
 
-def convert(src: str, out: str, plan: QuantPlan | None = None, force: bool = False,
-            progress: bool = True) -> ConversionSummary:
-    """Convert SRC into a checkpoint at OUT, atomically."""
+def convert(src: str | SourceModel, out: str, plan: QuantPlan | None = None, force: bool = False,
+            progress: bool = True, compress_experts: bool = False) -> ConversionSummary:
+    """Convert SRC into a checkpoint at OUT, atomically; a MoE model's routed experts go to experts.bin
+    (each record zstd-compressed with `compress_experts`).
+
+    SRC is a path, or an opened SourceModel (e.g. a MoEfied view of a dense model), closed at the end."""
     plan = plan or QuantPlan()
     out = os.path.abspath(out)
     if os.path.lexists(out) and not force:
         raise ConversionError(f"{out} already exists; pass --force to replace it")
     started = time.perf_counter()
-    source = open_source(src)
+    source = open_source(os.fspath(src)) if isinstance(src, (str, os.PathLike)) else src
+    src = src if isinstance(src, (str, os.PathLike)) else source.description
     try:
         spec = spec_from_dict(source.config)
-        tensors = _tensors_in_checkpoint_order(source, spec, src)
+        tensors, experts = _tensors_in_checkpoint_order(source, spec, src)
         schemes = {t.name: plan.scheme_for(t) for t in tensors}
         layout: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
         for t in tensors:
@@ -242,12 +313,19 @@ def convert(src: str, out: str, plan: QuantPlan | None = None, force: bool = Fal
                     bytes_out = sum(a.nbytes for a in arrays.values())
                     reports.append(TensorReport(t.name, t.source_format, str(scheme), t.shape, t.nbytes,
                                                 bytes_out, lossless, max_abs, rel_rms))
+            experts_entry = None
+            if experts:
+                experts_entry, expert_reports = _write_experts(
+                    source, plan, experts, os.path.join(staging.path, EXPERTS_FILE),
+                    "zstd" if compress_experts else None, progress)
             if source.tokenizer.tokenizer_json:
                 with open(os.path.join(staging.path, ckpt.TOKENIZER), "w", encoding="utf-8") as f:
                     f.write(source.tokenizer.tokenizer_json)
             with open(os.path.join(staging.path, ckpt.MANIFEST), "w", encoding="utf-8") as f:
-                json.dump(_manifest(source, spec, reports, schemes, weights_path), f, indent=1)
+                json.dump(_manifest(source, spec, reports, schemes, weights_path, experts_entry), f, indent=1)
             staging.commit()
+            if experts_entry is not None:
+                reports += expert_reports
     except SafetensorsFormatError as exc:
         raise ConversionError(str(exc)) from None
     finally:

@@ -19,6 +19,7 @@ The manifest's "experts" entry indexes every record:
 """
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ class StoredArray:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # math.prod: decode runs per expert load
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,14 @@ def read_expert_bytes(fd: int, index: ExpertIndex, layer: int, expert: int, veri
     """One record's bytes on disk by a positional read, checked against its crc32 when `verify`."""
     record = index.record(layer, expert)
     stored = os.pread(fd, record.length, record.offset)
+    check_stored_record(index, layer, expert, stored, verify)
+    return stored
+
+
+def check_stored_record(index: ExpertIndex, layer: int, expert: int, stored: bytes | memoryview | np.ndarray,
+                        verify: bool = True) -> None:
+    """Raise ExpertChecksumError when a record's bytes as read from disk are short or fail their crc32."""
+    record = index.record(layer, expert)
     if len(stored) != record.length:
         raise ExpertChecksumError(
             f"{index.path}: layer {layer} expert {expert} is truncated ({len(stored)} of {record.length} bytes "
@@ -249,7 +258,6 @@ def read_expert_bytes(fd: int, index: ExpertIndex, layer: int, expert: int, veri
         raise ExpertChecksumError(
             f"{index.path}: layer {layer} expert {expert} fails its crc32 check; the checkpoint is damaged, "
             "convert it again")
-    return stored
 
 
 def raw_record(index: ExpertIndex, layer: int, stored: bytes | memoryview, out: np.ndarray) -> np.ndarray:

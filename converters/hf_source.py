@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 import numpy as np
 
@@ -17,6 +18,41 @@ log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some checkpoints carry that are recomputed from the config.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoint names that differ from ours: (pattern, replacement), applied in order.
+NAME_ALIASES: tuple[tuple[re.Pattern, str], ...] = (
+    # Mixtral (mistralai/Mixtral-8x7B-v0.1): experts' w1 / w3 / w2 are gate / up / down, the router is "gate"
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
+    (re.compile(r"\.block_sparse_moe\.gate\."), r".mlp.gate."),
+)
+
+
+# transformers >= 5 holds a layer's routed experts stacked, and writes them so when saving with
+# save_original_format=False: gate_up_proj [E, 2I, D] (gate rows, then up rows, as its forward's
+# chunk(2) reads them) and down_proj [E, D, I]. Each expert becomes one of our per-expert tensors.
+STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+def stacked_expert_parts(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple]]:
+    """(our per-expert name, index into the stacked array) for each expert in a stacked tensor; [] otherwise."""
+    match = STACKED_EXPERTS.match(name)
+    if match is None or len(shape) != 3:
+        return []
+    prefix, n_experts = match["prefix"], shape[0]
+    if match["kind"] == "down_proj":
+        return [(f"{prefix}.{e}.down_proj.weight", (e,)) for e in range(n_experts)]
+    rows = shape[1] // 2
+    return [part for e in range(n_experts)
+            for part in ((f"{prefix}.{e}.gate_proj.weight", (e, slice(0, rows))),
+                         (f"{prefix}.{e}.up_proj.weight", (e, slice(rows, 2 * rows))))]
+
+
+def sanitize_name(name: str) -> str:
+    """Our (transformers module) name for a checkpoint tensor name."""
+    for pattern, replacement in NAME_ALIASES:
+        name = pattern.sub(replacement, name)
+    return name
 
 
 def _read_json(path: str, what: str) -> dict:
@@ -40,13 +76,26 @@ class HFSource:
         self.description = f"huggingface:{os.path.basename(os.path.abspath(folder))}"
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, SafetensorsFile] = {}
+        self._stored_name: dict[str, str] = {}  # our name -> the name in the safetensors file
+        self._part: dict[str, tuple] = {}  # our name -> its index into a stacked tensor
         try:
             for filename in self._weight_files():
                 st = SafetensorsFile(os.path.join(folder, filename))
                 self._files[filename] = st
-                for name in st.keys():
-                    if not name.endswith(IGNORED_SUFFIXES):
+                for stored_name in st.keys():
+                    if stored_name.endswith(IGNORED_SUFFIXES):
+                        continue
+                    parts = (stacked_expert_parts(stored_name, st.entries[stored_name].shape)
+                             or [(sanitize_name(stored_name), None)])
+                    for name, part in parts:
+                        if name in self._stored_name:
+                            raise ConversionError(
+                                f"{folder} holds both {self._stored_name[name]!r} and {stored_name!r}, which name "
+                                f"the same tensor {name!r}; keep one of them")
                         self._where[name] = st
+                        self._stored_name[name] = stored_name
+                        if part is not None:
+                            self._part[name] = part
             self.tokenizer = self._read_tokenizer()
         except BaseException:
             self.close()
@@ -106,15 +155,19 @@ class HFSource:
     def tensors(self) -> list[SourceTensor]:
         out = []
         for name, st in self._where.items():
-            entry = st.entries[name]
-            out.append(SourceTensor(name, entry.shape, entry.dtype, entry.end - entry.begin))
+            entry = st.entries[self._stored_name[name]]
+            shape, nbytes = entry.shape, entry.end - entry.begin
+            if name in self._part:  # one expert's slice of a stacked tensor
+                shape = np.broadcast_to(np.empty((), np.uint8), entry.shape)[self._part[name]].shape
+                nbytes = nbytes * int(np.prod(shape)) // int(np.prod(entry.shape))
+            out.append(SourceTensor(name, tuple(shape), entry.dtype, nbytes))
         return out
 
     def load(self, name: str) -> np.ndarray:
-        return self._where[name].float32(name)
+        return self._where[name].float32(self._stored_name[name], self._part.get(name))
 
     def release(self, name: str) -> None:
-        self._where[name].release(name)
+        self._where[name].release(self._stored_name[name])
 
     def close(self) -> None:
         for st in self._files.values():

@@ -77,10 +77,10 @@ class SafetensorsFile:
         view = self._map[entry.begin : entry.end].view(DTYPES[entry.dtype])
         return view.reshape(entry.shape)
 
-    def float32(self, name: str) -> np.ndarray:
-        """The tensor as float32 (a copy unless it is stored as F32)."""
+    def float32(self, name: str, index: tuple | None = None) -> np.ndarray:
+        """The tensor, or its part `raw[index]`, as float32 (a copy unless it is stored as F32)."""
         entry = self.entries[name]
-        raw = self.raw(name)
+        raw = self.raw(name) if index is None else self.raw(name)[index]
         if entry.dtype == "BF16":
             return (raw.astype(np.uint32) << 16).view(np.float32)
         if entry.dtype == "F32":

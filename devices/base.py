@@ -14,6 +14,7 @@ import numpy as np
 
 class Backend(Protocol):
     name: str
+    runs_moe: bool  # whether the op-by-op composition of a Mixture-of-Experts model runs on this backend
 
     def prepare_weight(self, weight) -> Any: ...
 
@@ -39,6 +40,17 @@ class Backend(Protocol):
     def allocate_kv(self, capacity: int, kv_heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
         """Key and value buffers for one layer: [capacity, Hkv, Dh] each."""
 
+    # Optional, for backends that hold more than plain float32 K/V (edge/kv_cache.py asks for them):
+    # kv_formats: tuple[str, ...]   the storage formats allocate_cache takes (quant/kv_formats.py)
+    # ring_buffers: bool            sliding-window layers may keep only their window
+    def allocate_cache(self, rows: int, heads: int, dim: int, fmt: str):
+        """A buffer of rows x heads x dim in a KV storage format, indexed like an array:
+        `buffer[rows] = x` stores float32 x (quantizing), `buffer[rows]` reads float32, and
+        `buffer.round_trip(x)` is what storing x would read back (devices/cache_buffers.py)."""
+
+    def head_matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """Per-head products (MLA's absorbed form): x [T, H, K], w [H, N, K] float32 -> [T, H, N]."""
+
     def compile_forward(self, transformer) -> Callable | None:
         """A fused executor for the whole forward pass, or None to run edge's op-by-op composition.
 
@@ -55,6 +67,33 @@ class Backend(Protocol):
 class DeviceUnavailableError(RuntimeError):
     """A backend cannot run on this machine (driver, runtime or hardware missing); the message
     says what is missing and how to get it. edge/ reports it as a typed error, never falls back."""
+
+
+class MoeUnsupportedError(DeviceUnavailableError):
+    """The device has no Mixture-of-Experts path (routing and expert streaming run elsewhere)."""
+
+    def __init__(self, device: str):
+        super().__init__(f"device {device!r} does not run Mixture-of-Experts models yet; "
+                         "use device 'cpu' or 'reference'")
+
+
+class AttentionUnsupportedError(DeviceUnavailableError):
+    """The device has no kernels for the model's attention kind (e.g. MLA)."""
+
+    def __init__(self, device: str, kind: str):
+        super().__init__(f"device {device!r} does not implement {kind.upper()} attention (it runs MHA/GQA/MQA "
+                         f"with float32 K/V caches); use device 'cpu' or 'reference'")
+
+
+def check_gqa_only(transformer, device: str) -> None:
+    """Refuse models whose attention a GQA-only executor would compute wrongly."""
+    kind = transformer.spec.attention_kind
+    if kind != "gqa":
+        raise AttentionUnsupportedError(device, kind)
+
+
+def has_moe_layers(transformer) -> bool:
+    return any(getattr(layer, "moe", None) is not None for layer in transformer.layers)
 
 
 # device kind -> "module:BackendClass". A device that is missing here, or whose backend cannot

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from devices.cache_buffers import CacheBuffer, Int8Codec
 from quant import QuantizedTensor
+from quant.kv_formats import KV_FORMATS, dequantize_int8, quantize_int8
 
 
 def as_float32(weight) -> np.ndarray:
@@ -67,6 +69,11 @@ def attention(q, k, v, q_positions, k_positions, scale, window=None) -> np.ndarr
     return np.einsum("hts,shd->thd", softmax(scores), v).astype(np.float32)
 
 
+def head_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Per-head products: x [T, H, K] and w [H, N, K] -> [T, H, N], out[t, h] = w[h] @ x[t, h]."""
+    return np.einsum("thk,hnk->thn", x, w).astype(np.float32)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # exp(-x) overflows to inf for very negative x; silu -> 0 is right
         return x / (1.0 + np.exp(-x))
@@ -76,8 +83,14 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return silu(gate) * up
 
 
+NUMPY_INT8_CODEC = Int8Codec(quantize_int8, dequantize_int8)
+
+
 class ReferenceBackend:
     name = "reference"
+    kv_formats = KV_FORMATS
+    ring_buffers = True  # sliding layers may keep only their window
+    runs_moe = True
 
     def __init__(self, threads: int | None = None, variant: str | None = None):
         if variant is not None:
@@ -93,11 +106,15 @@ class ReferenceBackend:
     rope = staticmethod(rope)
     attention = staticmethod(attention)
     swiglu = staticmethod(swiglu)
+    head_matmul = staticmethod(head_matmul)
 
     def allocate_kv(self, capacity: int, kv_heads: int, head_dim: int):
         # np.zeros maps untouched pages lazily: memory grows with the valid length, not capacity
         return (np.zeros((capacity, kv_heads, head_dim), np.float32),
                 np.zeros((capacity, kv_heads, head_dim), np.float32))
+
+    def allocate_cache(self, rows: int, heads: int, dim: int, fmt: str) -> CacheBuffer:
+        return CacheBuffer(rows, heads, dim, fmt, NUMPY_INT8_CODEC)
 
     def compile_forward(self, transformer):
         return None  # the oracle is the op-by-op composition itself

@@ -2,58 +2,59 @@
 from __future__ import annotations
 
 import os
-import re
+import weakref
 
 import psutil
 
 from converters.checkpoint import open_checkpoint
 from devices.base import DeviceUnavailableError, create_backend
-from edge.errors import CheckpointError, SessionError, ZllmError
+from edge.errors import CheckpointError, SessionError, UnsupportedModelError, ZllmError
 from edge.generation import Generation
 from edge.model import Transformer
 from edge.sampling import SamplingParams
+from edge.saved_session import restore_session
 from edge.session import Session
 from edge.spec import spec_from_dict
 from edge.tokenizer import Tokenizer, TokenizerError
 from quant import QuantizedTensor
+from streaming.budget import plan_memory
+from streaming.stats import peak_rss_bytes
 
 DEFAULT_SESSION_CAPACITY = 4096
-_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
-
-
-def parse_bytes(value: int | str | None) -> int | None:
-    """512MB, 1.5GiB, or a plain number of bytes."""
-    if value is None or isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMG]I?B|B)?\s*", str(value), re.IGNORECASE)
-    if not match:
-        raise ZllmError(f"memory budget {value!r} not understood; use bytes or a size such as 512MB or 2GiB")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "").upper()])
 
 
 class Model:
     def __init__(self, path: str, device: str = "reference", threads: int | None = None,
-                 memory_budget: int | str | None = None, verify: bool = False):
+                 memory_budget: int | str | None = None, verify: bool = False, storage: str | None = None,
+                 expert_strategy: str | None = None, expert_policy: str = "lru", prefetch_depth: int = 2,
+                 prefetch_threads: int = 2, kv_capacity: int | None = None, kv_cache: str = "f32"):
         self.path = os.fspath(path)
         self.checkpoint = open_checkpoint(self.path, verify=verify)
         self.spec = spec_from_dict(self.checkpoint.model_config)
-        self.weight_bytes = sum(
+        self.weight_bytes = sum(  # every tensor that is not a routed expert (those live in experts.bin)
             t.nbytes for t in self.checkpoint.tensors.values()
         )
-        self.memory_budget = parse_bytes(memory_budget)
-        if self.memory_budget is not None and self.memory_budget < self.weight_bytes:
-            raise ZllmError(
-                f"memory budget {self.memory_budget} bytes is below this model's minimum working set: "
-                f"{self.weight_bytes} bytes of weights (plus KV cache); raise the budget to at least that"
-            )
+        experts = self.checkpoint.experts
+        if experts is None and expert_strategy is not None:
+            raise ZllmError(f"expert_strategy {expert_strategy!r} applies to Mixture-of-Experts models; "
+                            f"{self.path} is a dense {self.spec.model_type} model")
+        self.expert_strategy = expert_strategy or ("predictive" if memory_budget is not None else "resident")
+        self.streaming_options = dict(storage=storage, policy=expert_policy, depth=prefetch_depth,
+                                      threads=prefetch_threads)
+        # one budget: dense weights + KV reservation + scratch + expert cache (streaming/budget.py)
+        self.memory = plan_memory(self.spec, self.weight_bytes, experts, memory_budget, self.expert_strategy,
+                                  prefetch_threads, kv_capacity)
+        self.memory_budget = self.memory.budget_bytes
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         try:
             self.backend = create_backend(device, threads=threads)
         except (ValueError, DeviceUnavailableError) as exc:
             raise ZllmError(str(exc)) from None
         self.device = device
         try:
-            self.transformer = Transformer(self.spec, self.checkpoint.tensors, self.backend)
+            self.experts = self._expert_source(verify)
+            self.transformer = Transformer(self.spec, self.checkpoint.tensors, self.backend, experts=self.experts,
+                                           kv_format=kv_cache)
         except KeyError as exc:
             raise CheckpointError(f"{self.path}: tensor {exc.args[0]} is missing; convert the model again") from None
         except DeviceUnavailableError as exc:  # e.g. the device has no kernel for a tensor's scheme
@@ -66,13 +67,40 @@ class Model:
         if tok_config.get("eos_token_id") is not None:
             self.eog_token_ids.add(tok_config["eos_token_id"])
 
+    def _expert_source(self, verify: bool):
+        """Where MoE layers get their routed experts: all of them in memory (None for a dense model)."""
+        is_moe = any(self.spec.moe_for_layer(i) is not None for i in range(self.spec.num_hidden_layers))
+        if not is_moe:
+            return None
+        if not getattr(self.backend, "runs_moe", False):
+            raise UnsupportedModelError(
+                f"device {self.device.partition(':')[0]!r} does not run Mixture-of-Experts models yet; "
+                "use device 'cpu' or 'reference'")
+        if self.checkpoint.experts is None:
+            raise CheckpointError(f"{self.path}: the {self.spec.model_type} model has MoE layers but the checkpoint "
+                                  "has no experts entry; convert the model again")
+        from streaming import open_expert_source
+
+        return open_expert_source(self.checkpoint, self.spec, self.backend, self.expert_strategy,
+                                  self.memory.expert_cache_bytes, verify=verify, **self.streaming_options)
+
     # --- sessions -------------------------------------------------------------------------
     def session(self, capacity: int | None = None) -> Session:
         limit = self.spec.max_position_embeddings
+        if self.memory_budget is not None:  # sessions share the KV positions the budget reserved
+            left = self.memory.kv_capacity - sum(s.capacity for s in self._sessions)
+            capacity = left if capacity is None else capacity
+            if capacity > left or left <= 0:
+                raise SessionError(
+                    f"a session of {capacity} positions does not fit the memory budget: it reserves "
+                    f"{self.memory.kv_capacity} KV positions and open sessions hold {self.memory.kv_capacity - left}; "
+                    f"close a session, or load with a larger kv_capacity (and memory_budget)")
         capacity = min(limit, DEFAULT_SESSION_CAPACITY) if capacity is None else capacity
         if not 0 < capacity <= limit:
             raise SessionError(f"session capacity must be in [1, {limit}] (the model's context), got {capacity}")
-        return Session(self, capacity)
+        session = Session(self, capacity)
+        self._sessions.add(session)
+        return session
 
     # --- text -----------------------------------------------------------------------------
     def _require_tokenizer(self) -> Tokenizer:
@@ -109,11 +137,22 @@ class Model:
             "weight_bytes": self.weight_bytes,
             "quantized_tensors": sum(isinstance(t, QuantizedTensor) for t in self.checkpoint.tensors.values()),
             "rss_bytes": psutil.Process().memory_info().rss,
+            "peak_rss_bytes": peak_rss_bytes(),
             "budget_bytes": self.memory_budget,
+            "memory_plan": self.memory.to_dict(),
+            **(self.experts.stats() if self.experts is not None else {}),
         }
+
+    def load_session(self, path, capacity: int | None = None) -> Session:
+        """A session restored from `session.save(path)`: KV state, position and tokens, no prefill.
+        The file must come from this model (same manifest) and KV format; capacity defaults to the
+        saved session's."""
+        return restore_session(self, path, capacity)
 
     def close(self) -> None:
         self.transformer = None
+        if self.experts is not None:
+            self.experts.close()
         self.checkpoint.close()
 
     def __enter__(self) -> "Model":
@@ -124,6 +163,20 @@ class Model:
 
 
 def load(path, device: str = "reference", threads: int | None = None,
-         memory_budget: int | str | None = None, verify: bool = False) -> Model:
-    """Open a zllm checkpoint (mmap, no copy of the weights) on a device."""
-    return Model(path, device=device, threads=threads, memory_budget=memory_budget, verify=verify)
+         memory_budget: int | str | None = None, verify: bool = False, storage: str | None = None,
+         expert_strategy: str | None = None, expert_policy: str = "lru", prefetch_depth: int = 2,
+         prefetch_threads: int = 2, kv_capacity: int | None = None, kv_cache: str = "f32") -> Model:
+    """Open a zllm checkpoint (mmap, no copy of the weights) on a device.
+
+    memory_budget: bytes, a size ("512MB"), or "P%" (everything that is not an expert plus a cache of
+    P% of the expert bytes); it covers dense weights, the KV cache of `kv_capacity` positions (sessions
+    share them), scratch and the expert cache (streaming/budget.py). MoE models only:
+    storage: None/"native", a preset ("nvme", "ufs", "emmc", "sd") or "custom:bw=500MB,lat=200us";
+    expert_strategy: "resident" (default without a budget), "predictive" (default with one),
+    "ondemand" (no predictor, no prefetch) or "mmap" (plain mmap + bounded page cache);
+    expert_policy: "lru", "lfu" or "forecast" (evict what the predictor needs least).
+    """
+    return Model(path, device=device, threads=threads, memory_budget=memory_budget, verify=verify,
+                 storage=storage, expert_strategy=expert_strategy, expert_policy=expert_policy,
+                 prefetch_depth=prefetch_depth, prefetch_threads=prefetch_threads, kv_capacity=kv_capacity,
+                 kv_cache=kv_cache)

@@ -14,6 +14,7 @@ does not stop at end-of-sequence tokens: every device does the same amount of wo
 """
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -55,10 +56,10 @@ def text_prompt(tokenizer, n_tokens: int) -> list[int]:
     return (prefix + body * repeats)[:n_tokens]
 
 
-def id_prompt(vocab_size: int, special_ids: set[int], n_tokens: int) -> list[int]:
+def id_prompt(vocab_size: int, special_ids: set[int], n_tokens: int, seed: int = PROMPT_SEED) -> list[int]:
     """n_tokens deterministic ids for a model without a tokenizer, avoiding its special tokens."""
     allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special_ids, dtype=np.int64, count=len(special_ids)))
-    picks = np.random.default_rng(PROMPT_SEED).integers(0, len(allowed), size=n_tokens)
+    picks = np.random.default_rng(seed).integers(0, len(allowed), size=n_tokens)
     return [int(i) for i in allowed[picks]]
 
 
@@ -110,14 +111,19 @@ class RunTimes:
                 "decode_tokens_per_second": self.decode_tokens_per_second}
 
 
-def greedy_run(model, prompt_ids: list[int], new_tokens: int) -> RunTimes:
-    """Prefill prompt_ids, then decode greedily until new_tokens tokens exist; time the model calls."""
+def greedy_run(model, prompt_ids: list[int], new_tokens: int, after_prefill=None) -> RunTimes:
+    """Prefill prompt_ids, then decode greedily until new_tokens tokens exist; time the model calls.
+
+    `after_prefill()`, when given, is called untimed between the prefill and the first decode step
+    (the MoE benchmark snapshots the model's streaming counters there)."""
     session = model.session(capacity=len(prompt_ids) + new_tokens)
     started = time.perf_counter()
     logits = session.prefill(prompt_ids)
     prefill_seconds = time.perf_counter() - started
     token = int(np.argmax(logits))
     time_to_first_token = time.perf_counter() - started
+    if after_prefill is not None:
+        after_prefill()
     tokens, decode_seconds = [token], 0.0
     for _ in range(new_tokens - 1):
         step_started = time.perf_counter()
@@ -165,19 +171,27 @@ class PeakRSSSampler:
 # ---------------------------------------------------------------------------------- workers
 
 
-def _device_worker(connection, checkpoint_path: str, device: str, threads: int | None) -> None:
-    """Body of a device's worker process: load, then answer run/stop commands on `connection`."""
+def _device_worker(connection, checkpoint_path: str, device: str, threads: int | None,
+                   load_options: dict | None = None) -> None:
+    """Body of a device's worker process: load, then answer run/stop commands on `connection`.
+
+    `load_options` are further keyword arguments of `edge.load` (memory budget, expert strategy...).
+    A run command with "stats" also returns `model.stats()` after the prefill and after the run."""
     import edge
 
+    if load_options is not None:
+        _import_runtime(device)
     sampler = PeakRSSSampler() if peak_rss_bytes() is None else None
     rss_before_load = psutil.Process().memory_info().rss
     try:
         started = time.perf_counter()
-        model = edge.load(checkpoint_path, device=device, threads=threads)
+        model = edge.load(checkpoint_path, device=device, threads=threads, **(load_options or {}))
         load_seconds = time.perf_counter() - started
+        memory = getattr(model, "memory", None)
         connection.send({"event": "loaded", "load_seconds": load_seconds, "device_info": model.device_info(),
                          "weight_bytes": model.weight_bytes, "rss_before_load_bytes": rss_before_load,
-                         "rss_after_load_bytes": psutil.Process().memory_info().rss})
+                         "rss_after_load_bytes": psutil.Process().memory_info().rss,
+                         "memory_plan": memory.to_dict() if memory is not None else None})
         while True:
             try:
                 command = connection.recv()
@@ -187,12 +201,35 @@ def _device_worker(connection, checkpoint_path: str, device: str, threads: int |
                 peak = sampler.stop() if sampler else peak_rss_bytes()
                 connection.send({"event": "stopped", "peak_rss_bytes": peak})
                 return
-            run = greedy_run(model, command["prompt_ids"], command["new_tokens"])
+            snapshots = {}
+            after_prefill = (lambda: snapshots.update(stats_after_prefill=model.stats())) if command.get("stats") else None
+            run = greedy_run(model, command["prompt_ids"], command["new_tokens"], after_prefill)
+            if command.get("stats"):
+                snapshots["stats"] = model.stats()
+                # the run's session may sit in a reference cycle (first-call JIT compilation leaves some);
+                # collect it now, so that the KV positions it holds under a memory budget are free again
+                gc.collect()
             text = model.decode(run.tokens) if model.tokenizer else None
-            connection.send({"event": "ran", **run.as_dict(), "text": text})
+            connection.send({"event": "ran", **run.as_dict(), "text": text, **snapshots})
     except Exception as exc:  # forwarded whole to the parent, which raises it as a BenchError
         expected = isinstance(exc, ZllmError)  # errors zllm-edge raises on purpose carry their own wording
         connection.send({"event": "error", "message": str(exc) if expected else f"{type(exc).__name__}: {exc}"})
+
+
+def _import_runtime(device: str) -> None:
+    """Import the device's backend and the expert streaming code, so that the RSS measured before
+    loading (the baseline a memory budget is compared above) includes the code, not just the interpreter."""
+    import importlib
+
+    import streaming.budget  # noqa: F401
+    import streaming.paging  # noqa: F401
+    import streaming.predictor  # noqa: F401
+    import streaming.source  # noqa: F401
+    from devices.base import BACKENDS
+
+    kind = device.partition(":")[0]
+    if kind in BACKENDS:
+        importlib.import_module(BACKENDS[kind].split(":")[0])
 
 
 @contextmanager
@@ -214,11 +251,12 @@ def thread_limits(threads: int | None):
 class DeviceWorker:
     """A spawned process holding one model on one device."""
 
-    def __init__(self, checkpoint_path: str, device: str, threads: int | None):
+    def __init__(self, checkpoint_path: str, device: str, threads: int | None, load_options: dict | None = None):
         self.device = device
         context = multiprocessing.get_context("spawn")
         self._connection, child_end = context.Pipe()
-        self._process = context.Process(target=_device_worker, args=(child_end, checkpoint_path, device, threads),
+        self._process = context.Process(target=_device_worker,
+                                        args=(child_end, checkpoint_path, device, threads, load_options),
                                         name=f"zllm-bench-{device}", daemon=True)
         with thread_limits(threads):
             self._process.start()
@@ -239,8 +277,8 @@ class DeviceWorker:
             raise BenchError(f"device {self.device}: worker answered {message['event']!r}, expected {expected!r}")
         return message
 
-    def run(self, prompt_ids: list[int], new_tokens: int) -> dict:
-        self._connection.send({"cmd": "run", "prompt_ids": prompt_ids, "new_tokens": new_tokens})
+    def run(self, prompt_ids: list[int], new_tokens: int, stats: bool = False) -> dict:
+        self._connection.send({"cmd": "run", "prompt_ids": prompt_ids, "new_tokens": new_tokens, "stats": stats})
         result = self._receive("ran")
         del result["event"]
         return result
@@ -442,11 +480,26 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per device, alternating; median reported")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON to FILE ('-': stdout)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    moe = parser.add_argument_group("Mixture-of-Experts memory budgets (edge/bench_moe.py)")
+    moe.add_argument("--memory-budget", default=None, metavar="LIST",
+                     help="budgets to sweep, e.g. 25%%,50%%,75%%,100%% (share of expert bytes) or 512MB; "
+                          "benchmarks expert strategies instead of devices (default model: the MoEfied SmolLM2)")
+    moe.add_argument("--storage", default=None, help="emulated storage: nvme, ufs, emmc, sd or custom:bw=...,lat=...")
+    moe.add_argument("--strategies", default="resident,mmap,ondemand,predictive",
+                     help="expert strategies to compare (resident runs once, at 100%%)")
+    moe.add_argument("--prefetch-depth", type=int, default=2, help="MoE layers ahead the predictor prefetches")
+    moe.add_argument("--plot", default=None, metavar="FILE.png", help="plot tokens/s and hit rate against the budget")
+    moe.add_argument("--random-moe", action="store_true",
+                     help="benchmark the built-in large random MoE (I/O stress case; built on first use)")
 
 
 def cmd_bench(args) -> int:
     from edge.home import default_model_checkpoint
 
+    if args.memory_budget is not None or args.random_moe or args.plot or args.storage:
+        from edge.bench_moe import cmd_bench_moe
+
+        return cmd_bench_moe(args)
     path = args.model or default_model_checkpoint(progress=not args.quiet)
     devices = [d.strip() for d in args.device.split(",") if d.strip()]
     progress = None if args.quiet else (lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))

@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 
 from edge.errors import ZllmError
@@ -32,8 +33,21 @@ def cmd_convert(args) -> int:
     weights = args.weights or ("int8" if os.path.isdir(args.src) else "source")
     overrides = {c: getattr(args, f"override_{c}") for c in TENSOR_CLASSES if getattr(args, f"override_{c}")}
     plan = QuantPlan(weights=weights, group_size=args.group_size, symmetric=args.symmetric, overrides=overrides)
-    summary = convert(args.src, args.out, plan, force=args.force, progress=not args.quiet)
-    print(summary.format())
+    if args.moefy is not None:
+        from converters.moefy import moefy_convert, parse_dense_layers, parse_moefy
+
+        experts, top_k = parse_moefy(args.moefy) if args.moefy else (None, None)
+        dense = parse_dense_layers(args.moefy_dense_layers) if args.moefy_dense_layers is not None else None
+        moefied = moefy_convert(args.src, args.out, experts, top_k, dense, plan, force=args.force,
+                                progress=not args.quiet, compress_experts=args.compress_experts)
+        summary = moefied.conversion
+        print(moefied.format())
+    else:
+        if args.moefy_dense_layers is not None:
+            raise ZllmError("--moefy-dense-layers applies to --moefy conversions only")
+        summary = convert(args.src, args.out, plan, force=args.force, progress=not args.quiet,
+                          compress_experts=args.compress_experts)
+        print(summary.format())
     if args.report:
         worst = sorted(summary.tensors, key=lambda t: -t.rel_rms_error)
         print(f"\n{'tensor':60s} {'source':>6s} {'scheme':>18s} {'max abs':>10s} {'rel rms':>10s}")
@@ -63,10 +77,24 @@ def cmd_inspect(args) -> int:
         print(f"  {cls:12s} {scheme:18s} x{count}")
     for name, info in manifest["files"].items():
         print(f"file: {name} {info['bytes'] / 1e6:.1f} MB sha256 {info['sha256'][:16]}...")
+    if manifest.get("experts"):
+        _print_experts(manifest["experts"])
     tok = manifest.get("tokenizer", {})
     print(f"tokenizer: {tok.get('file')}, bos {tok.get('bos_token_id')}, eos {tok.get('eos_token_id')}, "
           f"chat template {'yes' if tok.get('chat_template') else 'no'}")
     return 0
+
+
+def _print_experts(entry: dict) -> None:
+    """One line per MoE layer: expert count, raw and stored bytes per expert, schemes."""
+    layers = entry["layers"]
+    print(f"experts: {entry['file']}, {len(layers)} MoE layers, compression {entry.get('compression') or 'none'}, "
+          f"records aligned to {entry['alignment']} bytes")
+    for layer, info in sorted(layers.items(), key=lambda item: int(item[0])):
+        stored = [length for _, length, _ in info["records"]]
+        schemes = "/".join(p["scheme"] for p in info["projections"].values())
+        print(f"  layer {int(layer):3d}: {info['num_experts']} experts, {info['raw_length'] / 1e3:.1f} kB each "
+              f"(stored {min(stored) / 1e3:.1f}-{max(stored) / 1e3:.1f} kB), gate/up/down {schemes}")
 
 
 def cmd_formats(args) -> int:
@@ -111,7 +139,8 @@ def cmd_generate(args) -> int:
         model_path, prompt = args.words
     else:
         raise ZllmError("usage: zllm-edge generate [MODEL] PROMPT")
-    model = edge.load(_resolve_model(model_path, args.quiet), device=args.device, threads=args.threads)
+    model = edge.load(_resolve_model(model_path, args.quiet), device=args.device, threads=args.threads,
+                      kv_cache=args.kv_cache)
     generation = model.generate(prompt, **_generation_kwargs(args))
     _stream(generation, args)
     if args.json:
@@ -127,7 +156,8 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     import edge
 
-    model = edge.load(_resolve_model(args.model, args.quiet), device=args.device, threads=args.threads)
+    model = edge.load(_resolve_model(args.model, args.quiet), device=args.device, threads=args.threads,
+                      kv_cache=args.kv_cache)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -151,6 +181,8 @@ def cmd_chat(args) -> int:
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="reference", help="reference (default)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--kv-cache", default="f32", choices=("f32", "f16", "int8"),
+                   help="storage of the KV cache (f16 / int8: reference and cpu devices)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -172,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quant_args(p)
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--report", action="store_true", help="print every tensor's quantization error")
+    p.add_argument("--compress-experts", action="store_true",
+                   help="zstd-compress each routed expert's record in experts.bin (MoE models)")
+    p.add_argument("--moefy", nargs="?", const="", default=None, metavar="E:K",
+                   help="split each dense FFN of a Llama model into E experts, K routed per token, with a router "
+                        "fitted on calibration text (MoEfication); no value: the built-in default")
+    p.add_argument("--moefy-dense-layers", default=None, metavar="LAYERS",
+                   help="with --moefy: layers that keep their dense FFN: ids such as 0,-1, auto:N (the N most "
+                        "sensitive), or none (default: the built-in default's)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_convert)
 
@@ -201,14 +241,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(p)
     p.set_defaults(func=bench.cmd_bench)
 
+    from edge import calibrate
+
+    p = sub.add_parser("calibrate", help="record MoE route traces and calibrate the expert predictor's signal mix")
+    calibrate.add_arguments(p)
+    p.set_defaults(func=calibrate.cmd_calibrate)
+
     p = sub.add_parser("diff", help="run a prompt on two devices and name the first layer where they diverge")
     diff.add_arguments(p)
     p.set_defaults(func=diff.cmd_diff)
     return parser
 
 
+def _bare_moefy(argv: list[str]) -> list[str]:
+    """`--moefy SRC OUT` means the default MoEfication: argparse would take SRC as --moefy's value, so a
+    bare --moefy followed by something that is not an attempted E:K becomes `--moefy=`."""
+    argv = list(argv)
+    for i, arg in enumerate(argv[:-1]):
+        following = argv[i + 1]
+        if arg == "--moefy" and (os.path.exists(following) or not re.fullmatch(r".*:.*|\d+", following)):
+            argv[i] = "--moefy="
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_bare_moefy(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
     try:
         return args.func(args)

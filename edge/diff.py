@@ -37,9 +37,11 @@ noise of 1% of the weights' spread on one layer's down-projection shows as 6e-4.
 a pair of devices is the sum of theirs, so reference vs reference has tolerance 0: any difference
 at all is reported, since both run the very same code.
 
-MoE routing: the observer takes extra keyword arguments (LayerRecorder keeps them) so that MoE
-layers can pass their routing; comparing it (expert ids exactly, weights within tolerance) belongs
-in compare_extras, which today lists any extras as not compared.
+MoE routing: after a MoE layer the observer also gets the route (expert_ids, expert_weights, each
+[T, A]; LayerRecorder keeps them). compare_extras compares it: each token's set of experts must
+agree exactly (a discrete result), and where it does, the weights within the layer's tolerance. A
+layer whose routing differs is a divergence, named like one in the hidden states. Other extras are
+listed as not compared.
 
 A backend declares its arithmetic by returning {"arithmetic": {"accumulation": ..., "activations":
 {...}, "weights": {...}}} from info(). Failing that, the precision keys backends already report are
@@ -177,12 +179,8 @@ def derive_tolerance(devices: list[str], infos: list[dict], manifest: dict) -> T
 
 
 class LayerRecorder:
-    """The observer: keeps a float32 copy of the residual stream after each layer.
-
-    Extra keyword arguments are kept per layer for comparisons still to come: MoE layers will pass
-    their routing (expert ids and weights per token), which must then agree exactly (ids) and
-    within tolerance (weights). Nothing passes extras yet, so nothing about them is compared;
-    `compare_extras` lists them as not compared rather than pretending."""
+    """The observer: keeps a float32 copy of the residual stream after each layer, and any extra
+    keyword arguments (a MoE layer's route: expert_ids, expert_weights) per layer."""
 
     def __init__(self):
         self.hidden: dict[int, np.ndarray] = {}
@@ -195,9 +193,43 @@ class LayerRecorder:
             self.extras[layer] = extras
 
 
-def compare_extras(reference: LayerRecorder, other: LayerRecorder) -> dict:
-    names = sorted({key for rec in (reference, other) for extras in rec.extras.values() for key in extras})
-    return {"not_compared": names} if names else {}
+ROUTE_KEYS = ("expert_ids", "expert_weights")
+
+
+def compare_routes(reference: dict, other: dict, tolerance: float) -> dict:
+    """One MoE layer's routes [T, A]: tokens whose expert sets differ, and the weights' worst error
+    (relative to the largest weight) over the tokens that agree."""
+    ref_ids, other_ids = (np.sort(np.asarray(r["expert_ids"]), axis=-1) for r in (reference, other))
+    if ref_ids.shape != other_ids.shape:
+        raise DiffError(f"the devices disagree on a route's shape: {ref_ids.shape} vs {other_ids.shape}")
+    agree = (ref_ids == other_ids).all(axis=-1)  # [T]
+
+    def weights_by_id(route: dict) -> np.ndarray:
+        order = np.argsort(np.asarray(route["expert_ids"]), axis=-1)
+        return np.take_along_axis(np.asarray(route["expert_weights"], np.float64), order, axis=-1)
+
+    ref_weights, other_weights = weights_by_id(reference), weights_by_id(other)
+    scale = max(float(np.abs(ref_weights).max(initial=0.0)), np.finfo(np.float64).tiny)
+    weight_error = float(np.abs(ref_weights - other_weights)[agree].max(initial=0.0)) / scale
+    return {"tokens_with_other_experts": [int(t) for t in np.nonzero(~agree)[0]],
+            "weights_rel_max_abs": weight_error, "tolerance": tolerance,
+            "exceeds": bool((~agree).any()) or weight_error > tolerance}
+
+
+def compare_extras(reference: LayerRecorder, other: LayerRecorder, tolerance: "Tolerance | None" = None) -> dict:
+    """Routes of MoE layers compared (ids exactly, weights within the layer's tolerance); other extras listed."""
+    result = {}
+    layers = sorted(set(reference.extras) | set(other.extras))
+    routed = [layer for layer in layers
+              if all(key in rec.extras.get(layer, {}) for rec in (reference, other) for key in ROUTE_KEYS)]
+    if routed and tolerance is not None:
+        result["routing"] = {layer: compare_routes(reference.extras[layer], other.extras[layer],
+                                                   tolerance.relative(layer + 1)) for layer in routed}
+    compared = set(ROUTE_KEYS) if "routing" in result else set()
+    names = sorted({key for rec in (reference, other) for extras in rec.extras.values() for key in extras} - compared)
+    if names:
+        result["not_compared"] = names
+    return result
 
 
 @dataclass
@@ -257,8 +289,9 @@ class PassDiff:
 
     @property
     def first_divergent_layer(self) -> int | str | None:
+        routing = self.extras.get("routing", {})
         for index, layer in enumerate(self.layers):
-            if layer.exceeds:
+            if layer.exceeds or routing.get(index, {}).get("exceeds"):
                 return index
         return "logits" if self.logits.exceeds else None
 
@@ -279,7 +312,7 @@ def _compare_pass(name: str, tokens: list[int], recorders, logits, tolerance: To
     logits_diff = tensor_diff(ref_logits, other_logits, tolerance.relative(n_layers + 1))
     mismatches = np.nonzero(ref_logits.argmax(axis=1) != other_logits.argmax(axis=1))[0]
     return PassDiff(name, tokens, layers, logits_diff, [int(i) for i in mismatches],
-                    compare_extras(reference, other))
+                    compare_extras(reference, other, tolerance))
 
 
 # ---------------------------------------------------------------------------------- the comparison
@@ -368,6 +401,14 @@ def format_report(report: dict) -> str:
         mismatches = p["argmax_mismatch_positions"]
         note = f"  argmax differs at {len(mismatches)}/{len(p['tokens'])} positions" if mismatches else "  argmax agrees"
         lines.append(row(p["name"], "logits", p["logits"], note))
+        for layer, route in (p.get("routing") or {}).items():
+            if route["tokens_with_other_experts"]:
+                lines.append(f"{p['name']:10s} {'moe ' + str(layer):>6s} experts differ at token positions "
+                             f"{route['tokens_with_other_experts']}  <-- exceeds")
+            else:
+                flag = "  <-- exceeds" if route["exceeds"] else ""
+                lines.append(f"{p['name']:10s} {'moe ' + str(layer):>6s} experts agree; weights rel max abs "
+                             f"{route['weights_rel_max_abs']:.3e} (tolerance {route['tolerance']:.3e}){flag}")
         if p.get("not_compared"):
             lines.append(f"{p['name']:10s} observer extras not compared yet: {', '.join(p['not_compared'])}")
     first = report["first_divergence"]

@@ -44,3 +44,24 @@ def default_model_checkpoint(progress: bool = True) -> str:
     summary = convert(gguf_path, path, QuantPlan(weights="source"), force=True, progress=progress)
     print(summary.format(), file=sys.stderr)
     return path
+
+
+DEFAULT_MOE_NAME = "smollm2-135m-instruct-moefied"
+
+
+def default_moe_checkpoint(progress: bool = True) -> str:
+    """The built-in default MoE: the default model MoEfied with the default setting (`zllm-edge convert
+    --moefy` with no value), built on first use. The folder name carries the setting, so a changed
+    default builds anew instead of reusing a checkpoint made with another one."""
+    from converters.moefy import DEFAULT_MOEFY, moefy_convert
+
+    dense = DEFAULT_MOEFY.dense_layers
+    dense = dense.replace(":", "") if isinstance(dense, str) else "_".join(str(layer) for layer in dense) or "none"
+    path = os.path.join(home_dir(), "models",
+                        f"{DEFAULT_MOE_NAME}-e{DEFAULT_MOEFY.experts}k{DEFAULT_MOEFY.top_k}-dense{dense}")
+    if os.path.isfile(os.path.join(path, "zllm.json")):
+        return path
+    print(f"building the default MoE (SmolLM2 MoEfied {DEFAULT_MOEFY}) into {path} (first use)", file=sys.stderr)
+    summary = moefy_convert(default_model_gguf(), path, force=True, progress=progress)
+    print(summary.format(), file=sys.stderr)
+    return path

@@ -1,19 +1,80 @@
 """The KV cache: logical layout in edge/, physical buffers from the backend.
 
-One (keys, values) pair per layer, each [capacity, Hkv, Dh]; positions 0..length-1 are valid.
+Per layer a slot (SlotLayout): the parts cached per position (K and V per KV head, or MLA's latent
+and rotary key), their storage format (quant/kv_formats.py), and, for a sliding-window layer, a
+ring buffer that holds only the window: position p lives at row p % window. Positions
+0..length-1 have been written; a full slot holds all of them, a ring slot the last `window`.
+
+Buffers come from the backend: `allocate_kv(capacity, Hkv, Dh)` for plain float32 K/V (the
+layout fused executors read), `allocate_cache(rows, heads, dim, format)` for everything else.
+Both are indexed like arrays: `buffer[rows] = x` stores (rounding to the format), `buffer[rows]`
+reads float32.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from edge.errors import SessionError
+from edge.errors import SessionError, ZllmError
+from quant.kv_formats import KV_FORMATS, kv_bytes_per_row
+
+
+@dataclass(frozen=True)
+class CachePart:
+    name: str     # "keys", "values" (GQA) or "latent", "rope" (MLA)
+    heads: int
+    dim: int
+    format: str   # one of KV_FORMATS
+
+    @property
+    def bytes_per_row(self) -> int:
+        return kv_bytes_per_row(self.format, self.heads, self.dim)
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    parts: tuple[CachePart, ...]
+    window: int | None  # a sliding layer's window (queries see keys less than `window` behind)
+    ring: bool          # keep only the window's rows
+
+    def rows(self, capacity: int) -> int:
+        return self.window if self.ring else capacity
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(part.bytes_per_row for part in self.parts)
+
+    @property
+    def plain(self) -> bool:
+        """Float32 K/V over every position: the layout fused executors take."""
+        return not self.ring and all(p.format == "f32" and p.name in ("keys", "values") for p in self.parts)
 
 
 class KVCache:
-    def __init__(self, backend, n_layers: int, kv_heads: int, head_dim: int, capacity: int):
+    def __init__(self, backend, slots: list[SlotLayout], capacity: int):
         self.capacity = capacity
         self.length = 0
-        self.layers = [backend.allocate_kv(capacity, kv_heads, head_dim) for _ in range(n_layers)]
+        self.slots = slots
+        self.layers = [self._allocate(backend, slot) for slot in slots]
+
+    def _allocate(self, backend, slot: SlotLayout) -> tuple:
+        if slot.plain:
+            keys, values = slot.parts
+            return tuple(backend.allocate_kv(self.capacity, keys.heads, keys.dim))
+        formats = getattr(backend, "kv_formats", ("f32",))
+        for part in slot.parts:
+            if part.format not in formats or not hasattr(backend, "allocate_cache"):
+                what = "a ring buffer" if slot.ring else f"a {part.format} {part.name} cache"
+                raise ZllmError(
+                    f"device {backend.name!r} cannot hold {what}; it keeps float32 K/V caches only "
+                    f"(kv_cache='f32', no MLA); use device 'cpu' or 'reference'"
+                )
+        return tuple(backend.allocate_cache(slot.rows(self.capacity), p.heads, p.dim, p.format) for p in slot.parts)
+
+    @property
+    def plain(self) -> bool:
+        return all(slot.plain for slot in self.slots)
 
     def check_room(self, n_new: int, context_limit: int) -> None:
         end = self.length + n_new
@@ -28,15 +89,67 @@ class KVCache:
                 f"capacity of {self.capacity}; open the session with model.session(capacity=...) up to {context_limit}"
             )
 
-    def write(self, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
-        k_cache, v_cache = self.layers[layer]
-        k_cache[start : start + len(keys)] = keys
-        v_cache[start : start + len(values)] = values
+    def append(self, layer: int, start: int, new: tuple[np.ndarray, ...]) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+        """Store the parts of positions start..start+T-1 (each [T, H, dim]) and return what attention
+        for those T queries reads: every part at the held positions that the first new query may
+        see, then the new ones ([S, H, dim] float32, as stored), and their positions [S]."""
+        slot, buffers = self.slots[layer], self.layers[layer]
+        n_new = len(new[0])
+        end = start + n_new
+        if not slot.ring:
+            for buffer, x in zip(buffers, new):
+                buffer[start:end] = x
+            return tuple(buffer[:end] for buffer in buffers), np.arange(end)
+        window = slot.window
+        held = np.arange(max(0, start - window + 1), start)  # older positions the first query sees
+        fresh = np.arange(start, end)
+        kept = fresh[-window:]  # a prefill longer than the window leaves only its last `window` rows
+        parts = []
+        for buffer, x in zip(buffers, new):
+            history = buffer[held % window]
+            stored = buffer.round_trip(x)
+            buffer[kept % window] = x[n_new - len(kept):]
+            parts.append(np.concatenate([history, stored]))
+        return tuple(parts), np.concatenate([held, fresh])
 
-    def view(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        k_cache, v_cache = self.layers[layer]
-        return k_cache[:end], v_cache[:end]
+    def held_positions(self, layer: int) -> np.ndarray:
+        """Positions whose entries the layer's slot still holds (all, or a ring's last window)."""
+        slot = self.slots[layer]
+        first = max(0, self.length - slot.window) if slot.ring else 0
+        return np.arange(first, self.length)
+
+    def rows_of(self, layer: int, positions: np.ndarray) -> np.ndarray:
+        slot = self.slots[layer]
+        return positions % slot.window if slot.ring else positions
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one more position costs while every layer still grows (rings stop at the window)."""
+        return sum(slot.bytes_per_token for slot in self.slots)
 
     @property
     def nbytes_used(self) -> int:
-        return sum(k[: self.length].nbytes + v[: self.length].nbytes for k, v in self.layers)
+        return sum(slot.bytes_per_token * len(self.held_positions(i)) for i, slot in enumerate(self.slots))
+
+    def describe(self) -> dict:
+        return {
+            "capacity": self.capacity,
+            "length": self.length,
+            "bytes_per_token": self.bytes_per_token,
+            "layers": [
+                {"parts": [(p.name, p.heads, p.dim, p.format) for p in slot.parts],
+                 "window": slot.window, "ring": slot.ring}
+                for slot in self.slots
+            ],
+        }
+
+
+def check_kv_format(kv_format: str, backend) -> None:
+    if kv_format not in KV_FORMATS:
+        raise ZllmError(f"kv_cache {kv_format!r} is unknown; choose one of {', '.join(KV_FORMATS)}")
+    supported = getattr(backend, "kv_formats", ("f32",))
+    if kv_format not in supported:
+        raise ZllmError(
+            f"device {backend.name!r} does not implement the {kv_format} KV cache (it has {', '.join(supported)}); "
+            f"use kv_cache='f32' or device 'cpu' / 'reference'"
+        )

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge.kv_cache import KVCache
+from edge.attention import MlaWeights, cache_slots, gqa_attention, load_mla_weights, mla_attention
+from edge.kv_cache import KVCache, check_kv_format
+from edge.moe import ExpertSource, MoeLayerWeights, moe_block
 from edge.rope import RopeTable
 from edge.spec import LlamaSpec
 
@@ -35,14 +37,21 @@ class LayerWeights:
     up_bias: object | None
     down_bias: object | None
     sliding_window: int | None
+    moe: MoeLayerWeights | None = None  # set on MoE layers, whose gate/up/down are then None
+    mla: MlaWeights | None = None  # set on MLA layers (DeepSeek), whose q/k/v/o fields are then None
 
 
 class Transformer:
     """A decoder-only transformer of the Llama lineage, run by one backend."""
 
-    def __init__(self, spec: LlamaSpec, tensors: dict, backend):
+    def __init__(self, spec: LlamaSpec, tensors: dict, backend, experts: ExpertSource | None = None,
+                 kv_format: str = "f32"):
         self.spec = spec
         self.backend = backend
+        check_kv_format(kv_format, backend)
+        self.kv_format = kv_format  # storage of GQA K/V, or of MLA's latent (quant/kv_formats.py)
+        self.mla_form: str | None = None  # MLA: None = naive prefill + absorbed decode; or force one form
+        self.experts = experts  # where MoE layers get their routed experts' weights
 
         def weight(name: str, required: bool = True):
             if name not in tensors:
@@ -51,18 +60,28 @@ class Transformer:
                 return None
             return backend.prepare_weight(tensors[name])
 
+        def float_weight(name: str) -> np.ndarray:
+            if name not in tensors:
+                raise KeyError(name)
+            tensor = tensors[name]
+            return tensor.dequantize() if hasattr(tensor, "dequantize") else np.asarray(tensor, dtype=np.float32)
+
+        mla = spec.attention_kind == "mla"
+
         self.embed_tokens = weight("model.embed_tokens.weight")
         self.final_norm = weight("model.norm.weight")
         self.lm_head = self.embed_tokens if spec.tie_word_embeddings else weight("lm_head.weight")
         self.layers = []
         for i in range(spec.num_hidden_layers):
             p = f"model.layers.{i}."
+            moe = spec.moe_for_layer(i)
+            dense_ffn = moe is None
             self.layers.append(LayerWeights(
                 input_norm=weight(p + "input_layernorm.weight"),
-                q=weight(p + "self_attn.q_proj.weight"),
-                k=weight(p + "self_attn.k_proj.weight"),
-                v=weight(p + "self_attn.v_proj.weight"),
-                o=weight(p + "self_attn.o_proj.weight"),
+                q=None if mla else weight(p + "self_attn.q_proj.weight"),
+                k=None if mla else weight(p + "self_attn.k_proj.weight"),
+                v=None if mla else weight(p + "self_attn.v_proj.weight"),
+                o=None if mla else weight(p + "self_attn.o_proj.weight"),
                 q_bias=weight(p + "self_attn.q_proj.bias", False),
                 k_bias=weight(p + "self_attn.k_proj.bias", False),
                 v_bias=weight(p + "self_attn.v_proj.bias", False),
@@ -70,25 +89,49 @@ class Transformer:
                 q_norm=weight(p + "self_attn.q_norm.weight", False),
                 k_norm=weight(p + "self_attn.k_norm.weight", False),
                 post_attention_norm=weight(p + "post_attention_layernorm.weight"),
-                gate=weight(p + "mlp.gate_proj.weight"),
-                up=weight(p + "mlp.up_proj.weight"),
-                down=weight(p + "mlp.down_proj.weight"),
+                gate=weight(p + "mlp.gate_proj.weight", dense_ffn),
+                up=weight(p + "mlp.up_proj.weight", dense_ffn),
+                down=weight(p + "mlp.down_proj.weight", dense_ffn),
                 gate_bias=weight(p + "mlp.gate_proj.bias", False),
                 up_bias=weight(p + "mlp.up_proj.bias", False),
                 down_bias=weight(p + "mlp.down_proj.bias", False),
                 sliding_window=spec.sliding_window_for_layer(i),
+                moe=None if dense_ffn else self._moe_weights(moe, p + "mlp.", weight, tensors),
+                mla=load_mla_weights(spec, weight, float_weight, p + "self_attn.") if mla else None,
             ))
+        if experts is None and any(layer.moe is not None for layer in self.layers):
+            raise ValueError(f"{spec.model_type} has Mixture-of-Experts layers; pass an ExpertSource as `experts`")
         self.rope = RopeTable(spec)
         self.attention_scale = 1.0 / math.sqrt(spec.head_dim)
         self._fused_forward = backend.compile_forward(self)
 
+    @staticmethod
+    def _moe_weights(moe, prefix: str, weight, tensors: dict) -> MoeLayerWeights:
+        shared = moe.shared_intermediate_size > 0
+        shared_prefix = prefix + moe.shared_expert_name + "."
+        correction = prefix + "gate.e_score_correction_bias"
+        return MoeLayerWeights(
+            config=moe,
+            router=weight(prefix + "gate.weight"),
+            router_bias=weight(prefix + "gate.bias", False),
+            # used by the numpy routing code on every backend, so kept as a host f32 array
+            correction_bias=np.asarray(tensors[correction], dtype=np.float32) if moe.score_correction_bias else None,
+            shared_gate=weight(shared_prefix + "gate_proj.weight") if shared else None,
+            shared_up=weight(shared_prefix + "up_proj.weight") if shared else None,
+            shared_down=weight(shared_prefix + "down_proj.weight") if shared else None,
+            shared_expert_gate=weight(prefix + "shared_expert_gate.weight") if moe.shared_expert_gate else None,
+        )
+
     def new_cache(self, capacity: int) -> KVCache:
-        spec = self.spec
-        return KVCache(self.backend, spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, capacity)
+        ring_buffers = getattr(self.backend, "ring_buffers", False)
+        return KVCache(self.backend, cache_slots(self.spec, self.kv_format, capacity, ring_buffers), capacity)
 
     def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool, observer=None) -> np.ndarray:
-        """Run ids through the backend's fused executor if it has one, else op by op."""
-        run = self._fused_forward or self.forward_ops
+        """Run ids through the backend's fused executor if it has one, else op by op. Fused
+        executors read plain float32 K/V over every position; a cache with ring-buffered sliding
+        layers (a session longer than the window) runs op by op on the same backend."""
+        fused = self._fused_forward if cache.plain else None
+        run = fused or self.forward_ops
         return run(ids, cache, all_logits, observer)
 
     def forward_ops(self, ids: np.ndarray, cache: KVCache, all_logits: bool, observer=None,
@@ -96,7 +139,8 @@ class Transformer:
         """Run ids (placed after the cache's valid positions) through the model; fills the cache.
 
         Returns logits [T, V] when all_logits, else [V] for the last token. `observer(layer, hidden)`
-        sees the residual stream after each layer (the diff tool uses it). `ffn_hook(layer, x)` sees
+        sees the residual stream after each layer (the diff tool uses it); after a MoE layer it also
+        gets the route as keywords: expert_ids [T, A] and expert_weights [T, A]. `ffn_hook(layer, x)` sees
         each feed-forward block's input x [T, D] (after its norm) and may return a replacement for
         the block's output [T, D], or None to run the block (MoEfication calibrates through it).
         """
@@ -104,33 +148,31 @@ class Transformer:
         start = cache.length
         n_tokens = len(ids)
         positions = np.arange(start, start + n_tokens)
-        key_positions = np.arange(start + n_tokens)
         cos, sin = self.rope.cos_sin(positions)
         hidden = be.embed(self.embed_tokens, ids)  # [T, D]
         for index, layer in enumerate(self.layers):
             x = be.rms_norm(hidden, layer.input_norm, spec.rms_norm_eps)
-            q = be.linear(x, layer.q, layer.q_bias).reshape(n_tokens, spec.num_attention_heads, spec.head_dim)
-            k = be.linear(x, layer.k, layer.k_bias).reshape(n_tokens, spec.num_key_value_heads, spec.head_dim)
-            v = be.linear(x, layer.v, layer.v_bias).reshape(n_tokens, spec.num_key_value_heads, spec.head_dim)
-            if layer.q_norm is not None:  # Qwen3 normalises each head before rotating it
-                q = be.rms_norm(q, layer.q_norm, spec.rms_norm_eps)
-                k = be.rms_norm(k, layer.k_norm, spec.rms_norm_eps)
-            q, k = be.rope(q, cos, sin), be.rope(k, cos, sin)
-            cache.write(index, start, k, v)
-            keys, values = cache.view(index, start + n_tokens)
-            attended = be.attention(q, keys, values, positions, key_positions, self.attention_scale,
-                                    layer.sliding_window)  # [T, Hq, Dh]
-            hidden = hidden + be.linear(attended.reshape(n_tokens, -1), layer.o, layer.o_bias)
+            if layer.mla is not None:
+                hidden = hidden + mla_attention(be, spec, layer.mla, x, cache, index, start, positions, cos, sin,
+                                                self.mla_form)
+            else:
+                hidden = hidden + gqa_attention(be, spec, layer, x, cache, index, start, positions, cos, sin,
+                                                self.attention_scale)
             x = be.rms_norm(hidden, layer.post_attention_norm, spec.rms_norm_eps)
             replaced = ffn_hook(index, x) if ffn_hook is not None else None
+            routing = {}  # a MoE layer's route, for the observer
             if replaced is not None:
                 hidden = hidden + replaced
+            elif layer.moe is not None:
+                moe_out, expert_ids, expert_weights = moe_block(be, index, x, hidden, layer.moe, self.experts)
+                hidden = hidden + moe_out
+                routing = {"expert_ids": expert_ids, "expert_weights": expert_weights}
             else:
                 gate = be.linear(x, layer.gate, layer.gate_bias)
                 up = be.linear(x, layer.up, layer.up_bias)
                 hidden = hidden + be.linear(be.swiglu(gate, up), layer.down, layer.down_bias)
             if observer is not None:
-                observer(index, hidden)
+                observer(index, hidden, **routing)
         cache.length = start + n_tokens
         if not all_logits:
             hidden = hidden[-1:]

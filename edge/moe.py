@@ -14,6 +14,10 @@ from typing import Any, Mapping, Protocol
 
 import numpy as np
 
+from edge.errors import UnsupportedModelError
+
+SCORINGS = ("softmax", "sigmoid", "unit")
+
 
 @dataclass(frozen=True)
 class MoeConfig:
@@ -31,6 +35,22 @@ class MoeConfig:
     score_correction_bias: bool = False  # DeepSeek-V3: a learned bias added to scores for selection only
     shared_intermediate_size: int = 0    # 0: no shared expert; else I of the always-on shared expert(s)
     shared_expert_gate: bool = False     # Qwen2-MoE: the shared expert's output is scaled by sigmoid(x @ g)
+    shared_expert_name: str = "shared_expert"  # module name: Qwen2-MoE "shared_expert", DeepSeek "shared_experts"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 0 < self.top_k <= self.num_experts:
+            problems.append(f"num_experts_per_tok {self.top_k} must be in [1, {self.num_experts}] (the experts)")
+        if self.n_group < 1 or self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            problems.append(f"{self.num_experts} experts cannot form {self.n_group} groups of which "
+                            f"{self.topk_group} are kept")
+        elif self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            problems.append(f"top-{self.top_k} cannot be chosen from {self.topk_group} groups of "
+                            f"{self.num_experts // self.n_group} experts")
+        if self.scoring not in SCORINGS:
+            problems.append(f"router scoring {self.scoring!r} is not one of {', '.join(SCORINGS)}")
+        if problems:
+            raise UnsupportedModelError("unsupported Mixture-of-Experts configuration: " + "; ".join(problems))
 
 
 @dataclass
@@ -55,3 +75,111 @@ class ExpertSource(Protocol):
     def stats(self) -> dict: ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class MoeLayerWeights:
+    """The non-expert weights of one MoE block, prepared for the backend."""
+
+    config: MoeConfig
+    router: Any                      # [E, D]
+    router_bias: Any | None = None   # [E] (a MoEfied router's fitted intercept)
+    correction_bias: np.ndarray | None = None  # [E] f32, DeepSeek-V3 selection bias
+    shared_gate: Any | None = None   # [Is, D]
+    shared_up: Any | None = None     # [Is, D]
+    shared_down: Any | None = None   # [D, Is]
+    shared_expert_gate: Any | None = None  # [1, D]
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
+def _sigmoid(logits: np.ndarray) -> np.ndarray:
+    return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+
+
+def _top_k(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values per row, largest first; ties go to the lowest index (as torch.topk)."""
+    return np.argsort(-values, axis=-1, kind="stable")[:, :k]
+
+
+def route(router_logits: np.ndarray, config: MoeConfig, correction_bias: np.ndarray | None = None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """Which experts each token uses and with what weight: logits [T, E] -> ids [T, A] int64, weights [T, A] f32.
+
+    Follows transformers' routers: scores in float32 (softmax over all experts, or sigmoid per
+    expert); DeepSeek's correction bias shifts the scores used for choosing only; with n_group > 1
+    only the experts of the topk_group best groups compete; the chosen experts' weights are their
+    scores, optionally renormalised to sum to 1, times routed_scaling_factor. "unit" scoring (a
+    MoEfied dense FFN) weights every chosen expert 1.0.
+    """
+    logits = np.asarray(router_logits, dtype=np.float32)  # [T, E]
+    n_tokens, n_experts = logits.shape
+    if config.scoring == "softmax":
+        scores = _softmax(logits)
+    elif config.scoring == "sigmoid":
+        scores = _sigmoid(logits)
+    else:  # "unit" (MoeConfig admits no other scoring): the chosen experts are the largest logits
+        scores = logits
+    choice = scores if correction_bias is None else scores + correction_bias.astype(np.float32)  # [T, E]
+    if config.n_group > 1:
+        grouped = choice.reshape(n_tokens, config.n_group, n_experts // config.n_group)  # [T, G, E/G]
+        if config.group_score == "max":  # DeepSeek-V2
+            group_scores = grouped.max(axis=-1)
+            excluded = 0.0  # V2 zeroes the scores of excluded groups
+        else:  # DeepSeek-V3: sum of each group's two best scores
+            group_scores = np.sort(grouped, axis=-1)[:, :, -2:].sum(axis=-1, dtype=np.float32)
+            excluded = -np.inf
+        kept_groups = _top_k(group_scores, config.topk_group)  # [T, topk_group]
+        group_mask = np.zeros(group_scores.shape, dtype=bool)
+        np.put_along_axis(group_mask, kept_groups, True, axis=-1)
+        expert_mask = np.repeat(group_mask, n_experts // config.n_group, axis=-1)  # [T, E]
+        choice = np.where(expert_mask, choice, np.float32(excluded))
+    ids = _top_k(choice, config.top_k)  # [T, A]
+    if config.scoring == "unit":
+        return ids, np.ones(ids.shape, dtype=np.float32)
+    weights = np.take_along_axis(scores, ids, axis=-1)  # [T, A]
+    if config.norm_topk_prob:
+        # DeepSeek-V3 guards the sigmoid sum against zero; a softmax sum is never zero
+        guard = np.float32(1e-20) if config.scoring == "sigmoid" else np.float32(0.0)
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + guard)
+    if config.routed_scaling_factor != 1.0:
+        weights = weights * np.float32(config.routed_scaling_factor)
+    return ids.astype(np.int64), weights.astype(np.float32)
+
+
+def expert_mixture(be, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                   experts: Mapping[int, ExpertWeights]) -> np.ndarray:
+    """sum over a token's chosen experts of weight * down(silu(gate(x)) * up(x)): x [T, D] -> [T, D].
+
+    Tokens are grouped by expert, so each expert's weights are read once per call; experts run in
+    ascending id order, so the sum's rounding does not depend on where their weights came from.
+    """
+    out = np.zeros(x.shape, dtype=np.float32)  # [T, D]
+    for expert in np.unique(ids):  # ascending
+        rows, slots = np.nonzero(ids == expert)  # tokens routed to this expert, and in which of their A slots
+        w = experts[int(expert)]
+        xe = x[rows]  # [Te, D]
+        ye = be.linear(be.swiglu(be.linear(xe, w.gate), be.linear(xe, w.up)), w.down)  # [Te, D]
+        out[rows] += weights[rows, slots][:, None] * ye
+    return out
+
+
+def moe_block(be, layer: int, x: np.ndarray, residual: np.ndarray, weights: MoeLayerWeights,
+              source: ExpertSource) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A MoE feed-forward block: routed experts (from `source`) plus shared experts.
+
+    x [T, D] -> (output [T, D], the route: expert ids [T, A] and their weights [T, A])."""
+    router_logits = be.linear(x, weights.router, weights.router_bias)  # [T, E]
+    ids, route_weights = route(router_logits, weights.config, weights.correction_bias)  # [T, A] each
+    chosen = source.experts(layer, ids, residual)
+    out = expert_mixture(be, x, ids, route_weights, chosen)
+    if weights.shared_gate is not None:
+        shared = be.linear(be.swiglu(be.linear(x, weights.shared_gate), be.linear(x, weights.shared_up)),
+                           weights.shared_down)  # [T, D]
+        if weights.shared_expert_gate is not None:  # Qwen2-MoE scales the shared expert per token
+            shared = shared * _sigmoid(np.asarray(be.linear(x, weights.shared_expert_gate), dtype=np.float32))
+        out = out + shared
+    return out, ids, route_weights

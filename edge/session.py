@@ -50,6 +50,13 @@ class Session:
         """Run one token; logits [V]."""
         return self._run([int(token_id)], all_logits=False)
 
+    def save(self, path) -> None:
+        """Write the KV state, position and token history to `path` (edge/saved_session.py);
+        `model.load_session(path)` continues from it without a prefill."""
+        from edge.saved_session import save_session
+
+        save_session(self, path)
+
     def reset(self) -> None:
         self.cache.length = 0
         self.tokens.clear()

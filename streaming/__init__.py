@@ -1,1 +1,67 @@
-"""Expert streaming for Mixture-of-Experts models: store, bounded cache, predictor, prefetcher."""
+"""Expert streaming for Mixture-of-Experts models: store, bounded cache, predictor, prefetcher.
+
+`open_expert_source` builds the ExpertSource (edge/moe.py) an expert strategy names:
+
+    resident    every expert read once at load (streaming/resident.py)
+    predictive  streamed through a bounded cache, with the predictor's prefetches (streaming/source.py)
+    ondemand    streamed through a bounded LRU cache, loaded only when a layer needs them
+    mmap        used in place from an mmap, the page cache bounded to the budget (streaming/paging.py)
+"""
+from __future__ import annotations
+
+from edge.errors import ZllmError
+
+
+def _routers(tensors: dict, spec, layers: dict) -> dict:
+    """layer -> (post-attention norm gain [D], router [E, D] f32, bias [E] or None) for the predictor."""
+    from devices.reference import as_float32
+
+    routers = {}
+    for layer, moe in layers.items():
+        prefix = f"model.layers.{layer}."
+        bias_name = prefix + ("mlp.gate.e_score_correction_bias" if moe.score_correction_bias else "mlp.gate.bias")
+        bias = tensors.get(bias_name)
+        routers[layer] = (as_float32(tensors[prefix + "post_attention_layernorm.weight"]),
+                          as_float32(tensors[prefix + "mlp.gate.weight"]),
+                          None if bias is None else as_float32(bias))
+    return routers
+
+
+def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: int | None, storage=None,
+                       policy: str = "lru", depth: int = 2, threads: int = 2, verify: bool = False):
+    # `verify` also checks every record's crc32 when the resident source reads them all at load
+    """The ExpertSource for a MoE checkpoint under an expert strategy and an expert cache size."""
+    index = checkpoint.experts
+    layers = {layer: spec.moe_for_layer(layer) for layer in sorted(index.layers)}
+    if strategy == "resident":
+        from streaming.resident import ResidentExperts
+
+        return ResidentExperts(index, backend.prepare_weight, verify=verify)
+    if strategy == "mmap":
+        from streaming.paging import MappedExperts
+
+        return MappedExperts(index, backend.prepare_weight, cache_bytes, storage=storage)
+    if strategy not in ("predictive", "ondemand"):
+        raise ZllmError(f"expert_strategy {strategy!r} is not known; choose one of predictive, ondemand, mmap, "
+                        "resident")
+    from streaming.source import StreamingExperts
+
+    if cache_bytes is None:  # no budget: a cache that can hold every expert
+        from streaming.budget import entry_bytes
+        cache_bytes = sum(len(index.layers[layer].records) * entry_bytes(index, layer) for layer in layers)
+    predictor = None
+    if strategy == "predictive":
+        from streaming.predictor import ExpertPredictor, SignalWeights
+
+        predictor = ExpertPredictor(layers, _routers(checkpoint.tensors, spec, layers), depth=depth,
+                                    weights=SignalWeights.for_checkpoint(checkpoint.path),
+                                    rms_norm_eps=spec.rms_norm_eps)
+    elif policy == "forecast":
+        raise ZllmError("expert_policy 'forecast' needs the expert predictor; use expert_strategy 'predictive' "
+                        "or expert_policy 'lru' or 'lfu'")
+    # streamed experts are always checked against their crc32: a damaged record must never become output
+    return StreamingExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage, predictor=predictor,
+                            policy=policy, depth=depth, threads=threads, verify=True)
+
+
+__all__ = ["open_expert_source"]

@@ -162,7 +162,8 @@ def case_missing_config(tmp: Path, tiny_llama: Path):
 def case_unsupported_model_type(tmp: Path, tiny_llama: Path):
     src = write_tiny_gpt2(tmp / "gpt2")
     return src, UnsupportedModelError, (
-        "model_type 'gpt2' is not supported; supported model types: llama, mistral, qwen2, qwen3"
+        "model_type 'gpt2' is not supported; supported model types: deepseek_v2, deepseek_v3, llama, llama_moe, "
+        "mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe"
     )
 
 

@@ -71,7 +71,10 @@ def reference_runs(tiny_zoo):
             with edge.load(path, device="reference") as model:
                 hidden = {}
                 steps, session = run_protocol(model, observer=lambda layer, h: hidden.__setitem__(layer, h.copy()))
-                keys = [k[: session.position].copy() for k, _ in session.cache.layers]
+                # a sliding layer's ring buffer holds only its window: keep (positions, keys) held
+                cache = session.cache
+                keys = [(cache.held_positions(i), k[cache.rows_of(i, cache.held_positions(i))].copy())
+                        for i, (k, _) in enumerate(cache.layers)]
             runs[(case, plan_name)] = (path, steps, hidden, keys)
         return runs[(case, plan_name)]
 
@@ -89,8 +92,8 @@ def test_logits_match_reference(case, plan_name, variant, reference_runs):
         assert [s.shape for s in steps] == [e.shape for e in expected]
         assert worst_relative_error(steps, expected) <= REL_TOL
         # keys written at exactly positions 0..length-1 (after RoPE), nothing beyond
-        for (keys, _), reference_keys in zip(session.cache.layers, expected_keys):
-            np.testing.assert_allclose(keys[: session.position], reference_keys, atol=1e-5 * np.abs(reference_keys).max())
+        for (keys, _), (positions, reference_keys) in zip(session.cache.layers, expected_keys):
+            np.testing.assert_allclose(keys[positions], reference_keys, atol=1e-5 * np.abs(reference_keys).max())
             assert not keys[session.position:].any()
         placement = model.device_info()["placement"]
         assert {ep for graph in placement.values() for ep in graph} == {"CPUExecutionProvider"}

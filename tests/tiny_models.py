@@ -1,4 +1,7 @@
-"""Tiny random Hugging Face models of every dense family, and their zllm conversions.
+"""Tiny random Hugging Face models of every family, and their zllm conversions.
+
+CASES are the dense families; MOE_CASES the Mixture-of-Experts ones (Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE, DeepSeek-V2/V3 MoE layers); ATTENTION_CASES the attention variants (MLA, layer types).
 
 Each case is a transformers config (2 layers, hidden 64, vocab 160, context 64) with weights
 drawn from a fixed torch seed. Weights are re-drawn after transformers' own init so that
@@ -29,11 +32,17 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from converters.checkpoint import open_checkpoint
@@ -49,7 +58,9 @@ NORM_STD = 0.1  # norm gains are 1 + NORM_STD * N(0, 1)
 # transformers 5 renamed the KV cache argument and output field `past_key_values` to `cache`
 _CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
-CONFIG_CLASSES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+CONFIG_CLASSES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+                  "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
+                  "olmoe": OlmoeConfig, "deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config}
 
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -115,7 +126,79 @@ CASES: tuple[TinyCase, ...] = (
              "q/k norm, explicit head_dim 32 != 64/4, tied embeddings"),
 )
 CASE_NAMES = tuple(c.name for c in CASES)
-_BY_NAME = {c.name: c for c in CASES}
+
+# Mixture-of-Experts cases (2 layers, hidden 64, top-2). The expert files they convert to are
+# exercised by tests/test_moe_parity.py and tests/test_moe_checkpoint.py; kept apart from CASES so
+# the dense parametrizations do not grow.
+_MOE_ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2)
+MOE_CASES: tuple[TinyCase, ...] = (
+    TinyCase("mixtral", "mixtral", dict(_MOE_ATTENTION, num_local_experts=4, num_experts_per_tok=2),
+             "softmax over 4 experts, top-2 renormalised; checkpoint names block_sparse_moe.experts.E.w1/w2/w3"),
+    TinyCase("qwen2_moe_shared", "qwen2_moe",
+             dict(_MOE_ATTENTION, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, decoder_sparse_step=1),
+             "8 experts, top-2 not renormalised, shared expert scaled by its sigmoid gate, q/k/v biases"),
+    TinyCase("qwen2_moe_mlp_only", "qwen2_moe",
+             dict(_MOE_ATTENTION, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=True),
+             "layer 0 dense (mlp_only_layers), layer 1 sparse, renormalised"),
+    TinyCase("qwen3_moe_norm", "qwen3_moe",
+             dict(_MOE_ATTENTION, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  norm_topk_prob=True),
+             "q/k norm per head, top-2 of 8 renormalised"),
+    TinyCase("qwen3_moe_raw", "qwen3_moe",
+             dict(_MOE_ATTENTION, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  norm_topk_prob=False, decoder_sparse_step=2),
+             "top-2 of 8 not renormalised; decoder_sparse_step 2: layer 0 dense, layer 1 sparse"),
+    TinyCase("olmoe", "olmoe",
+             dict(_MOE_ATTENTION, num_experts=8, num_experts_per_tok=2, intermediate_size=32, clip_qkv=0.5),
+             "q/k norm over the whole projection, q/k/v clipped to 0.5, top-2 of 8"),
+)
+# DeepSeek MoE layers on MLA attention (_MLA below): layer 0 dense (first_k_dense_replace=1), layer 1 MoE.
+_DEEPSEEK_MOE = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                     qk_rope_head_dim=8, v_head_dim=24, q_lora_rank=None, first_k_dense_replace=1,
+                     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+MOE_CASES += (
+    TinyCase("deepseek_v2_moe", "deepseek_v2",
+             dict(_DEEPSEEK_MOE, topk_method="group_limited_greedy", n_group=4, topk_group=2, n_shared_experts=2,
+                  routed_scaling_factor=1.5),
+             "softmax over 8 experts in 4 groups, the best 2 groups (by max) compete; 2 shared experts; x1.5"),
+    TinyCase("deepseek_v3_moe", "deepseek_v3",
+             dict(_DEEPSEEK_MOE, n_group=4, topk_group=2, n_shared_experts=1, norm_topk_prob=True,
+                  routed_scaling_factor=2.5),
+             "sigmoid scores + random e_score_correction_bias for choice, groups by top-2 sum, renormalised, x2.5"),
+)
+MOE_CASE_NAMES = tuple(c.name for c in MOE_CASES)
+
+# Attention variants (tests/test_attention_*.py): MLA with dense feed-forward blocks
+# (first_k_dense_replace >= num_hidden_layers), and hybrid sliding/full layers.
+_MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+ATTENTION_CASES: tuple[TinyCase, ...] = (
+    TinyCase("deepseek_v2_mla", "deepseek_v2", dict(_MLA, q_lora_rank=None, v_head_dim=32),
+             "MLA: q_proj, latent 32, nope 16 + rope 8 (interleaved pairs), v_head_dim 32 > 24"),
+    TinyCase("deepseek_v2_qlora_yarn", "deepseek_v2",
+             dict(_MLA, q_lora_rank=48, v_head_dim=16, attention_bias=True,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                   "beta_fast": 32, "beta_slow": 1}),
+             "MLA with query LoRA 48, biases, yarn (softmax scale times mscale^2), v_head_dim 16 < 24"),
+    TinyCase("deepseek_v3_mla", "deepseek_v3", dict(_MLA, q_lora_rank=40, v_head_dim=24, n_group=2, topk_group=1),
+             "DeepSeek-V3 MLA, query LoRA 40, interleaved rope"),
+    TinyCase("deepseek_v3_halfsplit", "deepseek_v3",
+             dict(_MLA, q_lora_rank=None, v_head_dim=24, rope_interleave=False, n_group=2, topk_group=1),
+             "DeepSeek-V3 MLA with rope_interleave=False (half-split rotary layout)"),
+    TinyCase("qwen2_layer_types", "qwen2",
+             dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention"]),
+             "layer_types: layer 0 slides over 4 positions, layer 1 attends to everything"),
+    TinyCase("qwen3_layer_types", "qwen3",
+             dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=5,
+                  layer_types=["full_attention", "sliding_attention"]),
+             "layer_types with q/k norm: layer 1 slides over 5 positions"),
+)
+ATTENTION_CASE_NAMES = tuple(c.name for c in ATTENTION_CASES)
+_BY_NAME = {c.name: c for c in CASES + MOE_CASES + ATTENTION_CASES}
 
 
 def build_hf_model(case: TinyCase) -> torch.nn.Module:
@@ -132,6 +215,9 @@ def build_hf_model(case: TinyCase) -> torch.nn.Module:
                 param.copy_(1.0 + NORM_STD * noise)
             else:  # matrices, embeddings and biases
                 param.copy_(WEIGHT_STD * noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection bias: big enough to matter
+                buffer.copy_(WEIGHT_STD * torch.randn(buffer.shape, generator=generator, dtype=torch.float32))
     if config.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
     return model.eval()
@@ -216,11 +302,11 @@ class TinyZoo:
             self.hf_model(name).save_pretrained(folder, safe_serialization=True)
         return os.fspath(folder)
 
-    def converted(self, name: str, plan: QuantPlan) -> str:
-        key = (name, plan_key(plan))
+    def converted(self, name: str, plan: QuantPlan, compress_experts: bool = False) -> str:
+        key = (name, plan_key(plan) + ("_zstd" if compress_experts else ""))
         if key not in self._converted:
             out = self.root / "zllm" / name / key[1]
-            convert(self.hf_folder(name), os.fspath(out), plan, progress=False)
+            convert(self.hf_folder(name), os.fspath(out), plan, progress=False, compress_experts=compress_experts)
             self._converted[key] = os.fspath(out)
         return self._converted[key]
 

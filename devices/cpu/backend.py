@@ -11,14 +11,16 @@ import platform
 
 import numpy as np
 
-from devices.base import DeviceUnavailableError
+from devices.base import DeviceUnavailableError, has_moe_layers
+from devices.cache_buffers import CacheBuffer, Int8Codec
 from devices.cpu.weights import CpuWeight, as_vector, prepare_weight
+from quant.kv_formats import KV_FORMATS
 
 try:
     import numba
     import kernels.cpu  # noqa: F401  (configures Numba's cache and threading before kernels load)
     from kernels.cpu import attention as attention_kernels
-    from kernels.cpu import elementwise, linear as linear_kernels
+    from kernels.cpu import elementwise, kv_quant, linear as linear_kernels
     from kernels.cpu.runtime import threading_info
 except ImportError as exc:  # pragma: no cover - numba is a declared dependency
     raise DeviceUnavailableError(f"device 'cpu' needs numba and llvmlite ({exc}); pip install numba") from None
@@ -36,8 +38,14 @@ def _thread_count(threads: int | None) -> int:
     return threads
 
 
+NUMBA_INT8_CODEC = Int8Codec(kv_quant.quantize_int8, kv_quant.dequantize_int8)
+
+
 class CpuBackend:
     name = "cpu"
+    kv_formats = KV_FORMATS
+    ring_buffers = True  # sliding layers may keep only their window (run op by op)
+    runs_moe = True
 
     def __init__(self, threads: int | None = None, variant: str | None = None):
         if variant is not None:
@@ -113,8 +121,27 @@ class CpuBackend:
         return (np.zeros((capacity, kv_heads, head_dim), np.float32),
                 np.zeros((capacity, kv_heads, head_dim), np.float32))
 
+    def allocate_cache(self, rows: int, heads: int, dim: int, fmt: str) -> CacheBuffer:
+        # f16 / int8 K/V, MLA latents and ring buffers: op-by-op attention reads them dequantized
+        return CacheBuffer(rows, heads, dim, fmt, NUMBA_INT8_CODEC)
+
+    def head_matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        self.use_threads()
+        return attention_kernels.head_matmul(x, w)
+
     def compile_forward(self, transformer):
         from devices.cpu.executor import FusedForward
+
+        if transformer.spec.attention_kind != "gqa" or transformer.kv_format != "f32":
+            # the fused executor reads plain float32 K/V; MLA and compressed caches run op by op
+            # on the same Numba kernels
+            return None
+
+        spec = transformer.spec
+        if has_moe_layers(transformer) or spec.qk_norm_over_projection or spec.clip_qkv is not None:
+            # the fused executor composes plain Llama-like layers only; these run op by op on the
+            # same Numba kernels (MoE blocks route and gather tokens per expert in between)
+            return None
 
         return FusedForward(transformer, self)
 

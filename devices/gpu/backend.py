@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 
+from devices.base import MoeUnsupportedError, check_gqa_only, has_moe_layers
 from devices.gpu.context import GpuContext, select_vulkan_adapter
 from devices.gpu.forward import FusedForward
 from devices.gpu.launches import LaunchBuilder, Tuning
@@ -16,6 +17,7 @@ from quant import QuantizedTensor
 
 class GpuBackend:
     name = "gpu"
+    runs_moe = False
 
     def __init__(self, threads: int | None = None, variant: str | None = None, *,
                  max_binding_bytes: int | None = None, tuning: Tuning | None = None):
@@ -71,10 +73,16 @@ class GpuBackend:
     def argmax(self, x):
         return self.ops.argmax(x)
 
+    kv_formats = ("f32",)  # edge refuses kv_cache="f16"/"int8" on this device
+    ring_buffers = False  # sliding layers keep every position and mask by window
+
     def allocate_kv(self, capacity: int, kv_heads: int, head_dim: int):
         return GpuKV(self.ctx, capacity, kv_heads, head_dim), GpuKV(self.ctx, capacity, kv_heads, head_dim)
 
     def compile_forward(self, transformer):
+        check_gqa_only(transformer, "gpu")
+        if has_moe_layers(transformer):
+            raise MoeUnsupportedError("gpu")
         return FusedForward(self, transformer)
 
     def info(self) -> dict:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from converters.onnx_export import ATTENTION_FORMS, ExportOptions
+from devices.base import MoeUnsupportedError, check_gqa_only, has_moe_layers
 from devices.npu import ops
 from devices.npu.executor import NpuExecutor, allocate_kv
 from devices.npu.graph_cache import GraphCache
@@ -98,6 +99,7 @@ class NpuSettings:
 
 class NpuBackend:
     name = "npu"
+    runs_moe = False
 
     def __init__(self, threads: int | None = None, variant: str | None = None):
         self.settings = NpuSettings.parse(variant, threads)
@@ -123,10 +125,16 @@ class NpuBackend:
         return weight  # graphs read the checkpoint's arrays when they are exported, nothing to prepare
 
     def compile_forward(self, transformer):
+        check_gqa_only(transformer, "npu")
+        if has_moe_layers(transformer):
+            raise MoeUnsupportedError("npu")
         cache = GraphCache(transformer, self.export_options)
         executor = NpuExecutor(transformer, cache, self.runtime, self.settings)
         self.executors.append(executor)
         return executor
+
+    kv_formats = ("f32",)  # edge refuses kv_cache="f16"/"int8" on this device
+    ring_buffers = False  # sliding layers keep every position and mask by window
 
     def allocate_kv(self, capacity: int, kv_heads: int, head_dim: int):
         return allocate_kv(capacity, kv_heads, head_dim)

@@ -189,3 +189,31 @@ def attention(q, k, v, q_positions, k_positions, scale: float, window: int | Non
                      n_splits, n_threads, work, np.empty(n_rows, np.float32), np.empty(n_rows, np.float32),
                      np.empty((n_rows, head_dim), np.float32), out)
     return out.reshape(n_tokens, n_heads, head_dim)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-head products (MLA's absorbed form: queries into latent space, latent averages back out)
+
+@kernel(types.void(readonly(types.float32, 3), _f32_ro_3d, _f32_3d), parallel=True)
+def head_matmul_kernel(x, w, out):
+    """out [T, H, N] = x [T, H, K] times w [H, N, K] transposed, per head."""
+    n_tokens, n_heads, n_out = out.shape
+    for item in prange(n_heads * n_out):
+        h = item // n_out
+        n = item % n_out
+        row = w[h, n]
+        for t in range(n_tokens):
+            total = np.float32(0.0)
+            for k in range(row.shape[0]):
+                total += x[t, h, k] * row[k]
+            out[t, h, n] = total
+
+
+def head_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
+        raise ValueError(f"head_matmul: x {list(x.shape)} does not match w {list(w.shape)} ([T, H, K] and [H, N, K])")
+    out = np.empty((x.shape[0], x.shape[1], w.shape[1]), np.float32)
+    head_matmul_kernel(x, w, out)
+    return out

@@ -1,0 +1,70 @@
+"""Physical KV cache buffers in a storage format (quant/kv_formats.py): quantize on write,
+dequantize on read.
+
+A buffer holds `rows` x `heads` x `dim` values and is indexed like the float32 array it stands
+for: `buffer[rows] = x` stores x [n, H, D] (rounding it to the format), `buffer[rows]` returns
+float32 [n, H, D]. For "f32" a slice reads back a view, with no copy. The reference and CPU
+backends share this class and differ only in the int8 codec (numpy or Numba).
+
+N = rows, H = heads, D = values per head, G = int8 group size.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from quant.kv_formats import KV_FORMATS, kv_bytes_per_row, kv_group_size
+
+
+class Int8Codec(NamedTuple):
+    quantize: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]  # x [N,H,D] -> codes, scales
+    dequantize: Callable[[np.ndarray, np.ndarray, int], np.ndarray]       # codes, scales -> f32
+
+
+class CacheBuffer:
+    def __init__(self, rows: int, heads: int, dim: int, fmt: str, int8_codec: Int8Codec):
+        if fmt not in KV_FORMATS:
+            raise ValueError(f"KV cache format {fmt!r} is unknown; known formats: {', '.join(KV_FORMATS)}")
+        self.shape = (rows, heads, dim)
+        self.format = fmt
+        self.group = kv_group_size(dim)
+        self._codec = int8_codec
+        # np.zeros maps pages lazily: memory grows with the rows written, not with `rows`
+        if fmt == "int8":
+            self.storage = {"codes": np.zeros(self.shape, np.int8),
+                            "scales": np.zeros((rows, heads, dim // self.group), np.float16)}
+        else:
+            self.storage = {"values": np.zeros(self.shape, np.float32 if fmt == "f32" else np.float16)}
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def bytes_per_row(self) -> int:
+        return kv_bytes_per_row(self.format, self.shape[1], self.shape[2])
+
+    def __setitem__(self, index, x: np.ndarray) -> None:
+        x = np.asarray(x, dtype=np.float32)
+        if self.format == "int8":
+            codes, scales = self._codec.quantize(np.ascontiguousarray(x), self.group)
+            self.storage["codes"][index] = codes
+            self.storage["scales"][index] = scales
+        else:
+            self.storage["values"][index] = x  # f16: numpy rounds to nearest even
+
+    def __getitem__(self, index) -> np.ndarray:
+        if self.format == "int8":
+            return self._codec.dequantize(np.ascontiguousarray(self.storage["codes"][index]),
+                                          np.ascontiguousarray(self.storage["scales"][index]), self.group)
+        values = self.storage["values"][index]
+        return values if self.format == "f32" else values.astype(np.float32)
+
+    def round_trip(self, x: np.ndarray) -> np.ndarray:
+        """What storing x [n, H, D] and reading it back gives, without storing it."""
+        x = np.asarray(x, dtype=np.float32)
+        if self.format == "f32":
+            return x
+        if self.format == "f16":
+            return x.astype(np.float16).astype(np.float32)
+        return self._codec.dequantize(*self._codec.quantize(np.ascontiguousarray(x), self.group), self.group)

@@ -1,0 +1,326 @@
+"""`zllm-edge bench MODEL --memory-budget 25%,50%,75%,100% --storage nvme`: a MoE checkpoint's greedy
+decode under memory budgets, one expert strategy against another.
+
+Strategies (edge.load's expert_strategy):
+    resident    every expert in memory (run once, at the 100% budget): the speed to approach
+    mmap        plain mmap of the expert file, the page cache bounded to the budget (what llama.cpp does)
+    ondemand    a bounded LRU expert cache, experts read when a layer needs them, no prediction
+    predictive  ours: the predictor's prefetches, and eviction by its forecast
+
+Every (strategy, budget) runs in its own spawned worker (edge/bench.py's DeviceWorker), so each peak
+RSS is its own; the RSS a worker has before loading (interpreter, numpy, numba...) is reported apart
+as the interpreter baseline, and the budget is compared with peak RSS minus that baseline. Each worker
+loads, runs one short warm-up on a prompt of its own (JIT compilation, the predictor's first routes),
+then `repeats` timed runs, each on a different prompt (a predictor must not be scored on a sequence
+it has already seen). Counters (hits, misses, bytes, stall) are taken over the decode steps only,
+from `model.stats()` before and after them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+
+from edge.bench import (PROMPT_SEED, WARMUP_NEW_TOKENS, BenchError, DeviceWorker, _agreeing_prefix, id_prompt,
+                        machine_info)
+
+STRATEGY_OPTIONS = {
+    "resident": {"expert_strategy": "resident"},
+    "mmap": {"expert_strategy": "mmap"},
+    "ondemand": {"expert_strategy": "ondemand", "expert_policy": "lru"},
+    "predictive": {"expert_strategy": "predictive", "expert_policy": "forecast"},
+}
+RESIDENT_BUDGET = "100%"
+# pydoc_data.topics entries the workload's prompts are cut from (the first is edge/bench.py's prompt);
+# `zllm-edge calibrate` records its traces on other topics.
+WORKLOAD_TOPICS = ("execmodel", "compound", "import", "types", "specialnames", "string-methods")
+COUNTERS = ("expert_hits", "expert_misses", "bytes_read", "io_stall_seconds")
+RSS_TOLERANCE = 0.05  # peak RSS over the interpreter baseline may exceed the budget by this share
+
+
+def parse_budgets(text: str) -> list[str]:
+    """'25%,50%,512MB' -> ['25%', '50%', '512MB'], each checked by the budget parser."""
+    from streaming.budget import parse_budget
+
+    budgets = [b.strip() for b in text.split(",") if b.strip()]
+    if not budgets:
+        raise BenchError(f"--memory-budget {text!r} names no budget; give e.g. 25%,50%,75%,100% or 512MB")
+    for budget in budgets:
+        parse_budget(budget)  # raises a ZllmError naming the bad one
+    return budgets
+
+
+def parse_strategies(text: str) -> list[str]:
+    strategies = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGY_OPTIONS]
+    if unknown or not strategies:
+        raise BenchError(f"--strategies {text!r}: unknown {unknown}; choose from {', '.join(STRATEGY_OPTIONS)}")
+    return strategies
+
+
+def workload_prompts(checkpoint_path: str, n_tokens: int, count: int) -> tuple[list[list[int]], str]:
+    """`count` distinct prompts of n_tokens ids: text topics when the checkpoint has a tokenizer, else ids."""
+    from pydoc_data.topics import topics
+
+    from converters.checkpoint import open_checkpoint
+    from edge.spec import spec_from_dict
+    from edge.tokenizer import Tokenizer
+
+    if n_tokens < 1:
+        raise BenchError(f"the prompt needs at least 1 token, got --prompt-tokens {n_tokens}")
+    if count > len(WORKLOAD_TOPICS):
+        raise BenchError(f"at most {len(WORKLOAD_TOPICS) - 1} repeats (one prompt each, plus the warm-up's), "
+                         f"got {count - 1}")
+    with open_checkpoint(checkpoint_path) as checkpoint:
+        spec = spec_from_dict(checkpoint.model_config)
+        config = checkpoint.tokenizer_config
+        if checkpoint.tokenizer_path:
+            tokenizer = Tokenizer(checkpoint.tokenizer_path, config)
+            prefix = [tokenizer.bos_token_id] if tokenizer.add_bos_token and tokenizer.bos_token_id is not None else []
+            prompts = []
+            for name in WORKLOAD_TOPICS[:count]:
+                body = tokenizer.encode(topics[name], add_special_tokens=False)
+                repeats = -(-max(n_tokens - len(prefix), 0) // len(body))
+                prompts.append((prefix + body * repeats)[:n_tokens])
+            return prompts, (f"pydoc_data.topics {list(WORKLOAD_TOPICS[:count])} of Python "
+                             f"{platform.python_version()}, tokenized and cut to {n_tokens} tokens")
+    special = {config.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    special |= set(config.get("eog_token_ids") or [])
+    special.discard(None)
+    prompts = [id_prompt(spec.vocab_size, special, n_tokens, seed=PROMPT_SEED + i) for i in range(count)]
+    return prompts, f"no tokenizer: {n_tokens} ids per prompt drawn by numpy default_rng({PROMPT_SEED} + i)"
+
+
+def _decode_counters(run: dict) -> dict:
+    """The streaming counters of a run's decode steps: stats after the run minus stats after its prefill."""
+    before, after = run["stats_after_prefill"], run["stats"]
+    counters = {key: (after.get(key) or 0) - (before.get(key) or 0) for key in COUNTERS}
+    for distance, figures in (after.get("predictor_by_distance") or {}).items():
+        earlier = (before.get("predictor_by_distance") or {}).get(distance, {})
+        for key in ("hits", "predicted", "actual"):
+            counters[f"predictor_{key}_{distance}"] = figures[key] - earlier.get(key, 0)
+    return counters
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def summarize(strategy: str, budget: str, loaded: dict, runs: list[dict], peak_rss: int | None) -> dict:
+    """One row of the report from a worker's load message, its timed runs and its peak RSS."""
+    totals: dict[str, float] = {}
+    for run in runs:
+        for key, value in _decode_counters(run).items():
+            totals[key] = totals.get(key, 0) + value
+    decode_seconds = sum(run["decode_seconds"] for run in runs)
+    requests = totals["expert_hits"] + totals["expert_misses"]
+    plan = loaded.get("memory_plan") or {}
+    baseline = loaded["rss_before_load_bytes"]
+    budget_bytes = plan.get("budget_bytes")
+    over_baseline = None if peak_rss is None else peak_rss - baseline
+    distances = sorted({int(k.rsplit("_", 1)[1]) for k in totals if k.startswith("predictor_actual_")})
+    final = runs[-1]["stats"]
+    return {
+        "strategy": strategy, "budget": budget, "budget_bytes": budget_bytes,
+        "expert_cache_bytes": plan.get("expert_cache_bytes"), "expert_bytes": plan.get("expert_bytes"),
+        "expert_share": _ratio(plan.get("expert_cache_bytes"), plan.get("expert_bytes")),
+        "memory_plan": plan, "load_seconds": loaded["load_seconds"],
+        "decode_tokens_per_second": statistics.median(run["decode_tokens_per_second"] for run in runs),
+        "prefill_tokens_per_second": statistics.median(run["prefill_tokens_per_second"] for run in runs),
+        "hit_rate": totals["expert_hits"] / requests if requests else None,
+        "expert_hits": int(totals["expert_hits"]), "expert_misses": int(totals["expert_misses"]),
+        "bytes_read": int(totals["bytes_read"]), "io_stall_seconds": totals["io_stall_seconds"],
+        "stall_fraction": totals["io_stall_seconds"] / decode_seconds if decode_seconds else None,
+        "io_hidden_fraction": final.get("io_hidden_fraction"),
+        "predictor_precision": _ratio(totals.get("predictor_hits_1"), totals.get("predictor_predicted_1")),
+        "predictor_recall": _ratio(totals.get("predictor_hits_1"), totals.get("predictor_actual_1")),
+        "predictor_recall_by_distance": {d: _ratio(totals[f"predictor_hits_{d}"], totals[f"predictor_actual_{d}"])
+                                         for d in distances},
+        "storage": final.get("storage"), "io_mode": final.get("io_mode"),
+        "peak_rss_bytes": peak_rss, "baseline_rss_bytes": baseline, "peak_rss_over_baseline_bytes": over_baseline,
+        "rss_within_budget": (None if budget_bytes is None or over_baseline is None
+                              else over_baseline <= budget_bytes * (1 + RSS_TOLERANCE)),
+        "tokens": [run["tokens"] for run in runs],
+        "runs": [{key: run[key] for key in ("prefill_seconds", "decode_seconds", "decode_tokens_per_second",
+                                             "prefill_tokens_per_second", "decode_steps")} for run in runs],
+    }
+
+
+def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str], storage: str | None,
+                  device: str = "cpu", threads: int | None = None, prompt_tokens: int = 64, new_tokens: int = 64,
+                  repeats: int = 1, prefetch_depth: int = 2, progress=None) -> dict:
+    """Measure every (strategy, budget); returns the report (what --json writes)."""
+    from converters.checkpoint import read_manifest
+    from streaming.storage import parse_storage
+
+    progress = progress or (lambda message: None)
+    if new_tokens < 2 or repeats < 1:
+        raise BenchError(f"the MoE benchmark decodes: --new-tokens must be at least 2 and --repeats at least 1, "
+                         f"got {new_tokens} and {repeats}")
+    parse_storage(storage)
+    manifest = read_manifest(checkpoint_path)
+    if not manifest.get("experts"):
+        raise BenchError(f"{checkpoint_path} is a dense {manifest['model']['model_type']} checkpoint; "
+                         "--memory-budget benchmarks Mixture-of-Experts checkpoints (try --random-moe)")
+    context = manifest["model"]["max_position_embeddings"]
+    if prompt_tokens + new_tokens > context:
+        raise BenchError(f"{prompt_tokens} prompt + {new_tokens} new tokens exceed the model's context of "
+                         f"{context} tokens; lower --prompt-tokens or --new-tokens")
+    prompts, prompt_source = workload_prompts(checkpoint_path, prompt_tokens, repeats + 1)
+    warmup_prompt, timed_prompts = prompts[-1], prompts[:-1]
+
+    configs = [(s, RESIDENT_BUDGET if s == "resident" else b)
+               for s in strategies for b in (budgets if s != "resident" else [RESIDENT_BUDGET])]
+    rows = []
+    for strategy, budget in configs:
+        options = {**STRATEGY_OPTIONS[strategy], "memory_budget": budget, "storage": storage,
+                   "prefetch_depth": prefetch_depth, "kv_capacity": prompt_tokens + new_tokens}
+        progress(f"{strategy} at {budget}: loading")
+        try:
+            worker = DeviceWorker(checkpoint_path, device, threads, options)
+        except BenchError as exc:  # e.g. a budget below the minimum working set: shown, not fatal
+            progress(f"{strategy} at {budget}: refused: {exc}")
+            rows.append({"strategy": strategy, "budget": budget, "error": str(exc)})
+            continue
+        try:
+            worker.run(warmup_prompt, min(new_tokens, WARMUP_NEW_TOKENS), stats=True)
+            runs = [worker.run(prompt, new_tokens, stats=True) for prompt in timed_prompts]
+            peak = worker.stop()
+        finally:
+            worker.close()
+        row = summarize(strategy, budget, worker.loaded, runs, peak)
+        rows.append(row)
+        progress(f"{strategy} at {budget}: decode {row['decode_tokens_per_second']:.1f} tok/s, hit rate "
+                 f"{_pct(row['hit_rate'])}, recall {_pct(row['predictor_recall'])}")
+
+    resident = next((r for r in rows if r["strategy"] == "resident" and "error" not in r), None)
+    for row in rows:
+        if "error" not in row and resident is not None:
+            row["tokens_match_resident"] = row["tokens"] == resident["tokens"]
+            row["greedy_tokens_agreeing_with_resident"] = sum(
+                _agreeing_prefix(a, b) for a, b in zip(row["tokens"], resident["tokens"]))
+            row["decode_vs_resident"] = _ratio(row["decode_tokens_per_second"], resident["decode_tokens_per_second"])
+    for row in rows:
+        mmap = next((r for r in rows if r["strategy"] == "mmap" and r["budget"] == row["budget"] and "error" not in r),
+                    None)
+        if "error" not in row and mmap is not None:
+            row["decode_vs_mmap"] = _ratio(row["decode_tokens_per_second"], mmap["decode_tokens_per_second"])
+    baselines = [r["baseline_rss_bytes"] for r in rows if "error" not in r]
+    return {
+        "model": os.path.abspath(checkpoint_path), "model_type": manifest["model"]["model_type"],
+        "device": device, "threads": threads, "storage": storage or "native", "budgets": budgets,
+        "strategies": strategies, "prefetch_depth": prefetch_depth, "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens, "decode_steps": new_tokens - 1, "repeats": repeats, "prompt_source": prompt_source,
+        "interpreter_baseline_rss_bytes": statistics.median(baselines) if baselines else None,
+        "rss_tolerance": RSS_TOLERANCE, "configs": rows, "machine": machine_info(),
+    }
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _mb(value) -> str:
+    return "-" if value is None else f"{value / 1e6:.0f}"
+
+
+def _num(value, fmt: str = ".1f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_moe_table(report: dict) -> str:
+    header = ["strategy", "budget", "cache MB", "decode tok/s", "vs resident", "vs mmap", "hit rate", "recall@k",
+              "stall", "peak RSS-base MB", "budget MB", "in budget", "tokens = resident"]
+    rows = [header]
+    for r in report["configs"]:
+        if "error" in r:
+            rows.append([r["strategy"], r["budget"], "refused: " + r["error"]])
+            continue
+        rows.append([r["strategy"], r["budget"], _mb(r["expert_cache_bytes"]), _num(r["decode_tokens_per_second"]),
+                     _num(r.get("decode_vs_resident"), ".2f"), _num(r.get("decode_vs_mmap"), ".2f"),
+                     _pct(r["hit_rate"]), _pct(r["predictor_recall"]), _pct(r["stall_fraction"]),
+                     _mb(r["peak_rss_over_baseline_bytes"]), _mb(r["budget_bytes"]),
+                     {None: "-", True: "yes", False: "NO"}[r["rss_within_budget"]],
+                     {None: "-", True: "yes", False: "NO"}[r.get("tokens_match_resident")]])
+    widths = [max(len(row[i]) for row in rows if i < len(row) and len(row) == len(header)) for i in range(len(header))]
+    lines = [f"zllm-edge bench {report['model']} ({report['model_type']}) on {report['device']}, storage "
+             f"{report['storage']}, prefetch depth {report['prefetch_depth']}",
+             f"prompt: {report['prompt_tokens']} tokens ({report['prompt_source']}); {report['new_tokens']} greedy "
+             f"tokens; {report['repeats']} timed run(s) per config, each in its own process; interpreter baseline "
+             f"RSS {_mb(report['interpreter_baseline_rss_bytes'])} MB (subtracted before comparing with the budget)"]
+    for i, row in enumerate(rows):
+        if len(row) != len(header):
+            lines.append("  ".join(row))
+            continue
+        lines.append("  ".join(cell.ljust(widths[j]) if j < 2 else cell.rjust(widths[j]) for j, cell in enumerate(row)))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot_moe_report(report: dict, path: str) -> None:
+    """Decode tokens/s and hit rate against the budget's expert share, one line per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (speed, hits) = plt.subplots(1, 2, figsize=(11, 4.2))
+    rows = [r for r in report["configs"] if "error" not in r]
+    for strategy in report["strategies"]:
+        mine = sorted((r for r in rows if r["strategy"] == strategy), key=lambda r: r["expert_share"] or 0)
+        if not mine:
+            continue
+        if strategy == "resident":
+            speed.axhline(mine[0]["decode_tokens_per_second"], linestyle="--", color="gray", label="resident")
+            continue
+        shares = [100 * (r["expert_share"] or 0) for r in mine]
+        speed.plot(shares, [r["decode_tokens_per_second"] for r in mine], marker="o", label=strategy)
+        hits.plot(shares, [100 * (r["hit_rate"] or 0) for r in mine], marker="o", label=strategy)
+    speed.set(xlabel="expert cache (% of all expert bytes)", ylabel="decode tokens/s", ylim=(0, None))
+    hits.set(xlabel="expert cache (% of all expert bytes)", ylabel="expert hit rate (%)", ylim=(0, 105))
+    for axis in (speed, hits):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.suptitle(f"{os.path.basename(report['model'])} on {report['device']}, storage {report['storage']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def cmd_bench_moe(args) -> int:
+    from edge.home import default_moe_checkpoint, home_dir
+
+    if len([d for d in args.device.split(",") if d.strip()]) != 1:
+        raise BenchError(f"--memory-budget benchmarks one device at a time, got --device {args.device}")
+    budgets = parse_budgets(args.memory_budget or "25%,50%,75%,100%")
+    strategies = parse_strategies(args.strategies)
+    if args.random_moe:
+        if args.model:
+            raise BenchError("give either a MODEL or --random-moe, not both")
+        from edge.random_moe import random_moe_checkpoint
+
+        path = random_moe_checkpoint(home_dir(), progress=not args.quiet)
+    else:
+        path = args.model or default_moe_checkpoint(progress=not args.quiet)
+    progress = None if args.quiet else (lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))
+    report = run_moe_bench(path, budgets, strategies, args.storage, device=args.device.strip(), threads=args.threads,
+                           prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
+                           prefetch_depth=args.prefetch_depth, progress=progress)
+    table = format_moe_table(report)
+    if args.json == "-":
+        print(table, file=sys.stderr)
+        print(json.dumps(report, indent=1))
+    else:
+        print(table)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+    if args.plot:
+        plot_moe_report(report, args.plot)
+    return 0

@@ -1,0 +1,83 @@
+"""`zllm-edge calibrate`: record route traces of a MoE checkpoint, replay them through the expert
+predictor with a grid of signal mixes, print precision/recall per layer distance, and save the best
+mix as the checkpoint's predictor.json (used by default when present)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from edge.errors import ZllmError
+
+DEFAULT_REQUESTS = 8
+DEFAULT_PROMPT_TOKENS = 32
+CALIBRATION_SEED = 100  # id prompts of tokenizer-less models; the benchmark draws its own from seed 0
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="MoE checkpoint (default: the built-in default MoE, the MoEfied SmolLM2)")
+    parser.add_argument("--tokens", type=int, default=512,
+                        help="tokens to record in all (prompts and greedy decode), split over --requests")
+    parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
+                        help="requests (prompts), alternately used to choose the mix and to report it")
+    parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, help="prompt tokens per request")
+    parser.add_argument("--depth", type=int, default=2, help="MoE layers ahead to forecast and calibrate")
+    parser.add_argument("--device", default="reference", help="device that runs the model while recording")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="route trace (npz): replayed when FILE exists, else recorded and saved there")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the figures of every mix as JSON")
+    parser.add_argument("--no-save", action="store_true", help="do not write predictor.json into the checkpoint")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def _record(path: str, args):
+    import edge
+    from edge.bench import id_prompt
+    from streaming.calibration import calibration_prompts, record_trace
+
+    per_request = args.tokens // args.requests
+    if args.requests < 1 or per_request <= args.prompt_tokens or args.prompt_tokens < 1:
+        raise ZllmError(f"--tokens {args.tokens} over --requests {args.requests} leaves {per_request} tokens per "
+                        f"request, which must exceed --prompt-tokens {args.prompt_tokens} (>= 1) so that each "
+                        "request decodes; raise --tokens or lower --requests")
+    model = edge.load(path, device=args.device)
+    try:
+        if model.tokenizer is not None:
+            prompts, source = calibration_prompts(model.tokenizer, args.requests, args.prompt_tokens)
+        else:  # a model without a tokenizer (a random test model) takes random ids
+            special = model.eog_token_ids | {model.checkpoint.tokenizer_config.get("bos_token_id")}
+            special.discard(None)
+            prompts = [id_prompt(model.spec.vocab_size, special, args.prompt_tokens, seed=CALIBRATION_SEED + i)
+                       for i in range(args.requests)]
+            source = f"no tokenizer: random ids, numpy default_rng({CALIBRATION_SEED} + request)"
+        if not args.quiet:
+            print(f"[calibrate] recording {args.requests} requests x ({args.prompt_tokens} prompt + "
+                  f"{per_request - args.prompt_tokens} decoded) tokens on {args.device}", file=sys.stderr, flush=True)
+        return record_trace(model, prompts, per_request - args.prompt_tokens + 1, depth=args.depth, source=source)
+    finally:
+        model.close()
+
+
+def cmd_calibrate(args) -> int:
+    from edge.home import default_moe_checkpoint
+    from streaming.calibration import RouteTrace, calibrate, format_calibration
+    from streaming.predictor import SignalWeights, write_predictor_file
+
+    path = args.model or default_moe_checkpoint(progress=not args.quiet)
+    if args.trace and os.path.isfile(args.trace):
+        trace = RouteTrace.load(args.trace)
+    else:
+        trace = _record(path, args)
+        if args.trace:
+            trace.save(args.trace)
+    result = calibrate(trace, depth=min(args.depth, trace.depth))
+    print(format_calibration(result))
+    if not args.no_save:
+        saved = write_predictor_file(path, SignalWeights.from_dict(result["weights"]),
+                                     {key: result[key] for key in ("tokens", "requests", "phase", "source")})
+        print(f"predictor weights saved to {saved}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0

@@ -1,0 +1,173 @@
+"""One memory budget: how a byte budget splits into dense weights, KV cache, scratch and expert cache.
+
+    budget = dense + kv + scratch + staging + expert cache
+
+dense    every tensor that is not a routed expert (the safetensors file; mmap-backed, counted whole)
+kv       the KV cache the budget reserves: `kv_capacity` positions (default BUDGET_KV_CAPACITY, at most
+         the model's context) over every layer, float32 keys and values; sessions whose capacities add
+         up to more than this are refused (edge/api.py)
+scratch  activations of one forward call of up to SCRATCH_TOKENS tokens: hidden states, projections,
+         attention scores over the reserved KV positions, and the logits
+staging  per reading thread, one buffer for a compressed record before it is decompressed
+cache    the expert cache (streaming/cache.py charges buffer + ENTRY_OVERHEAD per expert)
+
+A budget "P%" means everything that is not an expert plus a cache holding P% of all experts.
+The minimum working set is the budget whose cache holds, for the largest layer, top_k experts plus
+one per loading thread (so a layer's experts and concurrent loads fit at once); the "mmap" strategy
+needs top_k experts and no loading threads; "resident" needs every expert.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+
+from converters.expert_file import ExpertIndex
+from edge.errors import ZllmError
+from streaming.cache import ENTRY_OVERHEAD
+from streaming.store import aligned_length
+
+BUDGET_KV_CAPACITY = 1024  # positions the budget reserves for KV by default
+SCRATCH_TOKENS = 64        # tokens of one forward call the scratch reservation covers
+STRATEGIES = ("predictive", "ondemand", "mmap", "resident")
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A parsed memory_budget: bytes, or a percentage of the expert bytes."""
+    bytes: int | None = None
+    expert_percent: float | None = None
+
+    def __str__(self) -> str:
+        return f"{self.expert_percent:g}%" if self.expert_percent is not None else f"{self.bytes} bytes"
+
+
+def parse_budget(value: "int | str | None") -> Budget | None:
+    """512MB, 1.5GiB, a plain number of bytes, or "P%" (non-expert bytes + P% of the experts)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ZllmError(f"memory budget {value!r} not understood; use bytes, a size such as 512MB, or a share "
+                        "of the expert bytes such as 50%")
+    if isinstance(value, int):
+        return Budget(bytes=value)
+    percent = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*%\s*", value)
+    if percent:
+        share = float(percent.group(1))
+        if not 0 < share <= 100:
+            raise ZllmError(f"memory budget {value!r}: a share of the expert bytes must be in (0%, 100%]")
+        return Budget(expert_percent=share)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMG]I?B|B)?\s*", value, re.IGNORECASE)
+    if not match:
+        raise ZllmError(f"memory budget {value!r} not understood; use bytes, a size such as 512MB or 2GiB, or a "
+                        "share of the expert bytes such as 50%")
+    number, unit = match.groups()
+    return Budget(bytes=int(float(number) * _UNITS[(unit or "").upper()]))
+
+
+def kv_bytes_per_position(spec) -> int:
+    """Bytes one position takes in the KV cache over all layers (float32 keys and values)."""
+    if getattr(spec, "attention_kind", "gqa") == "mla":  # a compressed latent plus the rotary key part
+        return spec.num_hidden_layers * (spec.kv_lora_rank + spec.qk_rope_head_dim) * 4
+    return spec.num_hidden_layers * 2 * spec.num_key_value_heads * spec.head_dim * 4
+
+
+def scratch_bytes(spec, kv_capacity: int) -> int:
+    """Activations of one forward call of SCRATCH_TOKENS tokens (float32)."""
+    widest_ffn = max([spec.intermediate_size] + [m.intermediate_size + m.shared_intermediate_size
+                                                  for m in (spec.moe_for_layer(i) for i in range(spec.num_hidden_layers))
+                                                  if m is not None])
+    heads = spec.num_attention_heads
+    per_token = (6 * spec.hidden_size + 3 * heads * spec.head_dim + 3 * widest_ffn + spec.vocab_size
+                 + heads * kv_capacity)  # residual/norm/attention buffers, FFN, logits, attention scores
+    return SCRATCH_TOKENS * per_token * 4
+
+
+def entry_bytes(index: ExpertIndex, layer: int) -> int:
+    """What the expert cache charges for one expert of `layer`."""
+    return aligned_length(index.layout(layer).raw_length) + ENTRY_OVERHEAD
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget_bytes: int | None
+    dense_bytes: int
+    kv_bytes: int
+    kv_capacity: int
+    scratch_bytes: int
+    staging_bytes: int
+    expert_bytes: int             # every expert as the cache would charge it
+    expert_cache_bytes: int | None  # None: no budget (every expert may be held)
+    minimum_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int | str | None", strategy: str,
+                loading_threads: int, kv_capacity: int | None = None) -> MemoryPlan:
+    """Split `budget` for a model; refuses a budget below the minimum working set (ZllmError)."""
+    parsed = parse_budget(budget)
+    context = spec.max_position_embeddings
+    kv_capacity = min(context, BUDGET_KV_CAPACITY) if kv_capacity is None else int(kv_capacity)
+    if not 0 < kv_capacity <= context:
+        raise ZllmError(f"kv_capacity must be in [1, {context}] (the model's context), got {kv_capacity}")
+    kv = kv_capacity * kv_bytes_per_position(spec)
+    scratch = scratch_bytes(spec, kv_capacity)
+    if index is None:  # dense model: weights + KV + scratch
+        if parsed is not None and parsed.expert_percent is not None:
+            raise ZllmError(f"memory budget {parsed}: a share of the expert bytes needs a Mixture-of-Experts model; "
+                            "give this dense model a budget in bytes such as 512MB")
+        minimum = dense_bytes + kv + scratch
+        plan = MemoryPlan(None if parsed is None else parsed.bytes, dense_bytes, kv, kv_capacity, scratch, 0, 0,
+                          None, minimum)
+        _refuse_below_minimum(plan, f"{dense_bytes} bytes of weights, {kv} bytes of KV cache ({kv_capacity} "
+                                    f"positions) and {scratch} bytes of scratch")
+        return plan
+    if strategy not in STRATEGIES:
+        raise ZllmError(f"expert_strategy {strategy!r} is not known; choose one of {', '.join(STRATEGIES)}")
+    layers = sorted(index.layers)
+    all_experts = sum(len(index.layers[layer].records) * entry_bytes(index, layer) for layer in layers)
+    largest = max(layers, key=lambda layer: entry_bytes(index, layer))
+    top_k = max(spec.moe_for_layer(layer).top_k for layer in layers)
+    staging = 0
+    if strategy == "resident":
+        working, what = all_experts, f"{all_experts} bytes for every expert (resident)"
+    elif strategy == "mmap":
+        working, what = top_k * entry_bytes(index, largest), f"{top_k} experts of layer {largest} (top_k)"
+    else:
+        if index.compression:
+            staging = loading_threads * aligned_length(max(r.length for layer in layers
+                                                           for r in index.layers[layer].records))
+        in_flight = top_k + loading_threads
+        working = in_flight * entry_bytes(index, largest)
+        what = (f"{in_flight} experts of layer {largest} (top_k {top_k} + {loading_threads} loading threads)"
+                + (f" and {staging} bytes of decompression staging" if staging else ""))
+    fixed = dense_bytes + kv + scratch + staging
+    minimum = fixed + working
+    if parsed is None:
+        cache = None
+        budget_bytes = None
+    elif parsed.expert_percent is not None:
+        cache = math.ceil(all_experts * parsed.expert_percent / 100)
+        budget_bytes = fixed + cache  # refused below if the share holds fewer experts than needed at once
+    else:
+        budget_bytes = parsed.bytes
+        cache = budget_bytes - fixed
+    plan = MemoryPlan(budget_bytes, dense_bytes, kv, kv_capacity, scratch, staging, all_experts,
+                      None if cache is None else min(cache, all_experts), minimum)
+    _refuse_below_minimum(plan, f"{dense_bytes} bytes of non-expert weights, {kv} bytes of KV cache ({kv_capacity} "
+                                f"positions), {scratch} bytes of scratch and {working} bytes for {what}")
+    return plan
+
+
+def _refuse_below_minimum(plan: MemoryPlan, parts: str) -> None:
+    if plan.budget_bytes is not None and plan.budget_bytes < plan.minimum_bytes:
+        raise ZllmError(f"memory budget {plan.budget_bytes} bytes ({_mb(plan.budget_bytes)}) is below this model's "
+                        f"minimum working set of {plan.minimum_bytes} bytes ({_mb(plan.minimum_bytes)}): {parts}; "
+                        f"raise memory_budget to at least {plan.minimum_bytes} bytes")

@@ -1,0 +1,211 @@
+"""The expert cache: experts held in memory up to a byte bound, with a pluggable eviction policy.
+
+An entry is one (layer, expert): the buffer its raw record was read into and the ExpertWeights the
+backend prepared from views of that buffer. The cache charges each entry its buffer plus a fixed
+ENTRY_OVERHEAD for the prepared weights (descriptors, Python objects); buffers of evicted entries
+are kept in a free list and reused for the next expert of the same size, so memory does not churn,
+and free buffers stay charged until they are dropped to make room for a buffer of another size.
+
+Entries in use by the layer being computed are pinned and never evicted; entries being loaded are
+never evicted; an entry a prefetch loaded for a layer not reached yet is evictable by a demand
+load but not by another prefetch.
+
+Not thread-safe on its own: callers hold `cache.lock` (a Condition the loaders notify).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import numpy as np
+
+from edge.errors import ZllmError
+from edge.moe import ExpertWeights
+from streaming.store import aligned_empty
+
+ENTRY_OVERHEAD = 4096  # bytes charged per entry for its prepared weights beside the buffer
+LOADING, READY, FAILED = "loading", "ready", "failed"
+Key = tuple[int, int]  # (layer, expert)
+
+
+class Entry:
+    def __init__(self, key: Key, buffer: np.ndarray):
+        self.key = key
+        self.buffer = buffer
+        self.state = LOADING
+        self.loaded = threading.Event()
+        self.weights: ExpertWeights | None = None
+        self.error: BaseException | None = None
+        self.pins = 0
+        self.last_use = 0
+        self.needed_at = -1  # pass position of the layer a prefetch loaded it for; -1 once used
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes + ENTRY_OVERHEAD
+
+    def __repr__(self) -> str:
+        return f"Entry(layer={self.key[0]}, expert={self.key[1]}, {self.state}, pins={self.pins})"
+
+
+class LruPolicy:
+    """Evict the entry used longest ago."""
+    name = "lru"
+
+    def rank(self, entry: Entry, frequency: int) -> tuple:
+        return (entry.last_use,)
+
+
+class LfuPolicy:
+    """Evict the entry requested least often (counts survive eviction), ties by LRU."""
+    name = "lfu"
+
+    def rank(self, entry: Entry, frequency: int) -> tuple:
+        return (frequency, entry.last_use)
+
+
+class ForecastPolicy:
+    """Evict the entry with the lowest predicted need (the predictor's need_score), ties by LRU."""
+    name = "forecast"
+
+    def __init__(self, need_score: Callable[[int, int], float]):
+        self.need_score = need_score
+
+    def rank(self, entry: Entry, frequency: int) -> tuple:
+        return (self.need_score(*entry.key), entry.last_use)
+
+
+POLICIES = ("lru", "lfu", "forecast")
+
+
+def make_policy(name: str, need_score: Callable[[int, int], float] | None = None):
+    if name == "lru":
+        return LruPolicy()
+    if name == "lfu":
+        return LfuPolicy()
+    if name == "forecast":
+        if need_score is None:
+            raise ZllmError("expert_policy 'forecast' needs the expert predictor; use expert_strategy='predictive' "
+                            "or another expert_policy (lru, lfu)")
+        return ForecastPolicy(need_score)
+    raise ZllmError(f"expert_policy {name!r} is not known; choose one of {', '.join(POLICIES)}")
+
+
+class ExpertCache:
+    def __init__(self, capacity_bytes: int, policy=None):
+        self.capacity_bytes = int(capacity_bytes)
+        self.policy = policy or LruPolicy()
+        self.lock = threading.Condition()
+        self.entries: dict[Key, Entry] = {}
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._charged = 0          # live entries (buffer + overhead) + free buffers
+        self._clock = 0
+        self._frequency: dict[Key, int] = {}
+        self.evictions = 0
+        self.peak_charged = 0
+        self._ranking: list[Entry] | None = None  # eviction order, computed once per step
+
+    # --- accounting ---------------------------------------------------------------------------
+    @property
+    def charged_bytes(self) -> int:
+        return self._charged
+
+    def capacity_entries(self, buffer_bytes: int) -> int:
+        """How many experts with buffers of this size the cache holds."""
+        return self.capacity_bytes // (buffer_bytes + ENTRY_OVERHEAD)
+
+    def get(self, key: Key) -> Entry | None:
+        return self.entries.get(key)
+
+    def touch(self, entry: Entry) -> None:
+        self._clock += 1
+        entry.last_use = self._clock
+        entry.needed_at = -1
+        self._frequency[entry.key] = self._frequency.get(entry.key, 0) + 1
+
+    # --- making room --------------------------------------------------------------------------
+    def _evictable(self, entry: Entry, for_prefetch: bool, position: int) -> bool:
+        if entry.pins or entry.state == LOADING:
+            return False
+        return not (for_prefetch and entry.needed_at >= position)
+
+    def _drop_free_buffers(self, keep_size: int) -> bool:
+        """Release free buffers of other sizes than keep_size; True if any were released."""
+        sizes = [s for s in self._free if s != keep_size and self._free[s]]
+        for size in sizes:
+            self._charged -= size * len(self._free.pop(size))
+        return bool(sizes)
+
+    def new_step(self) -> None:
+        """The model moved to another layer: ranks (recency, frequency, the predictor's need) may have
+        changed. Within a step they do not change for evictable entries (the entries a step touches are
+        the ones it pins), so the eviction order is computed once per step, not once per eviction."""
+        self._ranking = None
+
+    def _victim(self, for_prefetch: bool, position: int) -> Entry | None:
+        for rebuilt in (False, True):
+            if self._ranking is None or rebuilt:  # rebuilt: entries loaded since may be evictable now
+                candidates = [e for e in self.entries.values() if not e.pins and e.state != LOADING]
+                self._ranking = sorted(candidates, key=lambda e: self.policy.rank(e, self._frequency.get(e.key, 0)))
+            for i, entry in enumerate(self._ranking):
+                if self.entries.get(entry.key) is entry and self._evictable(entry, for_prefetch, position):
+                    del self._ranking[i]
+                    return entry
+        return None
+
+    def _take_buffer(self, size: int, for_prefetch: bool, position: int) -> np.ndarray | None:
+        """A buffer of `size` bytes charged to the cache, evicting entries if needed; None if impossible now."""
+        while True:
+            recycled = bool(self._free.get(size))
+            need = ENTRY_OVERHEAD if recycled else size + ENTRY_OVERHEAD
+            if self._charged + need <= self.capacity_bytes:
+                self._charged += need
+                return self._free[size].pop() if recycled else aligned_empty(size)
+            if self._drop_free_buffers(keep_size=size):
+                continue
+            victim = self._victim(for_prefetch, position)
+            if victim is None:
+                return None
+            self.remove(victim)
+            self.evictions += 1
+
+    def reserve(self, key: Key, buffer_bytes: int, for_prefetch: bool, position: int) -> Entry | None:
+        """A new LOADING entry for key. A prefetch gets None when no room can be made now; a demand
+        load waits (on `lock`) until loads in flight finish and make their entries evictable."""
+        if buffer_bytes + ENTRY_OVERHEAD > self.capacity_bytes:
+            raise ZllmError(f"an expert of layer {key[0]} needs {buffer_bytes + ENTRY_OVERHEAD} bytes, more than the "
+                            f"whole expert cache ({self.capacity_bytes} bytes); raise memory_budget")
+        while True:
+            buffer = self._take_buffer(buffer_bytes, for_prefetch, position)
+            if buffer is not None:
+                break
+            if for_prefetch:
+                return None
+            if not any(e.state == LOADING for e in self.entries.values()):
+                pinned = sum(e.nbytes for e in self.entries.values() if e.pins)
+                raise ZllmError(f"the expert cache ({self.capacity_bytes} bytes) cannot hold layer {key[0]} expert "
+                                f"{key[1]}: {pinned} bytes are pinned by the layer being computed; raise memory_budget")
+            self.lock.wait()
+        entry = Entry(key, buffer)
+        self.entries[key] = entry
+        self.peak_charged = max(self.peak_charged, self._charged)
+        return entry
+
+    def remove(self, entry: Entry) -> None:
+        """Forget an entry (evicted, or failed and reported); its buffer goes to the free list."""
+        if self.entries.get(entry.key) is entry:
+            del self.entries[entry.key]
+            self._charged -= ENTRY_OVERHEAD
+            self._free.setdefault(entry.buffer.nbytes, []).append(entry.buffer)
+            entry.weights = None
+
+    # --- loading results (called by the loader with `lock` held) --------------------------------
+    def mark_ready(self, entry: Entry, weights: ExpertWeights) -> None:
+        entry.weights, entry.state = weights, READY
+        entry.loaded.set()
+        self.lock.notify_all()
+
+    def mark_failed(self, entry: Entry, error: BaseException) -> None:
+        entry.error, entry.state = error, FAILED
+        entry.loaded.set()
+        self.lock.notify_all()

@@ -1,0 +1,128 @@
+"""The plain-mmap strategy (what llama.cpp does): experts used in place through a mapping of
+experts.bin, the operating system's page cache doing the caching.
+
+On a machine with plenty of RAM the page cache would hold every expert and make the comparison
+meaningless, so a page cache limited to the budget's expert share is emulated:
+- resident experts are tracked in LRU order; when their bytes exceed the share, the least recently
+  used is dropped from memory: madvise(MADV_DONTNEED) on its range of the mapping and
+  posix_fadvise(POSIX_FADV_DONTNEED) on its range of the file, so its next use faults it in from disk;
+- the mapping is advised MADV_RANDOM, so the kernel does not read neighbouring experts ahead
+  for free;
+- touching an expert that is not resident faults its pages in on the calling thread (there are no
+  prefetch threads: every such read stalls the model) and the storage model is applied to those
+  bytes, exactly as the expert store applies it to its reads.
+Only uncompressed checkpoints can be used in place.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections import OrderedDict
+from typing import Callable, Mapping
+
+import numpy as np
+
+from converters.expert_file import ExpertIndex
+from edge.errors import CheckpointError
+from edge.moe import ExpertWeights
+from streaming.source import prepared_expert
+from streaming.stats import StreamingCounters
+from streaming.storage import EmulatedDevice, parse_storage
+from streaming.store import PAGE, aligned_length
+
+Key = tuple[int, int]
+
+
+class MappedExperts:
+    """ExpertSource over an mmap of experts.bin with an emulated, bounded page cache."""
+
+    def __init__(self, index: ExpertIndex, prepare_weight, cache_bytes: int | None, storage=None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+        if index.compression is not None:
+            raise CheckpointError(f"{index.path}: expert_strategy 'mmap' uses experts in place, but this checkpoint "
+                                  f"stores them {index.compression}-compressed; convert without --compress-experts, "
+                                  "or use expert_strategy 'predictive' or 'ondemand'")
+        self.index = index
+        self.prepare_weight = prepare_weight
+        self.cache_bytes = cache_bytes
+        self.storage = parse_storage(storage)
+        self.device = EmulatedDevice(self.storage, clock, sleep) if self.storage else None
+        self.clock = clock
+        self._fd = os.open(index.path, os.O_RDONLY)
+        self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+        self._map.madvise(mmap.MADV_RANDOM)
+        self._bytes = np.frombuffer(self._map, np.uint8)  # [file bytes], read-only
+        self._resident: OrderedDict[Key, ExpertWeights] = OrderedDict()  # LRU first
+        self._resident_bytes = 0
+        self.peak_resident_bytes = 0
+        self.counters = StreamingCounters()
+        self.bytes_read = 0
+        self.evictions = 0
+
+    def _span(self, key: Key) -> tuple[int, int]:
+        record = self.index.record(*key)
+        return record.offset, aligned_length(record.length)
+
+    def _page_in(self, key: Key) -> ExpertWeights:
+        offset, length = self._span(key)
+        started = self.clock()
+        done = self.device.schedule(length, started) if self.device else None
+        view = self._bytes[offset: offset + self.index.layout(key[0]).raw_length]
+        int(view[::PAGE].sum())  # touch every page: fault the expert in from disk now, on this thread
+        if self.device:
+            self.device.wait_until(done)
+        self.counters.stall_seconds += self.clock() - started
+        self.bytes_read += length
+        return prepared_expert(self.index, self.prepare_weight, key[0], key[1], view)
+
+    def _drop(self, key: Key) -> None:
+        offset, length = self._span(key)
+        del self._resident[key]
+        self._resident_bytes -= length
+        self._map.madvise(mmap.MADV_DONTNEED, offset, length)
+        os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
+        self.evictions += 1
+
+    def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray) -> Mapping[int, ExpertWeights]:
+        wanted = [int(e) for e in np.unique(expert_ids)]  # ascending distinct ids of the route [T, A]
+        chosen = {}
+        for expert in wanted:
+            key = (layer, expert)
+            if key in self._resident:
+                self.counters.hits += 1
+                self._resident.move_to_end(key)
+            else:
+                self.counters.misses += 1
+                self._make_room(self._span(key)[1], keep={(layer, e) for e in wanted})
+                self._resident[key] = self._page_in(key)
+                self._resident_bytes += self._span(key)[1]
+                self.peak_resident_bytes = max(self.peak_resident_bytes, self._resident_bytes)
+            chosen[expert] = self._resident[key]
+        return chosen
+
+    def _make_room(self, length: int, keep: set[Key]) -> None:
+        """Drop least recently used experts (not those this layer needs) until `length` more bytes fit."""
+        if self.cache_bytes is None:
+            return
+        for key in [k for k in self._resident if k not in keep]:
+            if self._resident_bytes + length <= self.cache_bytes:
+                break
+            self._drop(key)
+
+    def stats(self) -> dict:
+        stats = self.counters.to_dict(io_seconds=self.counters.stall_seconds)
+        stats.update({"expert_source": "mmap", "bytes_read": self.bytes_read, "io_mode": "mmap",
+                      "storage": self.storage.describe() if self.storage else "native",
+                      "expert_cache_bytes": self.cache_bytes, "expert_cache_peak_bytes": self.peak_resident_bytes,
+                      "expert_evictions": self.evictions, "predictor_precision": None, "predictor_recall": None})
+        return stats
+
+    def close(self) -> None:
+        self._resident.clear()
+        self._bytes = None
+        try:
+            self._map.close()
+        except BufferError:  # weights handed out earlier still view the mapping; it closes when they go
+            pass
+        os.close(self._fd)

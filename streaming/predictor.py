@@ -1,0 +1,500 @@
+"""The expert predictor: which experts the next MoE layers will need, learned from real routes.
+
+T = tokens in this forward call, D = hidden size, E = routed experts of a layer, A = active experts
+per token (the layer's top_k), S = signals (4), d = distance ahead in MoE layers (1 = the next one).
+
+For every MoE layer M ahead of the current layer L (up to `depth` MoE layers ahead) the predictor
+forms four distributions over M's experts, each "which expert will this token choose at M":
+
+    gate       M's router applied to rms_norm(residual at L) with M's norm gain: the residual stream
+               changes little from one layer to the next, so M's router already sees most of its input;
+               what the layers in between add drifts M's logits the same way token after token, so
+               that drift (M's real logits minus the lookahead, per expert) is learned online as a
+               moving average and added to the lookahead
+    temporal   transitions expert(M, token t-1) -> expert(M, token t), counted online
+    spatial    co-occurrence expert(L, t) -> expert(L', t) for consecutive MoE layers L -> L', chained
+               through the layers between L and M for distance > 1
+    frequency  how often each expert of M has been chosen in this request
+
+and mixes them with weights (SignalWeights, one mix per distance) calibrated on recorded route
+traces (streaming/calibration.py). Counts are Laplace-smoothed, so a cold predictor is uniform in
+everything but the gate.
+
+The predictor holds no expert weights and does no I/O: it reads the routers it is given and the
+routes it observes, and answers with scores.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from devices.reference import rms_norm, softmax
+from edge.errors import ZllmError
+from edge.moe import MoeConfig
+
+SIGNALS = ("gate", "temporal", "spatial", "frequency")
+PREDICTOR_FILE = "predictor.json"
+PREDICTOR_FORMAT = "zllm-expert-predictor"
+PREDICTOR_VERSION = 1
+SMOOTHING = 0.1  # Laplace pseudo-count per transition: unseen transitions keep a little mass
+SIGMOID_CLIP = 1e-6  # keeps logit(sigmoid(l) + bias) finite for DeepSeek's corrected scores
+DRIFT_RATE = 0.1  # weight of the newest token in the moving average of the lookahead's logit drift
+
+
+class PredictorError(ZllmError):
+    """The predictor was given routers, routes or weights that do not fit the model."""
+
+
+@dataclass(frozen=True)
+class SignalMix:
+    """How much each signal counts; only ratios matter (every signal is a distribution summing to 1)."""
+
+    gate: float = 0.0
+    temporal: float = 0.0
+    spatial: float = 0.0
+    frequency: float = 0.0
+
+    def __post_init__(self) -> None:
+        values = self.as_array()
+        if not np.all(np.isfinite(values)) or np.any(values < 0) or not values.sum() > 0:
+            raise PredictorError(f"signal weights must be finite, non-negative and not all zero, got {asdict(self)}")
+
+    def as_array(self) -> np.ndarray:
+        return np.array([self.gate, self.temporal, self.spatial, self.frequency], dtype=np.float64)  # [S]
+
+    def label(self) -> str:
+        return " ".join(f"{name[0]}={value:g}" for name, value in zip(SIGNALS, self.as_array()))
+
+
+# Used when a checkpoint has no predictor.json. Calibrated on the MoEfied SmolLM2 (zllm-edge calibrate):
+# the gate dominates one layer ahead; further ahead the residual has drifted more and the learned
+# transitions and the request's frequencies carry more of the forecast.
+DEFAULT_MIXES = {
+    1: SignalMix(gate=1.0, temporal=0.25, spatial=0.25, frequency=0.1),
+    2: SignalMix(gate=1.0, temporal=0.5, spatial=0.5, frequency=0.25),
+}
+
+
+@dataclass(frozen=True)
+class SignalWeights:
+    """One SignalMix per distance; a distance beyond the last calibrated one uses the last mix."""
+
+    mixes: dict[int, SignalMix]
+
+    def __post_init__(self) -> None:
+        if not self.mixes or min(self.mixes) < 1:
+            raise PredictorError(f"signal weights need a mix for distance 1 and up, got distances {sorted(self.mixes)}")
+
+    @classmethod
+    def default(cls) -> "SignalWeights":
+        return cls(dict(DEFAULT_MIXES))
+
+    def mix(self, distance: int) -> SignalMix:
+        known = [d for d in self.mixes if d <= distance]
+        return self.mixes[max(known)] if known else self.mixes[min(self.mixes)]
+
+    def to_dict(self) -> dict:
+        return {str(d): asdict(m) for d, m in sorted(self.mixes.items())}
+
+    @classmethod
+    def from_dict(cls, entry: dict) -> "SignalWeights":
+        return cls({int(d): SignalMix(**{k: float(v) for k, v in m.items() if k in SIGNALS}) for d, m in entry.items()})
+
+    @classmethod
+    def for_checkpoint(cls, path: str) -> "SignalWeights":
+        """The calibrated weights in `path`/predictor.json when present, else the defaults."""
+        calibrated = read_predictor_file(path)
+        return cls.from_dict(calibrated["weights"]) if calibrated else cls.default()
+
+
+def read_predictor_file(checkpoint_path: str) -> dict | None:
+    """The checkpoint's predictor.json (what `zllm-edge calibrate` wrote), or None when there is none."""
+    path = os.path.join(checkpoint_path, PREDICTOR_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            entry = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise PredictorError(f"{path} cannot be read ({exc}); run `zllm-edge calibrate` again or delete it") from None
+    if entry.get("format") != PREDICTOR_FORMAT or entry.get("version") != PREDICTOR_VERSION:
+        raise PredictorError(f"{path}: format {entry.get('format')!r} version {entry.get('version')!r}, expected "
+                             f"{PREDICTOR_FORMAT!r} version {PREDICTOR_VERSION}; run `zllm-edge calibrate` again")
+    return entry
+
+
+def write_predictor_file(checkpoint_path: str, weights: SignalWeights, calibration: dict) -> str:
+    """Write predictor.json atomically (a reader sees the old file or the new one, never a part)."""
+    path = os.path.join(checkpoint_path, PREDICTOR_FILE)
+    entry = {"format": PREDICTOR_FORMAT, "version": PREDICTOR_VERSION, "weights": weights.to_dict(),
+             "calibration": calibration}
+    temporary = f"{path}.partial-{os.getpid()}"
+    with open(temporary, "w") as f:
+        json.dump(entry, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    return path
+
+
+def predictor_inputs(spec, tensors: dict) -> tuple[dict[int, MoeConfig], dict[int, tuple]]:
+    """The MoE layers of a model and each one's (post-attention norm gain, router [E, D] f32, bias),
+    read from its checkpoint tensors (mmap views; a quantized router is dequantized once)."""
+    from quant import dequantize
+
+    layers, routers = {}, {}
+    for layer in range(spec.num_hidden_layers):
+        config = spec.moe_for_layer(layer)
+        if config is None:
+            continue
+        prefix = f"model.layers.{layer}."
+        bias_name = prefix + ("mlp.gate.e_score_correction_bias" if config.score_correction_bias else "mlp.gate.bias")
+        bias = tensors.get(bias_name)
+        layers[layer] = config
+        routers[layer] = (np.asarray(tensors[prefix + "post_attention_layernorm.weight"], np.float32),
+                          np.asarray(dequantize(tensors[prefix + "mlp.gate.weight"]), np.float32),
+                          None if bias is None else np.asarray(bias, np.float32))
+    return layers, routers
+
+
+def _row_normalized(counts: np.ndarray) -> np.ndarray:
+    smoothed = counts + SMOOTHING
+    return smoothed / smoothed.sum(axis=-1, keepdims=True)
+
+
+def _one_hot_mean(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """[T, A] ids -> [T, E]: each token's chosen experts, weight 1/A each."""
+    out = np.zeros((len(ids), num_experts), np.float64)
+    np.add.at(out, (np.repeat(np.arange(len(ids)), ids.shape[1]), ids.reshape(-1)), 1.0 / ids.shape[1])
+    return out
+
+
+def top_sets(scores: np.ndarray, size: int) -> np.ndarray:
+    """[..., E] scores -> [..., size] ids of the highest scores (ties: the lower id first)."""
+    return np.argsort(-scores, axis=-1, kind="stable")[..., :size]
+
+
+def set_hits(predicted: np.ndarray, actual: np.ndarray) -> int:
+    """How many of each token's actual experts [T, A] are in its predicted set [T, k], summed over tokens."""
+    return int((predicted[:, :, None] == actual[:, None, :]).any(axis=1).sum())
+
+
+class _Accuracy:
+    """hits / predicted / actual per (phase, distance); phase is "decode" (one token) or "prefill"."""
+
+    def __init__(self):
+        self.counts: dict[tuple[str, int], np.ndarray] = {}
+
+    def add(self, phase: str, distance: int, hits: int, predicted: int, actual: int) -> None:
+        total = self.counts.setdefault((phase, distance), np.zeros(3, np.int64))
+        total += (hits, predicted, actual)
+
+    def figures(self, phase: str, distance: int) -> tuple[float | None, float | None]:
+        hits, predicted, actual = self.counts.get((phase, distance), (0, 0, 0))
+        return (hits / predicted if predicted else None, hits / actual if actual else None)
+
+    def by_distance(self, phase: str) -> dict[int, dict]:
+        out = {}
+        for (p, distance), (hits, predicted, actual) in sorted(self.counts.items()):
+            if p == phase:
+                out[distance] = {"precision": hits / predicted if predicted else None,
+                                 "recall": hits / actual if actual else None,
+                                 "hits": int(hits), "predicted": int(predicted), "actual": int(actual)}
+        return out
+
+
+class ExpertPredictor:
+    """Forecasts the experts of the next `depth` MoE layers from the residual stream and past routes.
+
+    layers: MoE layer -> its MoeConfig. routers: layer -> (post-attention norm gain [D], router weight
+    [E, D], bias [E] or None); the bias is DeepSeek-V3's e_score_correction_bias (added to sigmoid
+    scores for selection only) when the layer's config says `score_correction_bias`, else the router's
+    linear bias. Call `observe` with each layer's real route, then `forecast` for the layers ahead.
+    """
+
+    def __init__(self, layers: dict[int, MoeConfig], routers: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]],
+                 depth: int = 2, weights: SignalWeights | None = None, rms_norm_eps: float = 1e-6):
+        if depth < 1:
+            raise PredictorError(f"the predictor looks at least 1 layer ahead, got depth {depth}")
+        missing = sorted(set(layers) - set(routers))
+        if missing:
+            raise PredictorError(f"no router given for MoE layers {missing}; the gate lookahead needs every router")
+        self.configs = dict(sorted(layers.items()))
+        self.order = list(self.configs)  # MoE layers in execution order
+        self.position = {layer: i for i, layer in enumerate(self.order)}
+        self.depth = depth
+        self.weights = weights or SignalWeights.default()
+        self.eps = rms_norm_eps
+        self.routers = {}
+        for layer, config in self.configs.items():
+            gain, router, bias = routers[layer]
+            router = np.ascontiguousarray(router, dtype=np.float32)
+            if router.shape[0] != config.num_experts:
+                raise PredictorError(f"layer {layer}: router has {router.shape[0]} rows, the layer has "
+                                     f"{config.num_experts} experts")
+            self.routers[layer] = (np.asarray(gain, np.float32), router,
+                                   None if bias is None else np.asarray(bias, np.float32))
+        # Learned online; kept across requests (what the model does with its experts does not change).
+        self.temporal = {layer: np.zeros((c.num_experts, c.num_experts)) for layer, c in self.configs.items()}
+        self.spatial = {layer: np.zeros((self.configs[prev].num_experts, self.configs[layer].num_experts))
+                        for prev, layer in zip(self.order, self.order[1:])}  # keyed by the later layer
+        # (layer, target) -> [E] mean of target's real router logits minus those looked ahead from layer
+        self.drift = {(layer, target): np.zeros(self.configs[target].num_experts, np.float32)
+                      for layer in self.order for target in self.targets(layer)}
+        self.accuracy = _Accuracy()
+        self.predictions_made = 0
+        self.begin_request()
+
+    # --- request state ---------------------------------------------------------------------------------
+    def begin_request(self, forget_transitions: bool = False) -> None:
+        """Start a new request: frequencies and the previous token's routes restart; transitions are kept
+        unless `forget_transitions`."""
+        if forget_transitions:
+            for counts in (*self.temporal.values(), *self.spatial.values()):
+                counts[:] = 0
+        self.frequency = {layer: np.zeros(c.num_experts) for layer, c in self.configs.items()}
+        self.previous_token_route = {layer: None for layer in self.configs}  # [A] ids of the last token seen
+        self._pass_routes: dict[int, np.ndarray] = {}  # this forward call's routes so far, [T, A] per layer
+        self._pending: dict[int, dict[int, np.ndarray]] = {}  # target -> distance -> predicted sets [T, k]
+        self._looked_ahead: dict[int, dict[int, np.ndarray]] = {}  # target -> source layer -> raw logits [T, E]
+        self._need: dict[int, np.ndarray] = {}  # target -> need [E] from the latest forecast
+        self._current_layer: int | None = None
+
+    # --- learning --------------------------------------------------------------------------------------
+    def observe(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray | None = None,
+                router_logits: np.ndarray | None = None) -> None:
+        """Learn from `layer`'s real route [T, A] and score the forecasts made for it. With the residual
+        [T, D] entering the layer's FFN (or the layer's raw router logits [T, E] computed from it), also
+        learn how far the lookahead of earlier layers drifted from this layer's real logits."""
+        config = self._config(layer)
+        ids = np.asarray(expert_ids, dtype=np.int64)
+        if ids.ndim != 2 or ids.shape[1] == 0 or ids.min(initial=0) < 0 or ids.max(initial=0) >= config.num_experts:
+            raise PredictorError(f"layer {layer}: route must be [tokens, active] ids in [0, {config.num_experts}), "
+                                 f"got shape {ids.shape}")
+        position = self.position[layer]
+        if self._current_layer is None or position <= self.position[self._current_layer]:
+            self._pass_routes = {}  # a new forward call starts at its first MoE layer
+        self._score_forecasts(layer, ids)
+        if router_logits is None and residual is not None:
+            router_logits = self.raw_logits(layer, residual)
+        self._learn_drift(layer, router_logits)
+
+        # temporal: token t-1 -> token t at this layer; the first token's predecessor is the last token seen
+        previous = self.previous_token_route[layer]
+        if previous is None:
+            before, after = ids[:-1], ids[1:]
+        else:
+            before, after = np.concatenate([previous[None], ids[:-1]]), ids
+        self._count_pairs(self.temporal[layer], before, after)
+        # spatial: this token's experts at the previous MoE layer -> at this one
+        if position > 0:
+            prev_layer = self.order[position - 1]
+            prev_ids = self._pass_routes.get(prev_layer)
+            if prev_ids is not None and len(prev_ids) == len(ids):
+                self._count_pairs(self.spatial[layer], prev_ids, ids)
+        np.add.at(self.frequency[layer], ids.reshape(-1), 1.0)
+        self.previous_token_route[layer] = ids[-1].copy()
+        self._pass_routes[layer] = ids
+        self._current_layer = layer
+        # forecasts for layers ahead stay; every other layer's need is recomputed on demand
+        self._need = {target: need for target, need in self._need.items() if self.position[target] > position}
+
+    @staticmethod
+    def _count_pairs(counts: np.ndarray, before: np.ndarray, after: np.ndarray) -> None:
+        """counts[i, j] += 1 for every expert i of a token in `before` and j of the same row in `after`."""
+        if len(before) == 0:
+            return
+        rows = np.broadcast_to(before[:, :, None], (len(before), before.shape[1], after.shape[1]))
+        cols = np.broadcast_to(after[:, None, :], rows.shape)
+        np.add.at(counts, (rows.reshape(-1), cols.reshape(-1)), 1.0)
+
+    def _learn_drift(self, layer: int, router_logits: np.ndarray | None) -> None:
+        looked_ahead = self._looked_ahead.pop(layer, {})
+        if router_logits is None:
+            return
+        actual = np.asarray(router_logits, np.float32).reshape(-1, self.configs[layer].num_experts)
+        for source, lookahead in looked_ahead.items():
+            if len(lookahead) != len(actual):
+                continue  # made for another forward call
+            # the moving average over these tokens in order, in closed form: the newest weighs DRIFT_RATE
+            decay = (1.0 - DRIFT_RATE) ** np.arange(len(actual) - 1, -1, -1, dtype=np.float32)  # [T]
+            drift = self.drift[(source, layer)]
+            drift *= (1.0 - DRIFT_RATE) ** len(actual)
+            drift += DRIFT_RATE * decay @ (actual - lookahead)
+
+    def _score_forecasts(self, layer: int, ids: np.ndarray) -> None:
+        phase = "decode" if len(ids) == 1 else "prefill"
+        for distance, predicted in self._pending.pop(layer, {}).items():
+            if len(predicted) != len(ids):
+                continue  # made for another forward call
+            self.accuracy.add(phase, distance, set_hits(predicted, ids), predicted.size, ids.size)
+
+    # --- forecasting -----------------------------------------------------------------------------------
+    def targets(self, layer: int) -> list[int]:
+        """The MoE layers `forecast(layer, ...)` looks at, nearest first."""
+        position = self.position[layer]
+        return self.order[position + 1: position + 1 + self.depth]
+
+    def raw_logits(self, target: int, residual: np.ndarray) -> np.ndarray:
+        """`target`'s router applied to rms_norm(residual) with its norm gain (and its linear bias): [T, E]."""
+        residual = np.asarray(residual, np.float32).reshape(-1, np.shape(residual)[-1])
+        config = self.configs[target]
+        gain, router, bias = self.routers[target]
+        logits = rms_norm(residual, gain, self.eps) @ router.T  # [T, E]
+        if bias is not None and not config.score_correction_bias:
+            logits = logits + bias
+        return logits.astype(np.float32)
+
+    def lookahead_logits(self, layer: int, residual: np.ndarray) -> dict[int, np.ndarray]:
+        """For each target M ahead of `layer`: M's raw router logits [T, E_M] from `residual` [T, D]
+        entering layer's FFN (before the learned drift; what a route trace records)."""
+        return {target: self.raw_logits(target, residual) for target in self.targets(layer)}
+
+    def selection_logits(self, target: int, logits: np.ndarray) -> np.ndarray:
+        """Raw logits [T, E] -> logits that rank experts the way `target`'s router selects them.
+
+        Softmax and unit scoring select by the logits; sigmoid scoring with a correction bias selects by
+        sigmoid(l) + bias, returned here as logit(sigmoid(l) + bias) so every family ranks the same way.
+        Group-limited routing (n_group > 1) masks the experts of the groups that would not compete."""
+        config = self.configs[target]
+        bias = self.routers[target][2]
+        if config.scoring == "sigmoid":
+            selection = 1.0 / (1.0 + np.exp(-logits))
+            if bias is not None and config.score_correction_bias:
+                selection = selection + bias
+                clipped = np.clip(selection, SIGMOID_CLIP, 1 - SIGMOID_CLIP)
+                logits = np.log(clipped) - np.log1p(-clipped)
+        else:
+            selection = softmax(logits)
+        if config.n_group > 1:
+            logits = self._mask_groups(logits, selection, config)
+        return logits.astype(np.float32)
+
+    @staticmethod
+    def _mask_groups(logits: np.ndarray, selection: np.ndarray, config: MoeConfig) -> np.ndarray:
+        grouped = selection.reshape(len(selection), config.n_group, -1)  # [T, groups, E/groups]
+        if config.group_score == "top2_sum":
+            group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+        else:
+            group_scores = grouped.max(-1)
+        kept = top_sets(group_scores, config.topk_group)  # [T, topk_group]
+        mask = np.zeros(group_scores.shape, bool)
+        np.put_along_axis(mask, kept, True, axis=1)
+        mask = np.repeat(mask, grouped.shape[-1], axis=1)  # [T, E]
+        return np.where(mask, logits, logits.min() - 30.0)
+
+    def signals(self, layer: int, gate_logits: dict[int, np.ndarray], n_tokens: int) -> dict[int, np.ndarray]:
+        """For each target: the four signal distributions [T, S, E] (the predictor's raw evidence), from
+        the selection logits `gate_logits` of the targets (a missing target gets a uniform gate)."""
+        out = {}
+        here = self._pass_routes.get(layer) if self._current_layer == layer else None
+        chained = None if here is None else _one_hot_mean(here, self.configs[layer].num_experts)  # [T, E_L]
+        for target in self.targets(layer):
+            num_experts = self.configs[target].num_experts
+            uniform = np.full((n_tokens, num_experts), 1.0 / num_experts)
+            stack = np.empty((n_tokens, len(SIGNALS), num_experts))
+            stack[:, 0] = softmax(gate_logits[target].astype(np.float64)) if target in gate_logits else uniform
+            previous = self.previous_token_route[target]
+            if previous is None:
+                stack[:, 1] = uniform
+            else:
+                stack[:, 1] = _row_normalized(self.temporal[target])[previous].mean(axis=0)
+            if chained is not None:
+                chained = chained @ _row_normalized(self.spatial[target])  # rows stay distributions
+                stack[:, 2] = chained
+            else:
+                stack[:, 2] = uniform
+            counts = self.frequency[target] + SMOOTHING
+            stack[:, 3] = counts / counts.sum()
+            out[target] = stack
+        return out
+
+    def combine(self, layer: int, signals: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Each target's per-token scores [T, E]: the signals mixed with the weights of its distance."""
+        position = self.position[layer]
+        return {target: np.einsum("s,tse->te", self.weights.mix(self.position[target] - position).as_array(), stack)
+                for target, stack in signals.items()}
+
+    def forecast(self, layer: int, residual: np.ndarray) -> dict[int, np.ndarray]:
+        """Need scores [E] for each of the next `depth` MoE layers after `layer` (higher = sooner/likelier).
+
+        `residual` [T, D] is the residual stream entering `layer`'s FFN block; call after `observe(layer)`
+        so the spatial signal starts from this token's route at `layer`."""
+        self._config(layer)
+        residual = np.asarray(residual, np.float32)
+        n_tokens = 1 if residual.ndim == 1 else residual.shape[0]
+        return self.forecast_from_lookahead(layer, self.lookahead_logits(layer, residual), n_tokens)
+
+    def corrected_gate(self, layer: int, lookahead: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Selection logits of each target from its raw lookahead plus the drift learned for (layer, target);
+        remembers the raw lookahead, so the target's real logits can update the drift."""
+        out = {}
+        for target, logits in lookahead.items():
+            self._looked_ahead.setdefault(target, {})[layer] = logits
+            out[target] = self.selection_logits(target, logits + self.drift[(layer, target)])
+        return out
+
+    def forecast_from_lookahead(self, layer: int, lookahead: dict[int, np.ndarray], n_tokens: int) -> dict[int, np.ndarray]:
+        """`forecast` from raw lookahead logits already computed (replaying a recorded trace)."""
+        scores = self.combine(layer, self.signals(layer, self.corrected_gate(layer, lookahead), n_tokens))
+        position = self.position[layer]
+        need = {}
+        for target, per_token in scores.items():
+            distance = self.position[target] - position
+            top_k = self.configs[target].top_k
+            self._pending.setdefault(target, {})[distance] = top_sets(per_token, top_k)
+            self.predictions_made += n_tokens
+            # probability-like membership of each expert for the likeliest token, discounted by distance
+            need[target] = np.minimum(1.0, top_k * per_token / per_token.sum(-1, keepdims=True)).max(0) / distance
+            self._need[target] = need[target]
+        return need
+
+    def need_score(self, layer: int, expert: int) -> float:
+        """How soon/likely `expert` of `layer` is needed: the latest forecast for layers ahead; for the
+        layer running now, 1 for the experts in use; for layers already run in this forward call, the
+        next token's temporal and frequency estimate, discounted by how many MoE layers away it is.
+        (Eviction asks this for every cached expert, so each layer's vector is computed once per step.)"""
+        config = self._config(layer)
+        if not 0 <= expert < config.num_experts:
+            raise PredictorError(f"layer {layer} has experts 0..{config.num_experts - 1}, asked for {expert}")
+        need = self._need.get(layer)
+        if need is None:
+            need = self._need[layer] = self._next_token_need(layer)
+        return float(need[expert])
+
+    def _next_token_need(self, layer: int) -> np.ndarray:
+        config = self.configs[layer]
+        current = self.position[self._current_layer] if self._current_layer is not None else -1
+        distance = (self.position[layer] - current) % len(self.order) or len(self.order)
+        mix = self.weights.mix(distance).as_array()
+        previous = self.previous_token_route[layer]
+        uniform = np.full(config.num_experts, 1.0 / config.num_experts)
+        temporal = uniform if previous is None else _row_normalized(self.temporal[layer])[previous].mean(0)
+        counts = self.frequency[layer] + SMOOTHING
+        total = mix[1] + mix[3]
+        probability = (mix[1] * temporal + mix[3] * counts / counts.sum()) / total if total > 0 else uniform
+        need = np.minimum(1.0, config.top_k * probability) / distance
+        if layer == self._current_layer:
+            need[self._pass_routes[layer].reshape(-1)] = 1.0  # in use now
+        return need
+
+    # --- reporting -------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """predictor_precision / predictor_recall: decode tokens, one MoE layer ahead, prediction sets of
+        the layer's top_k (so the two are equal unless a route repeats an id); None before any decode."""
+        precision, recall = self.accuracy.figures("decode", 1)
+        prefill_precision, prefill_recall = self.accuracy.figures("prefill", 1)
+        return {"predictor_precision": precision, "predictor_recall": recall,
+                "predictor_precision_prefill": prefill_precision, "predictor_recall_prefill": prefill_recall,
+                "predictor_by_distance": self.accuracy.by_distance("decode"),
+                "predictor_by_distance_prefill": self.accuracy.by_distance("prefill"),
+                "predictor_predictions": self.predictions_made, "predictor_depth": self.depth}
+
+    def _config(self, layer: int) -> MoeConfig:
+        config = self.configs.get(layer)
+        if config is None:
+            raise PredictorError(f"layer {layer} is not a MoE layer of this model; MoE layers: {self.order}")
+        return config

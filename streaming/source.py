@@ -1,0 +1,215 @@
+"""StreamingExperts: the ExpertSource that streams experts from SSD through a bounded cache.
+
+T = tokens, A = active experts per token, E = routed experts of a layer.
+
+For each MoE layer the model calls `experts(layer, ids [T, A], residual [T, D])`:
+  1. the experts this layer needs are pinned: a cached one is a hit, one being loaded (a prefetch
+     in flight) is a hit the call may wait for, anything else is a miss loaded on demand ahead of
+     every prefetch;
+  2. the predictor sees the real route (it learns from it and keeps its precision/recall), then
+     forecasts layers L+1..L+depth; their likeliest experts are queued as prefetches, as many as
+     the cache holds beside the experts pinned for this layer;
+  3. the call returns once every needed expert is loaded; waiting is counted as I/O stall.
+Pins are released at the next call, when the model has finished with this layer's weights.
+
+A layer whose route needs more distinct experts than the cache holds (a long prefill under a small
+budget) gets a rolling window: the first experts in ascending id order are loaded up front, and
+handing out a later one releases the earliest one handed out. The MoE block uses each expert's
+weights right after it gets them, in ascending id order (edge/moe.py `expert_mixture`).
+
+Whatever path loaded an expert, its weights are the same bytes decoded the same way, so results are
+bit-identical to the all-resident run.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from converters.expert_file import ExpertIndex
+from edge.errors import ZllmError
+from edge.moe import ExpertWeights, MoeConfig
+from streaming.cache import FAILED, READY, Entry, ExpertCache, make_policy
+from streaming.prefetch import Prefetcher
+from streaming.stats import StreamingCounters
+from streaming.store import ExpertStore
+
+
+def expert_label(layer: int, expert: int) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}"
+
+
+def prepared_expert(index: ExpertIndex, prepare_weight, layer: int, expert: int, raw: np.ndarray) -> ExpertWeights:
+    """Zero-copy views of a raw record, prepared for the backend."""
+    weights = index.layout(layer).decode(raw, expert_label(layer, expert))
+    return ExpertWeights(gate=prepare_weight(weights["gate_proj"]), up=prepare_weight(weights["up_proj"]),
+                         down=prepare_weight(weights["down_proj"]))
+
+
+class StreamingExperts:
+    def __init__(self, index: ExpertIndex, prepare_weight, layers: dict[int, MoeConfig], cache_bytes: int,
+                 storage=None, predictor=None, policy: str = "lru", depth: int = 2, threads: int = 2,
+                 verify: bool = True, direct_io: bool = True, store: ExpertStore | None = None,
+                 prefetch_width: float = 1.0):
+        self.index = index
+        self._prepare_weight = prepare_weight
+        self.layers = dict(sorted(layers.items()))
+        self._ordinal = {layer: i for i, layer in enumerate(self.layers)}
+        self.predictor = predictor
+        self.depth = depth if predictor is not None else 0
+        self.prefetch_width = prefetch_width
+        self.store = store or ExpertStore(index, storage, verify=verify, direct_io=direct_io)
+        self.cache = ExpertCache(cache_bytes, make_policy(policy, predictor.need_score if predictor else None))
+        self.prefetcher = Prefetcher(self.store, self.cache, self._prepare, threads)
+        self.policy = policy
+        self.counters = StreamingCounters()
+        self._pass, self._last_ordinal = 0, None
+        self._current: StreamedLayer | None = None
+
+    def _prepare(self, layer: int, expert: int, raw: np.ndarray) -> ExpertWeights:
+        return prepared_expert(self.index, self._prepare_weight, layer, expert, raw)
+
+    @property
+    def strategy(self) -> str:
+        return "predictive" if self.predictor is not None else "ondemand"
+
+    def _position(self, layer: int) -> int:
+        if layer not in self._ordinal:
+            raise ZllmError(f"layer {layer} is not a MoE layer of this model; MoE layers: {list(self.layers)}")
+        ordinal = self._ordinal[layer]
+        if self._last_ordinal is not None and ordinal <= self._last_ordinal:
+            self._pass += 1  # a new forward pass started
+        self._last_ordinal = ordinal
+        return self._pass * len(self.layers) + ordinal
+
+    def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray) -> Mapping[int, ExpertWeights]:
+        position = self._position(layer)
+        if self._current is not None:
+            self._current.release()
+        self.prefetcher.advance(position)
+        ids = [int(e) for e in np.unique(expert_ids)]  # ascending distinct ids of the route [T, A]
+        room = self.cache.capacity_entries(self.store.buffer_bytes(layer))
+        with self.cache.lock:
+            self.cache.new_step()
+        self._current = StreamedLayer(self, layer, ids, room)
+        if self.predictor is not None:
+            with self.cache.lock:  # the predictor's need_score is read by eviction under this lock
+                self.predictor.observe(layer, expert_ids, residual)
+                forecast = self.predictor.forecast(layer, residual)
+                self.cache.new_step()
+            self._schedule(position, forecast, free_entries=room - len(ids), n_tokens=len(expert_ids))
+        if len(ids) <= room:
+            self._current.wait_all()
+        return self._current
+
+    def _schedule(self, position: int, forecast: dict[int, np.ndarray], free_entries: int, n_tokens: int) -> None:
+        """Queue prefetches of the likeliest experts of the layers ahead, nearest layer first."""
+        here = self._last_ordinal
+        for target, need in sorted(forecast.items(), key=lambda item: self._ordinal[item[0]]):
+            distance = self._ordinal[target] - here
+            if distance <= 0 or distance > self.depth or free_entries <= 0:
+                continue
+            width = min(len(need), int(np.ceil(self.layers[target].top_k * n_tokens * self.prefetch_width)))
+            for expert in np.argsort(-need, kind="stable")[:width]:
+                if free_entries <= 0 or need[expert] <= 0:
+                    break
+                key = (target, int(expert))
+                if not self.prefetcher.is_pending(key):
+                    self.prefetcher.prefetch(key, position + distance, distance, float(need[expert]))
+                free_entries -= 1
+
+    def stats(self) -> dict:
+        store, prefetch = self.store.stats(), self.prefetcher.stats()
+        stats = self.counters.to_dict(io_seconds=prefetch["io_seconds"])
+        stats.update({"expert_source": self.strategy, "expert_policy": self.policy,
+                      "bytes_read": store["bytes_read"], "io_mode": store["io_mode"], "storage": store["storage"],
+                      "expert_cache_bytes": self.cache.capacity_bytes,
+                      "expert_cache_peak_bytes": self.cache.peak_charged, "expert_evictions": self.cache.evictions,
+                      "prefetch_depth": self.depth, **prefetch, "expert_reads": store["reads"],
+                      "emulated_wait_seconds": store["emulated_wait_seconds"]})
+        if self.predictor is not None:
+            stats.update(self.predictor.stats())
+        else:
+            stats.update({"predictor_precision": None, "predictor_recall": None})
+        return stats
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current.release()
+            self._current = None
+        self.prefetcher.close()
+        self.store.close()
+
+
+class StreamedLayer(Mapping):
+    """The experts one layer's route needs: expert id -> ExpertWeights, loaded and pinned."""
+
+    def __init__(self, source: StreamingExperts, layer: int, ids: list[int], room: int):
+        self.source, self.layer, self.ids = source, layer, ids
+        self.room = max(room, 1)
+        self._entries: dict[int, Entry] = {}
+        self._handed_out: list[int] = []
+        for expert in ids[: self.room]:
+            self._acquire(expert)
+
+    def _acquire(self, expert: int) -> Entry:
+        source = self.source
+        with source.cache.lock:
+            entry, loaded_on_demand = source.prefetcher.demand((self.layer, expert))
+            source.cache.touch(entry)
+            if loaded_on_demand:
+                source.counters.misses += 1
+            else:
+                source.counters.hits += 1
+                source.counters.late_prefetches += entry.state != READY and entry.state != FAILED
+        self._entries[expert] = entry
+        return entry
+
+    def _wait(self, entry: Entry) -> None:
+        if not entry.loaded.is_set():
+            started = time.monotonic()
+            entry.loaded.wait()
+            self.source.counters.stall_seconds += time.monotonic() - started
+        if entry.state == FAILED:
+            cache = self.source.cache
+            with cache.lock:
+                cache.remove(entry)  # the next request reads it again
+            self.release()
+            raise entry.error
+
+    def wait_all(self) -> None:
+        for entry in self._entries.values():
+            self._wait(entry)
+
+    def release(self) -> None:
+        with self.source.cache.lock:
+            for entry in self._entries.values():
+                entry.pins -= 1
+            self._entries.clear()
+            self.source.cache.lock.notify_all()
+
+    def __getitem__(self, expert: int) -> ExpertWeights:
+        expert = int(expert)
+        if expert not in self.ids:
+            raise KeyError(f"layer {self.layer} expert {expert} is not in this route; it needs {self.ids}")
+        entry = self._entries.get(expert)
+        if entry is None:  # rolling window: free the earliest expert already handed out
+            if len(self._entries) >= self.room and self._handed_out:
+                oldest = self._handed_out.pop(0)
+                with self.source.cache.lock:
+                    released = self._entries.pop(oldest, None)
+                    if released is not None:
+                        released.pins -= 1
+                    self.source.cache.lock.notify_all()
+            entry = self._acquire(expert)
+        self._wait(entry)
+        if expert not in self._handed_out:
+            self._handed_out.append(expert)
+        return entry.weights
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)

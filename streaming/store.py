@@ -1,0 +1,173 @@
+"""The expert store: reads one (layer, expert) record of experts.bin into a caller's buffer.
+
+Honest I/O: on Linux the file is opened with O_DIRECT and read with positional reads into
+4096-aligned buffers in aligned lengths, so a read goes to the disk, not to the page cache.
+Where the filesystem refuses O_DIRECT (tmpfs and some others answer EINVAL at open or at the
+first read), the store reads through the page cache and then drops the range it read with
+posix_fadvise(POSIX_FADV_DONTNEED), so the next read of that expert goes to the disk again.
+Which of the two happens is reported as `io_mode` ("direct" | "buffered+dontneed"), never hidden.
+
+A StorageModel (streaming/storage.py) can be laid on top of the real read.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from converters.expert_file import ExpertIndex, check_stored_record, raw_record
+from edge.errors import CheckpointError
+from streaming.storage import EmulatedDevice, StorageModel, parse_storage
+
+PAGE = 4096
+IO_DIRECT = "direct"
+IO_BUFFERED = "buffered+dontneed"
+log = logging.getLogger(__name__)
+
+
+def aligned_length(n_bytes: int, alignment: int = PAGE) -> int:
+    return -(-n_bytes // alignment) * alignment
+
+
+def aligned_empty(n_bytes: int, alignment: int = PAGE) -> np.ndarray:
+    """An uninitialised uint8 buffer of n_bytes whose first byte sits at a multiple of `alignment`."""
+    block = np.empty(n_bytes + alignment, np.uint8)
+    skip = (-block.ctypes.data) % alignment
+    return block[skip: skip + n_bytes]
+
+
+class ExpertReadError(CheckpointError):
+    """The operating system failed to read an expert record (I/O error, file gone)."""
+
+
+class ExpertStore:
+    """Positional reads of expert records; thread-safe (each thread has its own staging buffer)."""
+
+    def __init__(self, index: ExpertIndex, storage: "str | StorageModel | None" = None, verify: bool = True,
+                 direct_io: bool = True, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.index = index
+        self.verify = verify
+        self.storage = parse_storage(storage)
+        self.device = EmulatedDevice(self.storage, clock, sleep) if self.storage else None
+        self.clock = clock
+        if not os.path.isfile(index.path):
+            raise CheckpointError(f"{index.path} is missing; the checkpoint's experts cannot be read, convert it again")
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._largest_stored = max((r.length for layer in index.layers.values() for r in layer.records), default=0)
+        self.fd, self.io_mode = -1, IO_BUFFERED
+        self._open(direct_io and hasattr(os, "O_DIRECT"))
+        self.reads = 0
+        self.bytes_read = 0
+        self.read_seconds = 0.0       # wall time of reads, emulated waits included
+        self.emulated_seconds = 0.0   # of which spent sleeping for the storage model
+
+    # --- opening ------------------------------------------------------------------------------
+    def _open(self, direct: bool) -> None:
+        if direct:
+            try:
+                self.fd, self.io_mode = os.open(self.index.path, os.O_RDONLY | os.O_DIRECT), IO_DIRECT
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.info("%s: O_DIRECT refused (%s); reading buffered and dropping pages", self.index.path, exc)
+        self.fd, self.io_mode = os.open(self.index.path, os.O_RDONLY), IO_BUFFERED
+
+    def _fall_back_to_buffered(self, old_fd: int) -> None:
+        with self._lock:
+            if self.fd == old_fd and self.io_mode == IO_DIRECT:
+                log.info("%s: O_DIRECT reads refused (EINVAL); reading buffered and dropping pages", self.index.path)
+                self._open(False)
+                os.close(old_fd)
+
+    # --- sizes --------------------------------------------------------------------------------
+    def buffer_bytes(self, layer: int) -> int:
+        """Size of the buffer one expert of `layer` is read into (its raw record, aligned up)."""
+        return aligned_length(self.index.layout(layer).raw_length)
+
+    def new_buffer(self, layer: int) -> np.ndarray:
+        return aligned_empty(self.buffer_bytes(layer))
+
+    def _staging(self) -> np.ndarray:
+        """This thread's aligned buffer for compressed records (read, then decompressed into the target)."""
+        buffer = getattr(self._local, "staging", None)
+        if buffer is None:
+            buffer = self._local.staging = aligned_empty(aligned_length(self._largest_stored))
+        return buffer
+
+    @property
+    def staging_bytes(self) -> int:
+        """Memory one reading thread needs beside the target buffer (zero without compression)."""
+        return aligned_length(self._largest_stored) if self.index.compression else 0
+
+    # --- reading ------------------------------------------------------------------------------
+    def _pread(self, target: np.ndarray, length: int, offset: int) -> int:
+        """Read `length` bytes at `offset` into target; returns the bytes that belong to the record."""
+        while True:
+            fd, mode = self.fd, self.io_mode
+            span = aligned_length(length) if mode == IO_DIRECT else length
+            try:
+                got = os.preadv(fd, [memoryview(target[:span])], offset)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and mode == IO_DIRECT:
+                    self._fall_back_to_buffered(fd)
+                    continue
+                raise
+            if mode == IO_BUFFERED:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+            return min(got, length)
+
+    def read(self, layer: int, expert: int, out: np.ndarray) -> np.ndarray:
+        """Read expert (layer, expert) into `out` (from new_buffer(layer)); returns its raw record view."""
+        record = self.index.record(layer, expert)
+        raw_length = self.index.layout(layer).raw_length
+        compressed = self.index.compression is not None
+        if len(out) < self.buffer_bytes(layer):
+            raise ValueError(f"layer {layer} expert {expert}: buffer of {len(out)} bytes, "
+                             f"reading the record needs {self.buffer_bytes(layer)} (new_buffer makes one)")
+        target = self._staging() if compressed else out
+        started = self.clock()
+        done = self.device.schedule(record.length, started) if self.device else None
+        try:
+            got = self._pread(target, record.length, record.offset)
+        except OSError as exc:
+            raise ExpertReadError(f"{self.index.path}: reading layer {layer} expert {expert} ({record.length} bytes at "
+                                  f"offset {record.offset}) failed: {exc}; check the disk holding the checkpoint"
+                                  ) from exc
+        slept = self.device.wait_until(done) if self.device else 0.0
+        elapsed = self.clock() - started
+        with self._lock:
+            self.reads += 1
+            self.bytes_read += got
+            self.read_seconds += elapsed
+            self.emulated_seconds += slept
+        stored = target[:got]
+        check_stored_record(self.index, layer, expert, stored, self.verify)
+        if compressed:
+            return raw_record(self.index, layer, stored, out)
+        return out[:raw_length]
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"io_mode": self.io_mode, "storage": self.storage.describe() if self.storage else "native",
+                    "reads": self.reads, "bytes_read": self.bytes_read, "read_seconds": self.read_seconds,
+                    "emulated_wait_seconds": self.emulated_seconds}
+
+    def close(self) -> None:
+        with self._lock:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+    def __enter__(self) -> "ExpertStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,46 @@
+"""Expert files for the streaming tests, written with the checkpoint's own ExpertFileWriter.
+
+E = experts of a layer, I = an expert's intermediate size, D = hidden size.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from converters.expert_file import EXPERTS_FILE, PROJECTIONS, ExpertFileWriter, ExpertIndex, ExpertLayout
+from quant import Scheme, quantize
+
+
+def expert_weights(layer: int, expert: int, intermediate: int, hidden: int, scheme: Scheme) -> dict:
+    """Deterministic weights of one expert: gate/up [I, D], down [D, I], in `scheme`."""
+    rng = np.random.default_rng(1000 * layer + expert)
+    shapes = {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden), "down_proj": (hidden, intermediate)}
+    weights = {}
+    for projection, shape in shapes.items():
+        value = rng.standard_normal(shape).astype(np.float32)
+        weights[projection] = quantize(value, scheme) if scheme.is_quantized else value.astype(scheme.dtype)
+    return weights
+
+
+def write_expert_file(folder: str, layers: dict[int, int], intermediate: int = 64, hidden: int = 64,
+                      scheme: str = "int4_sym_g32", compression: str | None = None) -> ExpertIndex:
+    """experts.bin in `folder` with layers {layer: number of experts}; returns its index."""
+    os.makedirs(folder, exist_ok=True)
+    parsed = Scheme.parse(scheme)
+    shapes = {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden), "down_proj": (hidden, intermediate)}
+    layout = ExpertLayout.plan({p: parsed for p in PROJECTIONS}, shapes)
+    with ExpertFileWriter(os.path.join(folder, EXPERTS_FILE), compression) as writer:
+        for layer, n_experts in layers.items():
+            writer.add_layer(layer, layout, n_experts)
+            for expert in range(n_experts):
+                writer.write(layer, expert, expert_weights(layer, expert, intermediate, hidden, parsed))
+    return ExpertIndex(folder, writer.entry())
+
+
+def raw_bytes(index: ExpertIndex, layer: int, expert: int) -> bytes:
+    """The expected raw record of an expert, encoded again from its deterministic weights."""
+    layout = index.layout(layer)
+    gate = layout.projections["gate_proj"]
+    scheme, (intermediate, hidden) = gate.scheme, gate.shape
+    return layout.encode(expert_weights(layer, expert, intermediate, hidden, scheme))

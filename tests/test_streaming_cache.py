@@ -1,0 +1,316 @@
+"""The bounded expert cache, its eviction policies, the prefetcher and StreamingExperts on an expert file."""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from devices.reference import ReferenceBackend
+from edge.errors import ZllmError
+from edge.moe import MoeConfig
+from streaming import store as store_module
+from streaming.cache import ENTRY_OVERHEAD, ExpertCache, ForecastPolicy, LfuPolicy, LruPolicy
+from streaming.paging import MappedExperts
+from streaming.source import StreamingExperts
+from streaming.store import ExpertReadError, ExpertStore
+from streaming_experts import raw_bytes, write_expert_file
+
+BUFFER = 8192
+ENTRY = BUFFER + ENTRY_OVERHEAD
+LAYERS = {0: 6, 1: 6, 2: 6}
+
+
+@pytest.fixture(scope="module")
+def expert_file(tmp_path_factory):
+    return write_expert_file(os.fspath(tmp_path_factory.mktemp("experts")), LAYERS)
+
+
+def _fill(cache: ExpertCache, key, position: int = 0):
+    with cache.lock:
+        entry = cache.reserve(key, BUFFER, for_prefetch=False, position=position)
+        cache.touch(entry)
+        cache.mark_ready(entry, None)
+    return entry
+
+
+def test_cache_bound_is_never_exceeded():
+    rng = np.random.default_rng(0)
+    cache = ExpertCache(5 * ENTRY + 100)
+    pinned = []
+    for step in range(400):
+        key = (int(rng.integers(3)), int(rng.integers(8)))
+        with cache.lock:
+            entry = cache.get(key)
+            if entry is None:
+                entry = cache.reserve(key, BUFFER, for_prefetch=bool(rng.integers(2)), position=step)
+                if entry is None:
+                    continue
+                cache.mark_ready(entry, None)
+            cache.touch(entry)
+            if rng.random() < 0.3 and len(pinned) < 3:
+                entry.pins += 1
+                pinned.append(entry)
+            elif pinned and rng.random() < 0.5:
+                pinned.pop(0).pins -= 1
+            assert cache.charged_bytes <= cache.capacity_bytes
+            assert all(e.key in cache.entries for e in pinned)  # pinned entries were never evicted
+    assert cache.peak_charged <= cache.capacity_bytes and cache.evictions > 0
+
+
+def test_buffers_are_recycled():
+    cache = ExpertCache(2 * ENTRY)
+    first = _fill(cache, (0, 0)).buffer
+    _fill(cache, (0, 1))
+    third = _fill(cache, (0, 2))  # evicts (0, 0) and reuses its buffer
+    assert third.buffer is first and cache.charged_bytes == 2 * ENTRY
+
+
+def test_lru_evicts_least_recently_used():
+    cache = ExpertCache(3 * ENTRY, LruPolicy())
+    a, b, c = (_fill(cache, (0, e)) for e in range(3))
+    with cache.lock:
+        cache.touch(a)
+    _fill(cache, (0, 3))
+    assert set(cache.entries) == {(0, 0), (0, 2), (0, 3)}
+
+
+def test_lfu_evicts_least_frequently_used_ties_by_lru():
+    cache = ExpertCache(3 * ENTRY, LfuPolicy())
+    a, b, c = (_fill(cache, (0, e)) for e in range(3))
+    with cache.lock:
+        for entry in (a, a, c, b):
+            cache.touch(entry)  # a: 3 uses, b: 2, c: 2 (c used before b)
+    _fill(cache, (0, 3))
+    assert set(cache.entries) == {(0, 0), (0, 1), (0, 3)}
+
+
+def test_forecast_evicts_lowest_need_ties_by_lru():
+    need = {(0, 0): 0.9, (0, 1): 0.1, (0, 2): 0.1, (0, 3): 0.5}
+    cache = ExpertCache(3 * ENTRY, ForecastPolicy(lambda layer, expert: need[(layer, expert)]))
+    for e in range(3):
+        _fill(cache, (0, e))
+    _fill(cache, (0, 3))  # (0, 1) and (0, 2) tie on need; (0, 1) was used longer ago
+    assert set(cache.entries) == {(0, 0), (0, 2), (0, 3)}
+
+
+def test_pinned_and_loading_entries_are_not_evicted():
+    cache = ExpertCache(2 * ENTRY)
+    pinned = _fill(cache, (0, 0))
+    pinned.pins = 1
+    with cache.lock:
+        loading = cache.reserve((0, 1), BUFFER, for_prefetch=False, position=0)
+        assert cache.reserve((0, 2), BUFFER, for_prefetch=True, position=0) is None  # nothing evictable now
+        cache.mark_ready(loading, None)
+        cache.mark_ready(cache.reserve((0, 2), BUFFER, for_prefetch=True, position=0), None)
+    assert set(cache.entries) == {(0, 0), (0, 2)}
+    with cache.lock:
+        cache.entries[(0, 2)].pins = 1
+        with pytest.raises(ZllmError) as error:
+            cache.reserve((0, 3), BUFFER, for_prefetch=False, position=0)
+    assert str(error.value) == (f"the expert cache ({2 * ENTRY} bytes) cannot hold layer 0 expert 3: {2 * ENTRY} "
+                                "bytes are pinned by the layer being computed; raise memory_budget")
+
+
+def test_prefetch_does_not_evict_unused_prefetches():
+    cache = ExpertCache(2 * ENTRY)
+    with cache.lock:
+        for expert in range(2):
+            entry = cache.reserve((1, expert), BUFFER, for_prefetch=True, position=5)
+            entry.needed_at = 6  # loaded for a layer not reached yet
+            cache.mark_ready(entry, None)
+        assert cache.reserve((2, 0), BUFFER, for_prefetch=True, position=5) is None
+        assert cache.reserve((2, 0), BUFFER, for_prefetch=True, position=7) is not None  # layer passed
+
+
+def test_expert_larger_than_cache_is_refused():
+    with pytest.raises(ZllmError) as error:
+        ExpertCache(ENTRY - 1).reserve((3, 1), BUFFER, for_prefetch=False, position=0)
+    assert str(error.value) == (f"an expert of layer 3 needs {ENTRY} bytes, more than the whole expert cache "
+                                f"({ENTRY - 1} bytes); raise memory_budget")
+
+
+# --- StreamingExperts -------------------------------------------------------------------------------------
+class ScriptedPredictor:
+    """Forecasts a fixed expert set per layer (a stand-in for the learned predictor in unit tests)."""
+
+    def __init__(self, forecasts: dict[int, dict[int, list[int]]], n_experts: int = 6):
+        self.forecasts, self.n_experts, self.observed = forecasts, n_experts, []
+
+    def observe(self, layer, expert_ids, residual):
+        self.observed.append((layer, np.asarray(expert_ids).tolist()))
+
+    def forecast(self, layer, residual):
+        out = {}
+        for target, experts in self.forecasts.get(layer, {}).items():
+            scores = np.zeros(self.n_experts)
+            scores[experts] = np.linspace(1.0, 0.5, len(experts))
+            out[target] = scores
+        return out
+
+    def need_score(self, layer, expert):
+        return 0.0
+
+    def stats(self):
+        return {"predictor_precision": 1.0, "predictor_recall": 1.0}
+
+
+def _source(index, cache_entries, predictor=None, **kwargs):
+    configs = {layer: MoeConfig(num_experts=n, top_k=2, intermediate_size=64) for layer, n in LAYERS.items()}
+    buffer = ExpertStore(index).buffer_bytes(0)
+    return StreamingExperts(index, ReferenceBackend().prepare_weight, configs, cache_entries * (buffer + ENTRY_OVERHEAD),
+                            predictor=predictor, **kwargs)
+
+
+def _expected_weights(index, layer, expert):
+    layout = index.layout(layer)
+    return layout.decode(np.frombuffer(raw_bytes(index, layer, expert), np.uint8).copy())
+
+
+def test_streamed_weights_equal_the_stored_ones(expert_file):
+    source = _source(expert_file, cache_entries=4)
+    try:
+        chosen = source.experts(1, np.array([[4, 1], [1, 5]]), np.zeros((2, 64), np.float32))
+        assert list(chosen) == [1, 4, 5]
+        for expert in (1, 4, 5):
+            expected = _expected_weights(expert_file, 1, expert)
+            for name, got in (("gate_proj", chosen[expert].gate), ("up_proj", chosen[expert].up),
+                              ("down_proj", chosen[expert].down)):
+                assert np.array_equal(got.qweight, expected[name].qweight)
+                assert np.array_equal(got.scales, expected[name].scales)
+    finally:
+        source.close()
+
+
+def test_ondemand_hits_and_misses_follow_lru(expert_file):
+    routes = [(0, [0, 1]), (1, [2, 3]), (2, [0, 1]), (0, [0, 2]), (1, [2, 3]), (2, [4, 5]), (0, [0, 1])]
+    source = _source(expert_file, cache_entries=4)
+    try:
+        for layer, ids in routes:
+            source.experts(layer, np.array([ids]), np.zeros((1, 64), np.float32))
+        stats = source.stats()
+    finally:
+        source.close()
+    # LRU over 4 entries, simulated by hand: (0,0)(0,1) miss, (1,2)(1,3) miss, (2,0)(2,1) miss evicting (0,0)(0,1),
+    # (0,0)(0,2) miss evicting (1,2)(1,3), (1,2)(1,3) miss evicting (2,0)(2,1), (2,4)(2,5) miss, (0,0) miss + (0,1) miss
+    assert (stats["expert_hits"], stats["expert_misses"]) == (0, 14)
+    assert stats["expert_cache_peak_bytes"] <= stats["expert_cache_bytes"]
+    source = _source(expert_file, cache_entries=6)
+    try:
+        for layer, ids in routes:
+            source.experts(layer, np.array([ids]), np.zeros((1, 64), np.float32))
+        stats = source.stats()
+    finally:
+        source.close()
+    # 6 entries: (0,0)(0,1)(1,2)(1,3)(2,0)(2,1) miss; (0,0) hit, (0,2) miss evicting (0,1); (1,2)(1,3) hit;
+    # (2,4)(2,5) miss evicting (2,0)(2,1); (0,0) hit, (0,1) miss evicting (0,2)
+    assert (stats["expert_hits"], stats["expert_misses"]) == (4, 10)
+    assert stats["predictor_recall"] is None and stats["io_mode"] == "direct"
+
+
+def test_predicted_experts_are_prefetched(expert_file):
+    predictor = ScriptedPredictor({0: {1: [3, 4], 2: [5, 0]}})
+    source = _source(expert_file, cache_entries=8, predictor=predictor, depth=2)
+    try:
+        source.experts(0, np.array([[1, 2]]), np.zeros((1, 64), np.float32))
+        source.prefetcher.wait_idle()  # the prefetches complete while "layer 0 computes"
+        source.experts(1, np.array([[3, 4]]), np.zeros((1, 64), np.float32))
+        source.experts(2, np.array([[0, 5]]), np.zeros((1, 64), np.float32))
+        stats = source.stats()
+    finally:
+        source.close()
+    assert predictor.observed == [(0, [[1, 2]]), (1, [[3, 4]]), (2, [[0, 5]])]
+    assert (stats["expert_hits"], stats["expert_misses"]) == (4, 2)
+    assert stats["prefetches_queued"] == 4 and stats["demand_loads"] == 2
+
+
+def test_stale_prefetches_are_cancelled(expert_file, monkeypatch):
+    gate, real_preadv = threading.Event(), os.preadv
+    layer1 = {expert_file.record(1, e).offset for e in range(LAYERS[1])}
+
+    def held_preadv(fd, buffers, offset):
+        if offset in layer1:
+            gate.wait(10)  # hold reads of layer 1 until the model has moved past it
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(store_module.os, "preadv", held_preadv)
+    predictor = ScriptedPredictor({0: {1: [0, 1, 2, 3, 4, 5]}})
+    source = _source(expert_file, cache_entries=12, predictor=predictor, depth=1, threads=1, prefetch_width=3.0)
+    opener = threading.Timer(0.3, gate.set)
+    try:
+        source.experts(0, np.array([[0, 1]]), np.zeros((1, 64), np.float32))  # queues 6 prefetches of layer 1
+        opener.start()
+        source.experts(2, np.array([[0, 1]]), np.zeros((1, 64), np.float32))  # layer 1 skipped: they are stale
+        source.prefetcher.wait_idle()
+        stats = source.prefetcher.stats()
+    finally:
+        gate.set()
+        opener.cancel()
+        source.close()
+    assert stats["prefetches_queued"] == 6 and stats["demand_loads"] == 4
+    # one thread: at most the read it had started was in flight when the model reached layer 2
+    assert stats["prefetches_cancelled"] >= 5
+    assert stats["prefetches_loaded"] + stats["prefetches_cancelled"] == 6
+
+
+def test_prefetch_error_surfaces_where_the_expert_is_needed(expert_file, monkeypatch):
+    bad = expert_file.record(1, 3)
+    real_preadv = os.preadv
+
+    def failing_preadv(fd, buffers, offset):
+        if offset == bad.offset:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(store_module.os, "preadv", failing_preadv)
+    predictor = ScriptedPredictor({0: {1: [3, 4]}})
+    source = _source(expert_file, cache_entries=8, predictor=predictor, depth=1)
+    try:
+        source.experts(0, np.array([[1, 2]]), np.zeros((1, 64), np.float32))  # no error here
+        source.prefetcher.wait_idle()
+        entry = source.cache.get((1, 3))
+        assert entry is not None and entry.loaded.wait(10) and entry.state == "failed"
+        with pytest.raises(ExpertReadError) as error:
+            source.experts(1, np.array([[3, 4]]), np.zeros((1, 64), np.float32))
+        assert str(error.value) == (
+            f"{expert_file.path}: reading layer 1 expert 3 ({bad.length} bytes at offset {bad.offset}) failed: "
+            "[Errno 5] Input/output error; check the disk holding the checkpoint")
+        assert source.cache.get((1, 3)) is None  # forgotten, so a later request reads it again
+        monkeypatch.setattr(store_module.os, "preadv", real_preadv)
+        chosen = source.experts(1, np.array([[3, 4]]), np.zeros((1, 64), np.float32))
+        assert np.array_equal(chosen[3].gate.qweight, _expected_weights(expert_file, 1, 3)["gate_proj"].qweight)
+    finally:
+        source.close()
+
+
+def test_route_wider_than_the_cache_rolls(expert_file):
+    source = _source(expert_file, cache_entries=2)
+    try:
+        chosen = source.experts(2, np.array([[0, 1], [2, 3], [4, 5]]), np.zeros((3, 64), np.float32))
+        assert list(chosen) == [0, 1, 2, 3, 4, 5]
+        for expert in chosen:  # one at a time, ascending, as the MoE block uses them
+            expected = _expected_weights(expert_file, 2, expert)["down_proj"].qweight
+            assert np.array_equal(chosen[expert].down.qweight, expected)
+            assert source.cache.charged_bytes <= source.cache.capacity_bytes
+    finally:
+        source.close()
+
+
+def test_mmap_pages_experts_within_the_share(expert_file):
+    buffer = ExpertStore(expert_file).buffer_bytes(0)
+    source = MappedExperts(expert_file, ReferenceBackend().prepare_weight, cache_bytes=3 * buffer)
+    try:
+        for layer, ids in [(0, [0, 1]), (1, [2, 3]), (0, [0, 1]), (0, [1, 4])]:
+            chosen = source.experts(layer, np.array([ids]), np.zeros((1, 64), np.float32))
+            for expert in ids:
+                assert np.array_equal(chosen[expert].up.qweight,
+                                      _expected_weights(expert_file, layer, expert)["up_proj"].qweight)
+        stats = source.stats()
+    finally:
+        source.close()
+    # 3 experts fit: (0,0)(0,1) miss; (1,2) miss, (1,3) miss dropping (0,0); (0,0) miss dropping (1,2),
+    # (0,1) hit; (0,1) hit, (0,4) miss dropping (1,3)
+    assert (stats["expert_hits"], stats["expert_misses"]) == (2, 6)
+    assert stats["expert_cache_peak_bytes"] <= 3 * buffer and stats["io_hidden_fraction"] == 0.0

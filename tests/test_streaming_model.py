@@ -1,0 +1,196 @@
+"""MoE models under one memory budget: streamed runs equal the all-resident run bit for bit, budgets
+below the minimum working set are refused, damaged experts are reported where they are needed."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import edge
+from converters.convert import QuantPlan
+from converters.expert_file import EXPERTS_FILE, ExpertChecksumError
+from edge.errors import SessionError, ZllmError
+from streaming.budget import plan_memory
+from tiny_models import random_prompt
+
+PROMPT = random_prompt(9, seed=5)
+N_DECODE = 6
+MIXED = QuantPlan(weights="int8", group_size=32, overrides={"experts": "int4"})
+CASES = ("qwen3_moe_norm", "qwen2_moe_shared")
+
+
+def greedy_run(path: str, device: str, **load_options) -> tuple[list[int], list[np.ndarray], dict]:
+    """Prefill (all logits), then greedy decode; the tokens, every logits array and the stats."""
+    with edge.load(path, device=device, **load_options) as model:
+        session = model.session(capacity=32)
+        logits = [session.prefill(PROMPT, all_logits=True)]
+        tokens = [int(logits[0][-1].argmax())]
+        for _ in range(N_DECODE):
+            logits.append(session.decode(tokens[-1]))
+            tokens.append(int(logits[-1].argmax()))
+        return tokens, logits, model.stats()
+
+
+_RESIDENT: dict[tuple[str, str], tuple] = {}
+
+
+def resident_run(path: str, device: str):
+    if (path, device) not in _RESIDENT:
+        _RESIDENT[path, device] = greedy_run(path, device)
+    return _RESIDENT[path, device]
+
+
+def minimum_budget(path: str, strategy: str = "predictive", threads: int = 2) -> int:
+    with edge.load(path) as model:
+        return plan_memory(model.spec, model.weight_bytes, model.checkpoint.experts, None, strategy, threads).minimum_bytes
+
+
+STREAMED = [
+    pytest.param(dict(memory_budget="minimum"), id="minimum-predictive-lru"),
+    pytest.param(dict(memory_budget="25%", expert_strategy="ondemand"), id="25%-ondemand"),
+    pytest.param(dict(memory_budget="50%", expert_policy="forecast"), id="50%-predictive-forecast"),
+    pytest.param(dict(memory_budget="75%", expert_policy="lfu", storage="nvme", prefetch_threads=3), id="75%-lfu-nvme"),
+    pytest.param(dict(memory_budget="40%", expert_strategy="mmap"), id="40%-mmap"),
+    pytest.param(dict(memory_budget="100%", prefetch_depth=1), id="100%-depth1"),
+]
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu"])
+@pytest.mark.parametrize("options", STREAMED)
+@pytest.mark.parametrize("case", CASES)
+def test_streamed_run_is_bit_identical_to_resident(tiny_zoo, case, options, device):
+    path = tiny_zoo.converted(case, MIXED)
+    options = dict(options)
+    if options["memory_budget"] == "minimum":
+        options["memory_budget"] = minimum_budget(path)
+    tokens, logits, stats = greedy_run(path, device, **options)
+    expected_tokens, expected_logits, _ = resident_run(path, device)
+    assert tokens == expected_tokens
+    assert all(np.array_equal(got, want) for got, want in zip(logits, expected_logits))
+    assert stats["expert_hits"] + stats["expert_misses"] > 0
+    assert stats["expert_misses"] > 0 or options["memory_budget"] == "100%"
+    assert stats["budget_bytes"] is not None and stats["peak_rss_bytes"] > 0
+    assert stats["expert_cache_peak_bytes"] <= stats["expert_cache_bytes"]
+
+
+def test_compressed_experts_stream_bit_identically(tiny_zoo):
+    plain = tiny_zoo.converted("qwen3_moe_norm", MIXED)
+    packed = tiny_zoo.converted("qwen3_moe_norm", MIXED, compress_experts=True)
+    tokens, logits, stats = greedy_run(packed, "reference", memory_budget="30%")
+    expected_tokens, expected_logits, _ = resident_run(plain, "reference")
+    assert tokens == expected_tokens
+    assert all(np.array_equal(got, want) for got, want in zip(logits, expected_logits))
+    assert stats["bytes_read"] > 0 and stats["io_mode"] == "direct"
+
+
+def test_stats_report_the_streaming_figures(tiny_zoo):
+    path = tiny_zoo.converted("qwen3_moe_norm", MIXED)
+    _, _, stats = greedy_run(path, "reference", memory_budget="50%", storage="custom:bw=200MB,lat=100us")
+    for key in ("expert_hits", "expert_misses", "hit_rate", "predictor_precision", "predictor_recall", "bytes_read",
+                "io_stall_seconds", "io_hidden_fraction", "peak_rss_bytes", "budget_bytes", "expert_cache_bytes"):
+        assert stats[key] is not None, key
+    assert stats["hit_rate"] == stats["expert_hits"] / (stats["expert_hits"] + stats["expert_misses"])
+    assert 0.0 <= stats["io_hidden_fraction"] <= 1.0 and 0.0 <= stats["predictor_recall"] <= 1.0
+    assert stats["storage"] == "custom:bw=200MB,lat=100us (200 MB/s, 100 us)"
+    assert stats["io_mode"] == "direct" and stats["expert_source"] == "predictive"
+    plan = stats["memory_plan"]
+    assert stats["budget_bytes"] == (plan["dense_bytes"] + plan["kv_bytes"] + plan["scratch_bytes"]
+                                     + plan["staging_bytes"] + plan["expert_cache_bytes"])
+    assert plan["expert_cache_bytes"] == -(-plan["expert_bytes"] // 2)
+
+
+def test_budget_below_minimum_is_refused(tiny_zoo):
+    path = tiny_zoo.converted("qwen3_moe_norm", MIXED)
+    minimum = minimum_budget(path)
+    edge.load(path, memory_budget=minimum).close()
+    with edge.load(path) as model:
+        plan = plan_memory(model.spec, model.weight_bytes, model.checkpoint.experts, None, "predictive", 2)
+        entry = plan.expert_bytes // 16  # 2 MoE layers of 8 experts, all the same size
+    with pytest.raises(ZllmError) as error:
+        edge.load(path, memory_budget=minimum - 1)
+    assert str(error.value) == (
+        f"memory budget {minimum - 1} bytes ({(minimum - 1) / 1e6:.1f} MB) is below this model's minimum working set "
+        f"of {minimum} bytes ({minimum / 1e6:.1f} MB): {plan.dense_bytes} bytes of non-expert weights, "
+        f"{plan.kv_bytes} bytes of KV cache ({plan.kv_capacity} positions), {plan.scratch_bytes} bytes of scratch and "
+        f"{4 * entry} bytes for 4 experts of layer 0 (top_k 2 + 2 loading threads); "
+        f"raise memory_budget to at least {minimum} bytes")
+    with pytest.raises(ZllmError) as error:
+        edge.load(path, memory_budget="10%")  # 10% of 16 experts holds fewer than the 4 needed at once
+    assert str(error.value).startswith("memory budget ") and f"minimum working set of {minimum} bytes" in str(error.value)
+    with pytest.raises(ZllmError) as error:
+        edge.load(path, memory_budget="50%", expert_strategy="resident")
+    assert "for every expert (resident)" in str(error.value)
+
+
+def test_bad_streaming_options_are_refused(tiny_zoo):
+    path = tiny_zoo.converted("qwen3_moe_norm", MIXED)
+    with pytest.raises(ZllmError) as error:
+        edge.load(path, memory_budget="50%", expert_strategy="ondemand", expert_policy="forecast")
+    assert str(error.value) == ("expert_policy 'forecast' needs the expert predictor; use expert_strategy "
+                                "'predictive' or expert_policy 'lru' or 'lfu'")
+    with pytest.raises(ZllmError) as error:
+        edge.load(path, memory_budget="50%", expert_strategy="swap")
+    assert str(error.value) == "expert_strategy 'swap' is not known; choose one of predictive, ondemand, mmap, resident"
+    with pytest.raises(ZllmError) as error:
+        edge.load(path, memory_budget="150%")
+    assert str(error.value) == "memory budget '150%': a share of the expert bytes must be in (0%, 100%]"
+    packed = tiny_zoo.converted("qwen3_moe_norm", MIXED, compress_experts=True)
+    with pytest.raises(ZllmError) as error:
+        edge.load(packed, memory_budget="50%", expert_strategy="mmap")
+    assert str(error.value) == (f"{os.path.join(packed, EXPERTS_FILE)}: expert_strategy 'mmap' uses experts in place, "
+                                "but this checkpoint stores them zstd-compressed; convert without --compress-experts, "
+                                "or use expert_strategy 'predictive' or 'ondemand'")
+
+
+def test_sessions_beyond_the_kv_reservation_are_refused(tiny_zoo):
+    path = tiny_zoo.converted("qwen3_moe_norm", MIXED)
+    with edge.load(path, memory_budget="50%", kv_capacity=48) as model:
+        first = model.session(capacity=32)
+        with pytest.raises(SessionError) as error:
+            model.session(capacity=32)
+        assert str(error.value) == ("a session of 32 positions does not fit the memory budget: it reserves 48 KV "
+                                    "positions and open sessions hold 32; close a session, or load with a larger "
+                                    "kv_capacity (and memory_budget)")
+        assert model.session().capacity == 16  # the default takes what is left
+        del first
+
+
+def test_dense_model_budget_counts_weights_kv_and_scratch(tiny_zoo):
+    path = tiny_zoo.converted("llama_mha", QuantPlan(weights="int8"))
+    with edge.load(path) as model:
+        plan = plan_memory(model.spec, model.weight_bytes, None, None, "resident", 2)
+    with pytest.raises(ZllmError) as error:
+        edge.load(path, memory_budget=plan.minimum_bytes - 1)
+    assert str(error.value) == (
+        f"memory budget {plan.minimum_bytes - 1} bytes ({(plan.minimum_bytes - 1) / 1e6:.1f} MB) is below this "
+        f"model's minimum working set of {plan.minimum_bytes} bytes ({plan.minimum_bytes / 1e6:.1f} MB): "
+        f"{plan.dense_bytes} bytes of weights, {plan.kv_bytes} bytes of KV cache ({plan.kv_capacity} positions) "
+        f"and {plan.scratch_bytes} bytes of scratch; raise memory_budget to at least {plan.minimum_bytes} bytes")
+    with pytest.raises(ZllmError) as error:
+        edge.load(path, memory_budget="50%")
+    assert str(error.value) == ("memory budget 50%: a share of the expert bytes needs a Mixture-of-Experts model; "
+                                "give this dense model a budget in bytes such as 512MB")
+
+
+@pytest.mark.parametrize("strategy", ["predictive", "ondemand"])
+def test_corrupted_expert_is_reported_when_needed(tiny_zoo, tmp_path, strategy):
+    path = tmp_path / "damaged"
+    shutil.copytree(tiny_zoo.converted("qwen3_moe_norm", MIXED), path)
+    with open(path / "zllm.json") as f:
+        records = json.load(f)["experts"]["layers"]["1"]["records"]
+    with open(path / EXPERTS_FILE, "r+b") as f:
+        for offset, length, _ in records:  # every expert of layer 1: the route cannot avoid them
+            f.seek(offset + length // 2)
+            byte = f.read(1)
+            f.seek(offset + length // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    with edge.load(path, memory_budget="50%", expert_strategy=strategy) as model:  # loading reads no expert
+        session = model.session(capacity=16)
+        with pytest.raises(ExpertChecksumError) as error:
+            session.prefill(PROMPT)
+    message = str(error.value)
+    assert message.startswith(f"{path / EXPERTS_FILE}: layer 1 expert ")
+    assert message.endswith(" fails its crc32 check; the checkpoint is damaged, convert it again")
