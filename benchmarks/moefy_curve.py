@@ -136,10 +136,12 @@ def main() -> int:
         limit = dense_eval.perplexity * (1.0 + args.tolerance)
         eligible = [p for p in results["points"] if p["storable"] and p["perplexity"] <= limit]
         if eligible:
-            best = min(eligible, key=lambda p: (p["active_fraction"], p["perplexity"]))
+            # equal sparsity: fewer, larger experts win (larger reads from storage, a smaller expert index)
+            best = min(eligible, key=lambda p: (round(p["active_fraction"], 6), p["experts"], p["perplexity"]))
             results["sparsest_within_tolerance"] = best
             print(f"sparsest storable setting within +{args.tolerance:.0%} (ppl <= {limit:.2f}): "
-                  f"{best['experts']}:{best['top_k']} dense {best['dense_layers']} active {best['active_fraction']:.3f} "
+                  f"{best['experts']}:{best['top_k']} dense {best['dense_layers']} "
+                  f"active {best['active_fraction']:.3f} "
                   f"ppl {best['perplexity']:.2f}")
         if args.convert_default:
             out = os.path.join(scratch, "moefied")

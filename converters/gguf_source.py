@@ -1,7 +1,8 @@
 """GGUF files: metadata → config.json-style dict, tensors renamed to Hugging Face names.
 
 Q4_0, Q4_1 and Q8_0 tensors come back as QuantizedTensor without requantization; other
-types come back as float32 for the converter to requantize.
+types come back as float32 for the converter to requantize. MoE files (Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE) hand out each routed expert as its own tensor (converters/gguf_moe.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import re
 
 import numpy as np
 
+from converters.gguf_moe import (
+    MOE_ARCHITECTURES, MOE_LAYER_TENSORS, ExpertSlice, expert_slices, moe_config_fields, moe_model_type,
+)
 from converters.safetensors_io import release_pages
 from converters.source import SourceTensor, SourceTokenizer
 from edge.errors import ConversionError, UnsupportedModelError
@@ -22,7 +26,7 @@ log = logging.getLogger(__name__)
 GGUF_MAGIC = b"GGUF"
 
 # GGUF architecture -> our model_type. Mistral GGUFs are written with architecture "llama".
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", **MOE_ARCHITECTURES}
 
 # llama.cpp tensor names -> Hugging Face names (llama.cpp gguf-py tensor_mapping.py, reversed).
 # Llama (incl. SmolLM2, Mistral), Qwen2 and Qwen3 share one naming scheme.
@@ -43,6 +47,7 @@ LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    **MOE_LAYER_TENSORS,
 }
 LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 ROPE_FREQS = "rope_freqs.weight"  # llama3-style rope scaling, stored as per-frequency divisors
@@ -119,11 +124,18 @@ class GGUFSource:
         self.arch = arch
         self.description = f"gguf:{os.path.basename(path)}"
         self._tensors = {}
+        expert_count = int(_field(self.reader, f"{arch}.expert_count", 0) or 0)
+        self.model_type = moe_model_type(arch, expert_count)  # None for a dense model
+        self._experts: dict[str, ExpertSlice] = {}  # our per-expert name -> its slice of a GGUF tensor
+        if self.model_type is not None:
+            self._experts = expert_slices({t.name: t for t in self.reader.tensors}, os.path.basename(path), arch,
+                                          expert_count)
+        expert_sources = {id(part.tensor) for part in self._experts.values()}
         for tensor in self.reader.tensors:
             hf_name = gguf_to_hf_name(tensor.name)
             if hf_name is not None:
                 self._tensors[hf_name] = tensor
-            elif tensor.name != ROPE_FREQS:
+            elif id(tensor) not in expert_sources and tensor.name != ROPE_FREQS:
                 raise UnsupportedModelError(
                     f"GGUF tensor {tensor.name!r} has no counterpart in the {arch} model; "
                     "this GGUF variant is not supported"
@@ -150,7 +162,7 @@ class GGUFSource:
             tokens = self.reader.fields.get("tokenizer.ggml.tokens")
             vocab = len(tokens.data) if tokens is not None else int(embed.shape[-1])
         config = {
-            "model_type": ARCHITECTURES[arch],
+            "model_type": self.model_type or ARCHITECTURES[arch],
             "vocab_size": int(vocab),
             "hidden_size": hidden,
             "intermediate_size": int(meta("feed_forward_length")),
@@ -175,16 +187,40 @@ class GGUFSource:
             }
         elif scaling_type not in (None, "none"):
             raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported; supported: linear, yarn")
+        if self.model_type is not None:
+            config.update(moe_config_fields(self.model_type, arch, meta, config,
+                                            lambda name: name in self._tensors or name in self._experts))
         freqs = next((t for t in self.reader.tensors if t.name == ROPE_FREQS), None)
         if freqs is not None:
             config["rope_scaling"] = {"rope_type": "freq_factors", "factors": [float(x) for x in freqs.data]}
         return config
 
     def tensors(self) -> list[SourceTensor]:
-        return [
-            SourceTensor(name, tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name, int(t.n_bytes))
-            for name, t in self._tensors.items()
-        ]
+        dense = [SourceTensor(name, self._shape(name), t.tensor_type.name, int(t.n_bytes))
+                 for name, t in self._tensors.items()]
+        return dense + [SourceTensor(name, self._shape(name), part.tensor.tensor_type.name,
+                                     self._expert_bytes(part)[1] - self._expert_bytes(part)[0])
+                        for name, part in self._experts.items()]
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        """The logical numpy shape (GGUF lists dimensions innermost first)."""
+        if name in self._experts:
+            part = self._experts[name]
+            shape = tuple(int(d) for d in reversed(part.tensor.shape))
+            return shape[1:] if part.index is not None else shape
+        shape = tuple(int(d) for d in reversed(self._tensors[name].shape))
+        if name.endswith(".mlp.shared_expert_gate.weight") and len(shape) == 1:
+            return (1, shape[0])  # llama.cpp stores Qwen2-MoE's [1, D] gate as a vector
+        return shape
+
+    def _expert_bytes(self, part: ExpertSlice) -> tuple[int, int]:
+        """[start, end) of an expert's bytes in the file."""
+        tensor = part.tensor
+        if part.index is None:
+            return tensor.data_offset, tensor.data_offset + int(tensor.n_bytes)
+        per_expert = int(tensor.n_bytes) // int(tensor.shape[-1])
+        start = tensor.data_offset + part.index * per_expert
+        return start, start + per_expert
 
     def _unpermute_rows(self, name: str) -> np.ndarray | None:
         """llama.cpp's converter interleaves q/k rows of Llama models for its rope layout; undo it."""
@@ -201,9 +237,12 @@ class GGUFSource:
         return np.argsort(permuted)
 
     def load(self, name: str) -> np.ndarray | QuantizedTensor:
+        if name in self._experts:
+            part = self._experts[name]
+            data = part.tensor.data if part.index is None else part.tensor.data[part.index]  # a view of the mmap
+            return from_gguf(data, part.tensor.tensor_type, self._shape(name))
         tensor = self._tensors[name]
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        value = from_gguf(tensor.data, tensor.tensor_type, shape)
+        value = from_gguf(tensor.data, tensor.tensor_type, self._shape(name))
         order = self._unpermute_rows(name)
         if order is None:
             return value
@@ -212,6 +251,9 @@ class GGUFSource:
         return np.ascontiguousarray(value[order])
 
     def release(self, name: str) -> None:
+        if name in self._experts:
+            release_pages(self.reader.data, *self._expert_bytes(self._experts[name]))
+            return
         tensor = self._tensors[name]
         release_pages(self.reader.data, tensor.data_offset, tensor.data_offset + int(tensor.n_bytes))
 

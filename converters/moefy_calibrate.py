@@ -105,11 +105,13 @@ class RoutingStats:
 
     def to_dict(self, top_k: int) -> dict:
         imbalance = self.load_imbalance()
+        experts = max((len(load) for load in self.expert_load.values()), default=0)
         return {
             "load_imbalance_mean": float(np.mean(list(imbalance.values()))) if imbalance else None,
             "load_imbalance_max": max(imbalance.values()) if imbalance else None,
             "load_imbalance_per_layer": {str(k): round(v, 3) for k, v in imbalance.items()},
-            "lookahead_recall": {f"set_{factor * top_k}": self.lookahead_recall(factor) for factor in (1, 2)},
+            "lookahead_recall": {f"set_{min(factor * top_k, experts)}": self.lookahead_recall(factor)
+                                 for factor in (1, 2)},
         }
 
 

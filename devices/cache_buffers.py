@@ -4,7 +4,7 @@ dequantize on read.
 A buffer holds `rows` x `heads` x `dim` values and is indexed like the float32 array it stands
 for: `buffer[rows] = x` stores x [n, H, D] (rounding it to the format), `buffer[rows]` returns
 float32 [n, H, D]. For "f32" a slice reads back a view, with no copy. The reference and CPU
-backends share this class and differ only in the int8 codec (numpy or Numba).
+backends share this class and differ only in the codec that does the arithmetic (numpy or Numba).
 
 N = rows, H = heads, D = values per head, G = int8 group size.
 """
@@ -17,19 +17,22 @@ import numpy as np
 from quant.kv_formats import KV_FORMATS, kv_bytes_per_row, kv_group_size
 
 
-class Int8Codec(NamedTuple):
-    quantize: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]  # x [N,H,D] -> codes, scales
+class KvCodec(NamedTuple):
+    """A backend's implementation of the formats' arithmetic (the same results on every backend)."""
+
+    quantize: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]  # x [N,H,D] -> int8 codes, f16 scales
     dequantize: Callable[[np.ndarray, np.ndarray, int], np.ndarray]       # codes, scales -> f32
+    widen_halves: Callable[[np.ndarray], np.ndarray]                       # f16 -> f32
 
 
 class CacheBuffer:
-    def __init__(self, rows: int, heads: int, dim: int, fmt: str, int8_codec: Int8Codec):
+    def __init__(self, rows: int, heads: int, dim: int, fmt: str, codec: KvCodec):
         if fmt not in KV_FORMATS:
             raise ValueError(f"KV cache format {fmt!r} is unknown; known formats: {', '.join(KV_FORMATS)}")
         self.shape = (rows, heads, dim)
         self.format = fmt
         self.group = kv_group_size(dim)
-        self._codec = int8_codec
+        self._codec = codec
         # np.zeros maps pages lazily: memory grows with the rows written, not with `rows`
         if fmt == "int8":
             self.storage = {"codes": np.zeros(self.shape, np.int8),
@@ -58,7 +61,7 @@ class CacheBuffer:
             return self._codec.dequantize(np.ascontiguousarray(self.storage["codes"][index]),
                                           np.ascontiguousarray(self.storage["scales"][index]), self.group)
         values = self.storage["values"][index]
-        return values if self.format == "f32" else values.astype(np.float32)
+        return values if self.format == "f32" else self._codec.widen_halves(values)
 
     def round_trip(self, x: np.ndarray) -> np.ndarray:
         """What storing x [n, H, D] and reading it back gives, without storing it."""
@@ -66,5 +69,5 @@ class CacheBuffer:
         if self.format == "f32":
             return x
         if self.format == "f16":
-            return x.astype(np.float16).astype(np.float32)
+            return self._codec.widen_halves(x.astype(np.float16))
         return self._codec.dequantize(*self._codec.quantize(np.ascontiguousarray(x), self.group), self.group)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from devices.cache_buffers import CacheBuffer, Int8Codec
+from devices.cache_buffers import CacheBuffer, KvCodec
 from quant import QuantizedTensor
 from quant.kv_formats import KV_FORMATS, dequantize_int8, quantize_int8
 
@@ -83,7 +83,7 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return silu(gate) * up
 
 
-NUMPY_INT8_CODEC = Int8Codec(quantize_int8, dequantize_int8)
+NUMPY_KV_CODEC = KvCodec(quantize_int8, dequantize_int8, lambda halves: halves.astype(np.float32))
 
 
 class ReferenceBackend:
@@ -114,7 +114,7 @@ class ReferenceBackend:
                 np.zeros((capacity, kv_heads, head_dim), np.float32))
 
     def allocate_cache(self, rows: int, heads: int, dim: int, fmt: str) -> CacheBuffer:
-        return CacheBuffer(rows, heads, dim, fmt, NUMPY_INT8_CODEC)
+        return CacheBuffer(rows, heads, dim, fmt, NUMPY_KV_CODEC)
 
     def compile_forward(self, transformer):
         return None  # the oracle is the op-by-op composition itself

@@ -26,7 +26,7 @@ DEFAULT_SESSION_CAPACITY = 4096
 class Model:
     def __init__(self, path: str, device: str = "reference", threads: int | None = None,
                  memory_budget: int | str | None = None, verify: bool = False, storage: str | None = None,
-                 expert_strategy: str | None = None, expert_policy: str = "lru", prefetch_depth: int = 2,
+                 expert_strategy: str | None = None, expert_policy: str | None = None, prefetch_depth: int = 2,
                  prefetch_threads: int = 2, kv_capacity: int | None = None, kv_cache: str = "f32"):
         self.path = os.fspath(path)
         self.checkpoint = open_checkpoint(self.path, verify=verify)
@@ -43,7 +43,7 @@ class Model:
                                       threads=prefetch_threads)
         # one budget: dense weights + KV reservation + scratch + expert cache (streaming/budget.py)
         self.memory = plan_memory(self.spec, self.weight_bytes, experts, memory_budget, self.expert_strategy,
-                                  prefetch_threads, kv_capacity)
+                                  prefetch_threads, kv_capacity, kv_cache)
         self.memory_budget = self.memory.budget_bytes
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         try:
@@ -164,7 +164,7 @@ class Model:
 
 def load(path, device: str = "reference", threads: int | None = None,
          memory_budget: int | str | None = None, verify: bool = False, storage: str | None = None,
-         expert_strategy: str | None = None, expert_policy: str = "lru", prefetch_depth: int = 2,
+         expert_strategy: str | None = None, expert_policy: str | None = None, prefetch_depth: int = 2,
          prefetch_threads: int = 2, kv_capacity: int | None = None, kv_cache: str = "f32") -> Model:
     """Open a zllm checkpoint (mmap, no copy of the weights) on a device.
 
@@ -174,7 +174,9 @@ def load(path, device: str = "reference", threads: int | None = None,
     storage: None/"native", a preset ("nvme", "ufs", "emmc", "sd") or "custom:bw=500MB,lat=200us";
     expert_strategy: "resident" (default without a budget), "predictive" (default with one),
     "ondemand" (no predictor, no prefetch) or "mmap" (plain mmap + bounded page cache);
-    expert_policy: "lru", "lfu" or "forecast" (evict what the predictor needs least).
+    expert_policy: "lru", "lfu" or "forecast" (evict what the predictor needs least; the default with
+    the predictive strategy, "lru" otherwise: LRU evicts exactly the experts a layer-by-layer cycle
+    needs next).
     """
     return Model(path, device=device, threads=threads, memory_budget=memory_budget, verify=verify,
                  storage=storage, expert_strategy=expert_strategy, expert_policy=expert_policy,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge.kv_cache import CachePart, KVCache, SlotLayout
+from edge.kv_cache import CachePart, KVCache, SlotLayout, check_kv_format_name
 
 MLA_FORMS = ("naive", "absorbed")
 
@@ -38,6 +38,7 @@ def rope_part_format(kv_format: str) -> str:
 def cache_slots(spec, kv_format: str, capacity: int, ring_buffers: bool) -> list[SlotLayout]:
     """The logical cache layout of every layer: what is cached per position, in which format, and
     whether a sliding layer keeps only its window (ring buffer)."""
+    check_kv_format_name(kv_format)
     slots = []
     for layer in range(spec.num_hidden_layers):
         if spec.attention_kind == "mla":

@@ -140,7 +140,7 @@ def cmd_generate(args) -> int:
     else:
         raise ZllmError("usage: zllm-edge generate [MODEL] PROMPT")
     model = edge.load(_resolve_model(model_path, args.quiet), device=args.device, threads=args.threads,
-                      kv_cache=args.kv_cache)
+                      kv_cache=args.kv_cache, **_memory_options(args))
     generation = model.generate(prompt, **_generation_kwargs(args))
     _stream(generation, args)
     if args.json:
@@ -157,7 +157,7 @@ def cmd_chat(args) -> int:
     import edge
 
     model = edge.load(_resolve_model(args.model, args.quiet), device=args.device, threads=args.threads,
-                      kv_cache=args.kv_cache)
+                      kv_cache=args.kv_cache, **_memory_options(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -178,12 +178,30 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": generation.result.text})
 
 
+def _memory_options(args) -> dict:
+    """edge.load's memory budget and expert streaming options from the command line."""
+    return {"memory_budget": args.memory_budget, "storage": args.storage, "expert_strategy": args.expert_strategy,
+            "expert_policy": args.expert_policy, "prefetch_depth": args.prefetch_depth,
+            "prefetch_threads": args.prefetch_threads}
+
+
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="reference", help="reference (default)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kv-cache", default="f32", choices=("f32", "f16", "int8"),
                    help="storage of the KV cache (f16 / int8: reference and cpu devices)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--memory-budget", default=None,
+                   help="one budget for weights, KV cache, scratch and expert cache: 512MB, bytes, or P%% (MoE: "
+                        "everything but the experts plus P%% of the expert bytes)")
+    p.add_argument("--storage", default=None, help="MoE: emulate nvme, ufs, emmc, sd or custom:bw=500MB,lat=200us")
+    p.add_argument("--expert-strategy", default=None, choices=("predictive", "ondemand", "mmap", "resident"),
+                   help="MoE: where experts come from (default: resident, or predictive under a budget)")
+    p.add_argument("--expert-policy", default=None, choices=("lru", "lfu", "forecast"),
+                   help="MoE: expert cache eviction (default: forecast, the predictor's need, with the "
+                        "predictive strategy; else lru)")
+    p.add_argument("--prefetch-depth", type=int, default=2, help="MoE: layers ahead the predictor prefetches")
+    p.add_argument("--prefetch-threads", type=int, default=2, help="MoE: expert loading threads")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

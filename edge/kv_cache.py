@@ -144,9 +144,13 @@ class KVCache:
         }
 
 
-def check_kv_format(kv_format: str, backend) -> None:
+def check_kv_format_name(kv_format: str) -> None:
     if kv_format not in KV_FORMATS:
         raise ZllmError(f"kv_cache {kv_format!r} is unknown; choose one of {', '.join(KV_FORMATS)}")
+
+
+def check_kv_format(kv_format: str, backend) -> None:
+    check_kv_format_name(kv_format)
     supported = getattr(backend, "kv_formats", ("f32",))
     if kv_format not in supported:
         raise ZllmError(

@@ -28,7 +28,7 @@ def _routers(tensors: dict, spec, layers: dict) -> dict:
 
 
 def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: int | None, storage=None,
-                       policy: str = "lru", depth: int = 2, threads: int = 2, verify: bool = False):
+                       policy: str | None = None, depth: int = 2, threads: int = 2, verify: bool = False):
     # `verify` also checks every record's crc32 when the resident source reads them all at load
     """The ExpertSource for a MoE checkpoint under an expert strategy and an expert cache size."""
     index = checkpoint.experts
@@ -49,6 +49,8 @@ def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: in
     if cache_bytes is None:  # no budget: a cache that can hold every expert
         from streaming.budget import entry_bytes
         cache_bytes = sum(len(index.layers[layer].records) * entry_bytes(index, layer) for layer in layers)
+    if policy is None:
+        policy = "forecast" if strategy == "predictive" else "lru"
     predictor = None
     if strategy == "predictive":
         from streaming.predictor import ExpertPredictor, SignalWeights

@@ -4,11 +4,12 @@
 
 dense    every tensor that is not a routed expert (the safetensors file; mmap-backed, counted whole)
 kv       the KV cache the budget reserves: `kv_capacity` positions (default BUDGET_KV_CAPACITY, at most
-         the model's context) over every layer, float32 keys and values; sessions whose capacities add
-         up to more than this are refused (edge/api.py)
+         the model's context) over every layer in the KV format asked for (without counting the savings
+         of sliding-window ring buffers); sessions whose capacities add up to more than this are
+         refused (edge/api.py)
 scratch  activations of one forward call of up to SCRATCH_TOKENS tokens: hidden states, projections,
          attention scores over the reserved KV positions, and the logits
-staging  per reading thread, one buffer for a compressed record before it is decompressed
+staging  per reading thread, a compressed record before it is decompressed and zstd's output
 cache    the expert cache (streaming/cache.py charges buffer + ENTRY_OVERHEAD per expert)
 
 A budget "P%" means everything that is not an expert plus a cache holding P% of all experts.
@@ -23,6 +24,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from converters.expert_file import ExpertIndex
+from edge.attention import kv_bytes_per_token
 from edge.errors import ZllmError
 from streaming.cache import ENTRY_OVERHEAD
 from streaming.store import aligned_length
@@ -66,13 +68,6 @@ def parse_budget(value: "int | str | None") -> Budget | None:
     return Budget(bytes=int(float(number) * _UNITS[(unit or "").upper()]))
 
 
-def kv_bytes_per_position(spec) -> int:
-    """Bytes one position takes in the KV cache over all layers (float32 keys and values)."""
-    if getattr(spec, "attention_kind", "gqa") == "mla":  # a compressed latent plus the rotary key part
-        return spec.num_hidden_layers * (spec.kv_lora_rank + spec.qk_rope_head_dim) * 4
-    return spec.num_hidden_layers * 2 * spec.num_key_value_heads * spec.head_dim * 4
-
-
 def scratch_bytes(spec, kv_capacity: int) -> int:
     """Activations of one forward call of SCRATCH_TOKENS tokens (float32)."""
     widest_ffn = max([spec.intermediate_size] + [m.intermediate_size + m.shared_intermediate_size
@@ -110,14 +105,17 @@ def _mb(n: int) -> str:
 
 
 def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int | str | None", strategy: str,
-                loading_threads: int, kv_capacity: int | None = None) -> MemoryPlan:
+                loading_threads: int, kv_capacity: int | None = None, kv_format: str = "f32") -> MemoryPlan:
     """Split `budget` for a model; refuses a budget below the minimum working set (ZllmError)."""
     parsed = parse_budget(budget)
     context = spec.max_position_embeddings
     kv_capacity = min(context, BUDGET_KV_CAPACITY) if kv_capacity is None else int(kv_capacity)
     if not 0 < kv_capacity <= context:
         raise ZllmError(f"kv_capacity must be in [1, {context}] (the model's context), got {kv_capacity}")
-    kv = kv_capacity * kv_bytes_per_position(spec)
+    try:
+        kv = kv_capacity * kv_bytes_per_token(spec, kv_format)
+    except ValueError as exc:  # an unknown KV format
+        raise ZllmError(str(exc)) from None
     scratch = scratch_bytes(spec, kv_capacity)
     if index is None:  # dense model: weights + KV + scratch
         if parsed is not None and parsed.expert_percent is not None:
@@ -141,9 +139,10 @@ def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int 
     elif strategy == "mmap":
         working, what = top_k * entry_bytes(index, largest), f"{top_k} experts of layer {largest} (top_k)"
     else:
-        if index.compression:
-            staging = loading_threads * aligned_length(max(r.length for layer in layers
-                                                           for r in index.layers[layer].records))
+        if index.compression:  # per thread: the compressed record, and zstd's output before it is copied
+            staging = loading_threads * (aligned_length(max(r.length for layer in layers
+                                                            for r in index.layers[layer].records))
+                                         + index.largest_raw_record)
         in_flight = top_k + loading_threads
         working = in_flight * entry_bytes(index, largest)
         what = (f"{in_flight} experts of layer {largest} (top_k {top_k} + {loading_threads} loading threads)"

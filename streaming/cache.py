@@ -75,14 +75,33 @@ class ForecastPolicy:
         return (self.need_score(*entry.key), entry.last_use)
 
 
-POLICIES = ("lru", "lfu", "forecast")
+class CyclePolicy:
+    """Evict the expert whose layer the model reaches last from where it is now. Every token visits the
+    layers in order, pass after pass, so this is Belady's optimal policy at layer granularity; ties by
+    the predictor's need when there is a predictor, then by LRU."""
+    name = "cycle"
+
+    def __init__(self, layers_until: Callable[[int], int], need_score: Callable[[int, int], float] | None = None):
+        self.layers_until = layers_until  # layer -> MoE layers until the model computes it again
+        self.need_score = need_score
+
+    def rank(self, entry: Entry, frequency: int) -> tuple:
+        layer, expert = entry.key
+        need = self.need_score(layer, expert) if self.need_score is not None else 0.0
+        return (-self.layers_until(layer), need, entry.last_use)
 
 
-def make_policy(name: str, need_score: Callable[[int, int], float] | None = None):
+POLICIES = ("lru", "lfu", "forecast", "cycle")
+
+
+def make_policy(name: str, need_score: Callable[[int, int], float] | None = None,
+                layers_until: Callable[[int], int] | None = None):
     if name == "lru":
         return LruPolicy()
     if name == "lfu":
         return LfuPolicy()
+    if name == "cycle" and layers_until is not None:
+        return CyclePolicy(layers_until, need_score)
     if name == "forecast":
         if need_score is None:
             raise ZllmError("expert_policy 'forecast' needs the expert predictor; use expert_strategy='predictive' "
@@ -102,6 +121,7 @@ class ExpertCache:
         self._clock = 0
         self._frequency: dict[Key, int] = {}
         self.evictions = 0
+        self.unused_prefetches = 0  # prefetched entries evicted before any layer used them
         self.peak_charged = 0
         self._ranking: list[Entry] | None = None  # eviction order, computed once per step
 
@@ -166,6 +186,7 @@ class ExpertCache:
             victim = self._victim(for_prefetch, position)
             if victim is None:
                 return None
+            self.unused_prefetches += victim.needed_at >= 0
             self.remove(victim)
             self.evictions += 1
 

@@ -20,6 +20,7 @@ from typing import Callable
 
 import numpy as np
 
+from edge.errors import ZllmError
 from edge.moe import ExpertWeights
 from streaming.cache import Entry, ExpertCache, Key
 from streaming.store import ExpertStore
@@ -132,8 +133,11 @@ class Prefetcher:
                     continue
                 if task.key in self.cache.entries:
                     continue
-                entry = self.cache.reserve(task.key, self.store.buffer_bytes(task.key[0]), for_prefetch=True,
-                                           position=self.position)
+                try:
+                    entry = self.cache.reserve(task.key, self.store.buffer_bytes(task.key[0]), for_prefetch=True,
+                                               position=self.position)
+                except ZllmError:  # an expert the cache can never hold: the demand load will report it
+                    entry = None
                 if entry is None:
                     self.prefetches_skipped += 1
                     continue

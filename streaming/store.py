@@ -62,6 +62,7 @@ class ExpertStore:
         self._local = threading.local()
         self._largest_stored = max((r.length for layer in index.layers.values() for r in layer.records), default=0)
         self.fd, self.io_mode = -1, IO_BUFFERED
+        self._retired_fds: list[int] = []
         self._open(direct_io and hasattr(os, "O_DIRECT"))
         self.reads = 0
         self.bytes_read = 0
@@ -85,7 +86,9 @@ class ExpertStore:
             if self.fd == old_fd and self.io_mode == IO_DIRECT:
                 log.info("%s: O_DIRECT reads refused (EINVAL); reading buffered and dropping pages", self.index.path)
                 self._open(False)
-                os.close(old_fd)
+                # closed at close(): another thread may still be reading through it, and a number
+                # closed now could be reused by an unrelated file under that read
+                self._retired_fds.append(old_fd)
 
     # --- sizes --------------------------------------------------------------------------------
     def buffer_bytes(self, layer: int) -> int:
@@ -162,9 +165,10 @@ class ExpertStore:
 
     def close(self) -> None:
         with self._lock:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
+            for fd in [self.fd, *self._retired_fds]:
+                if fd >= 0:
+                    os.close(fd)
+            self.fd, self._retired_fds = -1, []
 
     def __enter__(self) -> "ExpertStore":
         return self

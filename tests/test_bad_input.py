@@ -24,6 +24,7 @@ from converters import convert as convert_module
 from converters.convert import QuantPlan, convert
 from conftest import require_smollm2_gguf
 from edge.errors import CheckpointError, ConversionError, UnsupportedModelError
+from gguf_files import add_byte_level_tokenizer, finish
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,11 +55,7 @@ def write_tiny_gpt2(folder: Path) -> Path:
 
 def write_tiny_gguf(path: Path, arch: str = "llama") -> Path:
     """A 1-layer model in GGUF with `arch`'s metadata keys and a minimal byte-level (gpt2) tokenizer."""
-    alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
-    alphabet += [chr(c) for c in range(ord("¡"), ord("¬") + 1)] + [chr(c) for c in range(ord("®"), ord("ÿ") + 1)]
-    alphabet += [chr(256 + n) for n in range(256 - len(alphabet))]
-    tokens = alphabet + ["Ġt", "he", "Ġthe", "<|endoftext|>"]
-    hidden, ffn, vocab = 64, 96, len(tokens)
+    hidden, ffn, vocab = 64, 96, 260
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
@@ -68,12 +65,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama") -> Path:
     writer.add_head_count(4)
     writer.add_head_count_kv(2)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * (vocab - 1) + [gguf.TokenType.CONTROL])
-    writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
-    writer.add_eos_token_id(vocab - 1)
+    add_byte_level_tokenizer(writer, vocab)
     shapes = {"token_embd.weight": (vocab, hidden), "blk.0.attn_norm.weight": (hidden,),
               "blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_k.weight": (32, hidden),
               "blk.0.attn_v.weight": (32, hidden), "blk.0.attn_output.weight": (hidden, hidden),
@@ -82,10 +74,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama") -> Path:
               "output_norm.weight": (hidden,)}
     for name, shape in shapes.items():
         writer.add_tensor(name, rng.normal(0, 0.1, shape).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
 
 
@@ -251,7 +240,8 @@ def case_gguf_shorter_than_header(tmp: Path, tiny_llama: Path):
 def case_gguf_unsupported_architecture(tmp: Path, tiny_llama: Path):
     src = write_tiny_gguf(tmp / "phi3.gguf", arch="phi3")
     return src, UnsupportedModelError, (
-        "GGUF architecture 'phi3' is not supported; supported architectures: llama, qwen2, qwen3"
+        "GGUF architecture 'phi3' is not supported; supported architectures: llama, olmoe, qwen2, qwen2moe, qwen3, "
+        "qwen3moe"
     )
 
 

@@ -26,6 +26,7 @@ from safetensors import safe_open
 import edge
 from converters.checkpoint import open_checkpoint
 from converters.convert import QuantPlan, convert
+from gguf_files import add_byte_level_tokenizer, finish, llama_cpp_permute
 from quant import QuantizedTensor
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "U8": np.uint8}
@@ -48,18 +49,6 @@ def hf_name(gguf_name: str) -> str:
         return GGUF_GLOBAL_NAMES[gguf_name]
     _, layer, kind, suffix = gguf_name.split(".")
     return f"model.layers.{layer}.{GGUF_LAYER_NAMES[kind]}.{suffix}"
-
-
-def llama_cpp_permute(rows: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute`: Hugging Face q/k rows -> GGUF rows.
-
-    Hugging Face rotates the two halves of each head (rotate_half); llama.cpp rotates adjacent
-    pairs, so its converter interleaves each head's rows. zllm's converter undoes this on import
-    (converters/gguf_source.py), so the checkpoint holds q/k rows in Hugging Face order; applying
-    this permutation to the checkpoint's rows brings them back to the GGUF order for comparison.
-    """
-    n = rows.shape[0]
-    return rows.reshape(n_head, 2, n // n_head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -119,11 +108,7 @@ def write_tiny_quantized_gguf(path: Path) -> tuple[Path, dict[str, str]]:
     """A 3-layer Llama GGUF whose matrices use Q4_0, Q4_1 and Q8_0 (every type on q and on k, so the
     row un-permutation is checked for each), with a minimal byte-level tokenizer. Returns the path
     and each tensor's GGUF type."""
-    alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
-    alphabet += [chr(c) for c in range(ord("¡"), ord("¬") + 1)] + [chr(c) for c in range(ord("®"), ord("ÿ") + 1)]
-    alphabet += [chr(256 + n) for n in range(256 - len(alphabet))]
-    tokens = alphabet + ["Ġt", "he", "Ġthe", "<|endoftext|>"]
-    hidden, ffn, heads, kv_heads, vocab = 64, 96, 4, 2, len(tokens)
+    hidden, ffn, heads, kv_heads, vocab = 64, 96, 4, 2, 260
     head_dim = hidden // heads
     rng = np.random.default_rng(7)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -134,12 +119,7 @@ def write_tiny_quantized_gguf(path: Path) -> tuple[Path, dict[str, str]]:
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * (vocab - 1) + [gguf.TokenType.CONTROL])
-    writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
-    writer.add_eos_token_id(vocab - 1)
+    add_byte_level_tokenizer(writer, vocab)
     Q = GGMLQuantizationType
     types: dict[str, str] = {}
 
@@ -169,10 +149,7 @@ def write_tiny_quantized_gguf(path: Path) -> tuple[Path, dict[str, str]]:
         matrix(p + "ffn_down.weight", hidden, ffn, a)
     vector("output_norm.weight", hidden)
     matrix("output.weight", vocab, hidden, Q.Q4_1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path, types
 
 

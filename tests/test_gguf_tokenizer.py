@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from converters.gguf_tokenizer import tokenizer_from_gguf
 from edge.errors import ConversionError, UnsupportedModelError
+from gguf_files import byte_alphabet
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -283,10 +284,7 @@ def test_phi3_keeps_leading_space(tmp_path):
 
 def _write_byte_level_gguf(path: pathlib.Path, pre: str) -> pathlib.Path:
     """The 256 byte-alphabet symbols, three merges, a user-defined `<think>` and a control `<|end|>`."""
-    byte_alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
-    byte_alphabet += [chr(c) for c in range(ord("¡"), ord("¬") + 1)] + [chr(c) for c in range(ord("®"), ord("ÿ") + 1)]
-    byte_alphabet += [chr(256 + n) for n in range(256 - len(byte_alphabet))]
-    tokens = byte_alphabet + ["Ġt", "he", "Ġthe", "<think>", "<|end|>"]
+    tokens = byte_alphabet() + ["Ġt", "he", "Ġthe", "<think>", "<|end|>"]
     types = [gguf.TokenType.NORMAL] * (len(tokens) - 2) + [gguf.TokenType.USER_DEFINED, gguf.TokenType.CONTROL]
 
     writer = gguf.GGUFWriter(path, "llama")

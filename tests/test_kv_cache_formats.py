@@ -67,6 +67,13 @@ def test_cpu_and_reference_int8_codes_are_identical():
                                   kv_formats.dequantize_int8(codes, scales, 32))
 
 
+def test_cpu_widens_every_half_like_numpy():
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(256, 256)  # every bit pattern
+    ours, expected = kv_quant.widen_halves(halves), halves.astype(np.float32)
+    np.testing.assert_array_equal(ours, expected)  # nan == nan here; signed zeros below
+    assert np.array_equal(np.signbit(ours), np.signbit(expected))
+
+
 def test_bytes_per_token_of_each_format():
     assert [kv_formats.kv_bytes_per_row(fmt, 3, 64) for fmt in kv_formats.KV_FORMATS] == [768, 384, 192 + 12]
     assert kv_formats.kv_group_size(24) == 24 and kv_formats.kv_bytes_per_row("int8", 2, 24) == 48 + 4

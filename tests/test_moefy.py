@@ -135,9 +135,9 @@ def test_gate_and_up_rows_of_a_quantized_source_stay_bit_exact():
     """Splitting gate/up by rows copies their quantized blocks; down is split across groups (float32)."""
     rng = np.random.default_rng(0)
     scheme = Scheme("int4", 32, False)
-    weights = {"model.layers.0.mlp.gate_proj.weight": quantize(rng.standard_normal((64, 32)).astype(np.float32), scheme),
-               "model.layers.0.mlp.up_proj.weight": quantize(rng.standard_normal((64, 32)).astype(np.float32), scheme),
-               "model.layers.0.mlp.down_proj.weight": quantize(rng.standard_normal((32, 64)).astype(np.float32), scheme)}
+    shapes = {"gate_proj": (64, 32), "up_proj": (64, 32), "down_proj": (32, 64)}
+    weights = {f"model.layers.0.mlp.{proj}.weight": quantize(rng.standard_normal(shape).astype(np.float32), scheme)
+               for proj, shape in shapes.items()}
 
     class Source:
         config = {"model_type": "llama"}
@@ -166,6 +166,12 @@ def test_gate_and_up_rows_of_a_quantized_source_stay_bit_exact():
     assert np.array_equal(gate.qweight, weights["model.layers.0.mlp.gate_proj.weight"].qweight[0::2])
     down = view.load("model.layers.0.mlp.experts.0.down_proj.weight")
     assert np.array_equal(down, weights["model.layers.0.mlp.down_proj.weight"].dequantize()[:, 1::2])
+    formats = {t.name: t.source_format for t in view.tensors()}
+    assert formats["model.layers.0.mlp.experts.0.gate_proj.weight"] == "Q4_1"
+    assert formats["model.layers.0.mlp.experts.0.down_proj.weight"] == "Q4_1 regrouped"
+    source_plan = QuantPlan(weights="source")
+    down = next(t for t in view.tensors() if t.name == "model.layers.0.mlp.experts.0.down_proj.weight")
+    assert str(source_plan.scheme_for(down)) == "int8_sym_g32"  # requantized to 8 bits, not to a second 4-bit grid
     names = {t.name: t.shape for t in view.tensors()}
     assert names["model.layers.0.mlp.gate.weight"] == (2, 32) and names["model.layers.0.mlp.gate.bias"] == (2,)
     assert names["model.layers.0.mlp.experts.1.down_proj.weight"] == (32, 32)
@@ -262,7 +268,8 @@ def test_cli_bare_moefy_is_the_default_and_malformed_values_are_errors(tiny_llam
     # the error proves the bare --moefy took the default instead of swallowing SRC
     assert main(["convert", "--moefy", tiny_llama, os.fspath(tmp_path / "a"), "--weights", "f32", "--quiet"]) == 2
     dense = ", ".join(map(str, DEFAULT_MOEFY.dense_layers))
-    assert capsys.readouterr().err == f"error: dense layers [{dense}] keep every layer dense; nothing would be MoEfied\n"
+    expected = f"error: dense layers [{dense}] keep every layer dense; nothing would be MoEfied\n"
+    assert capsys.readouterr().err == expected
     assert main(["convert", "--moefy", "8:x", tiny_llama, os.fspath(tmp_path / "b"), "--quiet"]) == 2
     assert capsys.readouterr().err == ("error: --moefy '8:x' not understood; expected E:K (experts per layer : "
                                        "experts chosen per token), e.g. 16:13, or no value for the default\n")

@@ -298,7 +298,12 @@ def test_route_wider_than_the_cache_rolls(expert_file):
         source.close()
 
 
-def test_mmap_pages_experts_within_the_share(expert_file):
+def test_mmap_pages_experts_within_the_share(expert_file, monkeypatch):
+    from streaming import paging
+
+    dropped = []
+    monkeypatch.setattr(paging.os, "posix_fadvise", lambda fd, offset, length, advice: dropped.append(
+        (offset, advice)))
     buffer = ExpertStore(expert_file).buffer_bytes(0)
     source = MappedExperts(expert_file, ReferenceBackend().prepare_weight, cache_bytes=3 * buffer)
     try:
@@ -313,4 +318,6 @@ def test_mmap_pages_experts_within_the_share(expert_file):
     # 3 experts fit: (0,0)(0,1) miss; (1,2) miss, (1,3) miss dropping (0,0); (0,0) miss dropping (1,2),
     # (0,1) hit; (0,1) hit, (0,4) miss dropping (1,3)
     assert (stats["expert_hits"], stats["expert_misses"]) == (2, 6)
+    # each dropped expert's file range leaves the page cache, so its next use reads the disk again
+    assert dropped == [(expert_file.record(*key).offset, os.POSIX_FADV_DONTNEED) for key in ((0, 0), (1, 2), (1, 3))]
     assert stats["expert_cache_peak_bytes"] <= 3 * buffer and stats["io_hidden_fraction"] == 0.0

@@ -13,7 +13,7 @@ import edge
 from converters.convert import QuantPlan
 from converters.expert_file import EXPERTS_FILE, ExpertChecksumError
 from edge.errors import SessionError, ZllmError
-from streaming.budget import plan_memory
+from streaming.budget import Budget, parse_budget, plan_memory
 from tiny_models import random_prompt
 
 PROMPT = random_prompt(9, seed=5)
@@ -49,9 +49,9 @@ def minimum_budget(path: str, strategy: str = "predictive", threads: int = 2) ->
 
 
 STREAMED = [
-    pytest.param(dict(memory_budget="minimum"), id="minimum-predictive-lru"),
+    pytest.param(dict(memory_budget="minimum", expert_policy="lru"), id="minimum-predictive-lru"),
     pytest.param(dict(memory_budget="25%", expert_strategy="ondemand"), id="25%-ondemand"),
-    pytest.param(dict(memory_budget="50%", expert_policy="forecast"), id="50%-predictive-forecast"),
+    pytest.param(dict(memory_budget="50%"), id="50%-predictive-forecast"),
     pytest.param(dict(memory_budget="75%", expert_policy="lfu", storage="nvme", prefetch_threads=3), id="75%-lfu-nvme"),
     pytest.param(dict(memory_budget="40%", expert_strategy="mmap"), id="40%-mmap"),
     pytest.param(dict(memory_budget="100%", prefetch_depth=1), id="100%-depth1"),
@@ -96,6 +96,7 @@ def test_stats_report_the_streaming_figures(tiny_zoo):
     assert 0.0 <= stats["io_hidden_fraction"] <= 1.0 and 0.0 <= stats["predictor_recall"] <= 1.0
     assert stats["storage"] == "custom:bw=200MB,lat=100us (200 MB/s, 100 us)"
     assert stats["io_mode"] == "direct" and stats["expert_source"] == "predictive"
+    assert stats["expert_policy"] == "forecast"  # the predictive strategy's default
     plan = stats["memory_plan"]
     assert stats["budget_bytes"] == (plan["dense_bytes"] + plan["kv_bytes"] + plan["scratch_bytes"]
                                      + plan["staging_bytes"] + plan["expert_cache_bytes"])
@@ -194,3 +195,18 @@ def test_corrupted_expert_is_reported_when_needed(tiny_zoo, tmp_path, strategy):
     message = str(error.value)
     assert message.startswith(f"{path / EXPERTS_FILE}: layer 1 expert ")
     assert message.endswith(" fails its crc32 check; the checkpoint is damaged, convert it again")
+
+
+def test_budget_forms():
+    assert parse_budget(None) is None
+    assert parse_budget(123) == Budget(bytes=123)
+    assert parse_budget("512MB") == Budget(bytes=512_000_000)
+    assert parse_budget("1.5GiB") == Budget(bytes=int(1.5 * 1024**3))
+    assert parse_budget(" 50 % ") == Budget(expert_percent=50.0)
+    for bad in ("lots", "0%", "12 parsecs"):
+        with pytest.raises(ZllmError):
+            parse_budget(bad)
+    with pytest.raises(ZllmError) as error:
+        parse_budget("lots")
+    assert str(error.value) == ("memory budget 'lots' not understood; use bytes, a size such as 512MB or 2GiB, or a "
+                                "share of the expert bytes such as 50%")

@@ -12,7 +12,7 @@ import platform
 import numpy as np
 
 from devices.base import DeviceUnavailableError, has_moe_layers
-from devices.cache_buffers import CacheBuffer, Int8Codec
+from devices.cache_buffers import CacheBuffer, KvCodec
 from devices.cpu.weights import CpuWeight, as_vector, prepare_weight
 from quant.kv_formats import KV_FORMATS
 
@@ -38,7 +38,7 @@ def _thread_count(threads: int | None) -> int:
     return threads
 
 
-NUMBA_INT8_CODEC = Int8Codec(kv_quant.quantize_int8, kv_quant.dequantize_int8)
+NUMBA_KV_CODEC = KvCodec(kv_quant.quantize_int8, kv_quant.dequantize_int8, kv_quant.widen_halves)
 
 
 class CpuBackend:
@@ -123,7 +123,7 @@ class CpuBackend:
 
     def allocate_cache(self, rows: int, heads: int, dim: int, fmt: str) -> CacheBuffer:
         # f16 / int8 K/V, MLA latents and ring buffers: op-by-op attention reads them dequantized
-        return CacheBuffer(rows, heads, dim, fmt, NUMBA_INT8_CODEC)
+        return CacheBuffer(rows, heads, dim, fmt, NUMBA_KV_CODEC)
 
     def head_matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         self.use_threads()
