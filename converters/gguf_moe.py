@@ -42,6 +42,7 @@ MOE_LAYER_TENSORS = {
 EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 STACKED_EXPERTS = re.compile(r"^blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.weight$")
 PER_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")  # older Mixtral files
+ROUTER = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,12 @@ def expert_slices(tensors: dict, file_name: str, arch: str, expert_count: int) -
         stacked, single = STACKED_EXPERTS.match(name), PER_EXPERT.match(name)
         if stacked:
             layer, projection = int(stacked[1]), EXPERT_STACKS[stacked[2]]
+            if len(tensor.shape) != 3:
+                raise ConversionError(
+                    f"{file_name}: {name} has GGUF shape {list(map(int, tensor.shape))}; stacked experts are 3-D "
+                    "[D, I, E]; export the GGUF file again")
             n_stacked = int(tensor.shape[-1])  # GGUF lists the expert count last
-            if len(tensor.shape) != 3 or n_stacked != expert_count:
+            if n_stacked != expert_count:
                 raise ConversionError(
                     f"{file_name}: {name} stacks {n_stacked} experts (GGUF shape {list(map(int, tensor.shape))}) "
                     f"but {arch}.expert_count is {expert_count}; the metadata and the tensors disagree, "
@@ -86,7 +91,7 @@ def expert_slices(tensors: dict, file_name: str, arch: str, expert_count: int) -
                     f"{file_name}: {name} is expert {expert} but {arch}.expert_count is {expert_count}; "
                     "the metadata and the tensors disagree, export the GGUF file again")
             layers.setdefault(layer, {})[expert_tensor_name(layer, expert, projection)] = ExpertSlice(tensor, None)
-    routers = {int(m[1]) for m in map(re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$").match, tensors) if m}
+    routers = {int(match[1]) for match in map(ROUTER.match, tensors) if match}
     for layer in sorted(routers | set(layers)):
         router = f"blk.{layer}.ffn_gate_inp.weight"
         if layer not in routers:
@@ -146,13 +151,10 @@ def moe_config_fields(model_type: str, arch: str, meta, config: dict, has_tensor
     fields.update(moe_intermediate_size=expert_size, decoder_sparse_step=1, mlp_only_layers=dense_layers)
     if model_type == "qwen2_moe":
         shared = int(meta("expert_shared_feed_forward_length", 0))
-        if shared == 0 and has_tensor(f"model.layers.{_first_moe_layer(config, dense_layers)}.mlp.shared_expert.up_proj.weight"):
+        if shared == 0 and any(has_tensor(f"model.layers.{layer}.mlp.shared_expert.up_proj.weight")
+                               for layer in range(config["num_hidden_layers"])):
             raise ConversionError(f"the GGUF file holds shared experts (ffn_*_shexp) but no "
                                   f"{arch}.expert_shared_feed_forward_length; export the GGUF file again")
         fields.update(shared_expert_intermediate_size=shared,
                       qkv_bias=has_tensor("model.layers.0.self_attn.q_proj.bias"))
     return fields
-
-
-def _first_moe_layer(config: dict, dense_layers: list[int]) -> int:
-    return next((layer for layer in range(config["num_hidden_layers"]) if layer not in dense_layers), 0)

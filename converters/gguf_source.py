@@ -130,12 +130,12 @@ class GGUFSource:
         if self.model_type is not None:
             self._experts = expert_slices({t.name: t for t in self.reader.tensors}, os.path.basename(path), arch,
                                           expert_count)
-        expert_sources = {id(part.tensor) for part in self._experts.values()}
+        expert_sources = {part.tensor.name for part in self._experts.values()}  # GGUF names
         for tensor in self.reader.tensors:
             hf_name = gguf_to_hf_name(tensor.name)
             if hf_name is not None:
                 self._tensors[hf_name] = tensor
-            elif id(tensor) not in expert_sources and tensor.name != ROPE_FREQS:
+            elif tensor.name not in expert_sources and tensor.name != ROPE_FREQS:
                 raise UnsupportedModelError(
                     f"GGUF tensor {tensor.name!r} has no counterpart in the {arch} model; "
                     "this GGUF variant is not supported"

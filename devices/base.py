@@ -48,6 +48,11 @@ class Backend(Protocol):
         `buffer[rows] = x` stores float32 x (quantizing), `buffer[rows]` reads float32, and
         `buffer.round_trip(x)` is what storing x would read back (devices/cache_buffers.py)."""
 
+    def attention_over_cache(self, q: np.ndarray, keys, values, q_positions: np.ndarray, k_positions: np.ndarray,
+                             scale: float, window: int | None) -> np.ndarray:
+        """Optional: `attention` over K/V as the cache stores them (devices/cache_buffers.StoredRows:
+        f32 / f16 values or int8 codes + f16 scales, [S, Hkv, Dh]), without an f32 copy of the cache."""
+
     def head_matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """Per-head products (MLA's absorbed form): x [T, H, K], w [H, N, K] float32 -> [T, H, N]."""
 

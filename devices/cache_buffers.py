@@ -25,6 +25,29 @@ class KvCodec(NamedTuple):
     widen_halves: Callable[[np.ndarray], np.ndarray]                       # f16 -> f32
 
 
+class StoredRows(NamedTuple):
+    """Rows of a cache buffer as stored, for kernels that read the format directly: `data` is the
+    f32 or f16 values [N, H, D], or the int8 codes [N, H, D] with f16 `scales` [N, H, D/G]."""
+
+    format: str
+    group: int
+    data: np.ndarray
+    scales: np.ndarray | None = None
+
+
+def concat_stored(first: StoredRows, second: StoredRows) -> StoredRows:
+    """The rows of `first` followed by those of `second` (one format)."""
+    scales = None if first.scales is None else np.concatenate([first.scales, second.scales])
+    return StoredRows(first.format, first.group, np.concatenate([first.data, second.data]), scales)
+
+
+def decode_stored(rows: StoredRows, codec: KvCodec) -> np.ndarray:
+    """float32 [N, H, D] of stored rows (an f32 buffer's rows come back as they are)."""
+    if rows.format == "int8":
+        return codec.dequantize(np.ascontiguousarray(rows.data), np.ascontiguousarray(rows.scales), rows.group)
+    return rows.data if rows.format == "f32" else codec.widen_halves(rows.data)
+
+
 class CacheBuffer:
     def __init__(self, rows: int, heads: int, dim: int, fmt: str, codec: KvCodec):
         if fmt not in KV_FORMATS:
@@ -62,6 +85,22 @@ class CacheBuffer:
                                           np.ascontiguousarray(self.storage["scales"][index]), self.group)
         values = self.storage["values"][index]
         return values if self.format == "f32" else self._codec.widen_halves(values)
+
+    def stored(self, index) -> StoredRows:
+        """The rows at `index` as stored (views for a slice, no dequantization)."""
+        if self.format == "int8":
+            return StoredRows("int8", self.group, self.storage["codes"][index], self.storage["scales"][index])
+        return StoredRows(self.format, self.group, self.storage["values"][index])
+
+    def encode(self, x: np.ndarray) -> StoredRows:
+        """x [n, H, D] in this buffer's format, without storing it."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if self.format == "int8":
+            return StoredRows("int8", self.group, *self._codec.quantize(x, self.group))
+        return StoredRows(self.format, self.group, x if self.format == "f32" else x.astype(np.float16))
+
+    def decode(self, rows: StoredRows) -> np.ndarray:
+        return decode_stored(rows, self._codec)
 
     def round_trip(self, x: np.ndarray) -> np.ndarray:
         """What storing x [n, H, D] and reading it back gives, without storing it."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from devices.cache_buffers import CacheBuffer, KvCodec
+from devices.cache_buffers import CacheBuffer, KvCodec, StoredRows, decode_stored
 from quant import QuantizedTensor
 from quant.kv_formats import KV_FORMATS, dequantize_int8, quantize_int8
 
@@ -69,6 +69,13 @@ def attention(q, k, v, q_positions, k_positions, scale, window=None) -> np.ndarr
     return np.einsum("hts,shd->thd", softmax(scores), v).astype(np.float32)
 
 
+def attention_over_cache(q, keys: StoredRows, values: StoredRows, q_positions, k_positions, scale,
+                         window=None) -> np.ndarray:
+    """Attention over K/V rows as the cache stores them: dequantize, then `attention`."""
+    return attention(q, decode_stored(keys, NUMPY_KV_CODEC), decode_stored(values, NUMPY_KV_CODEC),
+                     q_positions, k_positions, scale, window)
+
+
 def head_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Per-head products: x [T, H, K] and w [H, N, K] -> [T, H, N], out[t, h] = w[h] @ x[t, h]."""
     return np.einsum("thk,hnk->thn", x, w).astype(np.float32)
@@ -105,6 +112,7 @@ class ReferenceBackend:
     rms_norm = staticmethod(rms_norm)
     rope = staticmethod(rope)
     attention = staticmethod(attention)
+    attention_over_cache = staticmethod(attention_over_cache)
     swiglu = staticmethod(swiglu)
     head_matmul = staticmethod(head_matmul)
 

@@ -174,8 +174,9 @@ def load(path, device: str = "reference", threads: int | None = None,
     storage: None/"native", a preset ("nvme", "ufs", "emmc", "sd") or "custom:bw=500MB,lat=200us";
     expert_strategy: "resident" (default without a budget), "predictive" (default with one),
     "ondemand" (no predictor, no prefetch) or "mmap" (plain mmap + bounded page cache);
-    expert_policy: "lru", "lfu" or "forecast" (evict what the predictor needs least; the default with
-    the predictive strategy, "lru" otherwise: LRU evicts exactly the experts a layer-by-layer cycle
+    expert_policy: "lru", "lfu", "forecast" (evict what the predictor needs least) or "cycle" (evict
+    the expert whose layer comes last in the layer-by-layer cycle, ties by the predictor's need: the
+    default with the predictive strategy; "lru", the default otherwise, evicts exactly what that cycle
     needs next).
     """
     return Model(path, device=device, threads=threads, memory_budget=memory_budget, verify=verify,

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from devices.cache_buffers import StoredRows
+from edge.errors import ZllmError
 from edge.kv_cache import CachePart, KVCache, SlotLayout, check_kv_format_name
 
 MLA_FORMS = ("naive", "absorbed")
@@ -79,9 +81,22 @@ def gqa_attention(be, spec, layer, x: np.ndarray, cache: KVCache, index: int, st
         q = be.rms_norm(q, layer.q_norm, spec.rms_norm_eps)
         k = be.rms_norm(k, layer.k_norm, spec.rms_norm_eps)
     q, k = be.rope(q, cos, sin), be.rope(k, cos, sin)
-    (keys, values), key_positions = cache.append(index, start, (k, v))  # [S, Hkv, Dh] each
-    attended = be.attention(q, keys, values, positions, key_positions, scale, layer.sliding_window)  # [T, Hq, Dh]
+    (keys, values), key_positions = cache.append_stored(index, start, (k, v))  # [S, Hkv, Dh] each, as stored
+    attended = attend_stored(be, q, keys, values, positions, key_positions, scale, layer.sliding_window)  # [T, Hq, Dh]
     return be.linear(attended.reshape(n_tokens, -1), layer.o, layer.o_bias)
+
+
+def attend_stored(be, q: np.ndarray, keys: StoredRows, values: StoredRows, positions: np.ndarray,
+                  key_positions: np.ndarray, scale: float, window: int | None) -> np.ndarray:
+    """Attention over the cache's rows in their storage format: backends that read f16 / int8 K/V
+    directly (`attention_over_cache`) get them as stored; the others only ever hold f32 caches
+    (KVCache refuses to allocate anything else for them)."""
+    if hasattr(be, "attention_over_cache"):
+        return be.attention_over_cache(q, keys, values, positions, key_positions, scale, window)
+    if keys.format != "f32":
+        raise ZllmError(f"device {be.name!r} cannot attend over a {keys.format} KV cache; it reads float32 K/V only; "
+                        f"use kv_cache='f32' or device 'cpu' / 'reference'")
+    return be.attention(q, keys.data, values.data, positions, key_positions, scale, window)
 
 
 # --- MLA ----------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from devices.cache_buffers import CacheBuffer, StoredRows, concat_stored
 from edge.errors import SessionError, ZllmError
 from quant.kv_formats import KV_FORMATS, kv_bytes_per_row
 
@@ -93,23 +94,34 @@ class KVCache:
         """Store the parts of positions start..start+T-1 (each [T, H, dim]) and return what attention
         for those T queries reads: every part at the held positions that the first new query may
         see, then the new ones ([S, H, dim] float32, as stored), and their positions [S]."""
+        rows, positions = self.append_stored(layer, start, new)
+        return tuple(r.data if r.format == "f32" else buffer.decode(r)
+                     for r, buffer in zip(rows, self.layers[layer])), positions
+
+    def append_stored(self, layer: int, start: int, new: tuple[np.ndarray, ...]) -> tuple[tuple[StoredRows, ...], np.ndarray]:
+        """As `append`, but each part comes back as stored (f32 / f16 values, or int8 codes and
+        scales) for kernels that read the format directly. A full slot returns views of its buffers
+        (rows 0..end-1, nothing copied); a ring slot returns its held window rows followed by the
+        new rows encoded (at most window - 1 + T rows, since a prefill longer than the window
+        overwrites rows that its own first queries still see)."""
         slot, buffers = self.slots[layer], self.layers[layer]
         n_new = len(new[0])
         end = start + n_new
         if not slot.ring:
             for buffer, x in zip(buffers, new):
                 buffer[start:end] = x
-            return tuple(buffer[:end] for buffer in buffers), np.arange(end)
+            return tuple(buffer.stored(slice(0, end)) if isinstance(buffer, CacheBuffer)
+                         else StoredRows("f32", 0, buffer[:end]) for buffer in buffers), np.arange(end)
         window = slot.window
         held = np.arange(max(0, start - window + 1), start)  # older positions the first query sees
         fresh = np.arange(start, end)
         kept = fresh[-window:]  # a prefill longer than the window leaves only its last `window` rows
         parts = []
         for buffer, x in zip(buffers, new):
-            history = buffer[held % window]
-            stored = buffer.round_trip(x)
+            history = buffer.stored(held % window)
+            encoded = buffer.encode(x)
             buffer[kept % window] = x[n_new - len(kept):]
-            parts.append(np.concatenate([history, stored]))
+            parts.append(concat_stored(history, encoded))
         return tuple(parts), np.concatenate([held, fresh])
 
     def held_positions(self, layer: int) -> np.ndarray:

@@ -150,6 +150,24 @@ def test_quantized_gguf_experts_import_bit_exact(tiny_zoo, tmp_path, case, arch)
     assert np.isfinite(logits).all()
 
 
+def test_other_gguf_types_dequantize_one_expert_at_a_time(tiny_zoo, tmp_path):
+    """Q5_0 / F16 stacks have no lossless scheme: each expert's slice is dequantized as gguf does it."""
+    types = {"ffn_gate_exps": Q.Q5_0, "ffn_up_exps": Q.F16, "ffn_down_exps": Q.Q5_0}
+    source = write_hf_model_gguf(tiny_zoo.hf_model("olmoe"), tmp_path / "q5.gguf", "olmoe",
+                                 qtype_for=lambda name, values: types.get(name.split(".")[-2], Q.F32))
+    out = tmp_path / "zllm"
+    convert(str(source), str(out), F32, progress=False)
+    stored = checkpoint_expert_weights(str(out))
+    projection_of = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+    for tensor in gguf.GGUFReader(str(source)).tensors:
+        kind, layer = tensor.name.split(".")[-2], tensor.name.split(".")[1]
+        if kind in types:
+            expected = gguf_quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)  # [E, rows, K]
+            for expert, values in enumerate(expected):
+                name = f"model.layers.{layer}.mlp.experts.{expert}.{projection_of[kind]}.weight"
+                np.testing.assert_array_equal(stored[name], values, err_msg=name)
+
+
 def test_expert_weights_norm_defaults_to_llama_cpp_per_architecture():
     """Without {arch}.expert_weights_norm, top-k weights are renormalised as llama.cpp hard-codes it."""
     config = {"intermediate_size": 96, "num_hidden_layers": 2}

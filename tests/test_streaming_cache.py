@@ -12,7 +12,7 @@ from devices.reference import ReferenceBackend
 from edge.errors import ZllmError
 from edge.moe import MoeConfig
 from streaming import store as store_module
-from streaming.cache import ENTRY_OVERHEAD, ExpertCache, ForecastPolicy, LfuPolicy, LruPolicy
+from streaming.cache import ENTRY_OVERHEAD, CyclePolicy, ExpertCache, ForecastPolicy, LfuPolicy, LruPolicy
 from streaming.paging import MappedExperts
 from streaming.source import StreamingExperts
 from streaming.store import ExpertReadError, ExpertStore
@@ -94,6 +94,16 @@ def test_forecast_evicts_lowest_need_ties_by_lru():
         _fill(cache, (0, e))
     _fill(cache, (0, 3))  # (0, 1) and (0, 2) tie on need; (0, 1) was used longer ago
     assert set(cache.entries) == {(0, 0), (0, 2), (0, 3)}
+
+
+def test_cycle_evicts_the_layer_reached_last_ties_by_need():
+    layers_until = {0: 3, 1: 1, 2: 2}  # the model runs layer 0 now: layer 1 comes next, layer 0 last
+    need = {(0, 0): 0.9, (0, 1): 0.2, (1, 0): 0.0, (2, 0): 0.0, (1, 1): 0.0}
+    cache = ExpertCache(4 * ENTRY, CyclePolicy(layers_until.__getitem__, lambda layer, e: need[(layer, e)]))
+    for key in ((0, 0), (0, 1), (1, 0), (2, 0)):
+        _fill(cache, key)
+    _fill(cache, (1, 1))  # both experts of layer 0 are reached last; (0, 1) is needed less
+    assert set(cache.entries) == {(0, 0), (1, 0), (2, 0), (1, 1)}
 
 
 def test_pinned_and_loading_entries_are_not_evicted():

@@ -51,7 +51,8 @@ def minimum_budget(path: str, strategy: str = "predictive", threads: int = 2) ->
 STREAMED = [
     pytest.param(dict(memory_budget="minimum", expert_policy="lru"), id="minimum-predictive-lru"),
     pytest.param(dict(memory_budget="25%", expert_strategy="ondemand"), id="25%-ondemand"),
-    pytest.param(dict(memory_budget="50%"), id="50%-predictive-forecast"),
+    pytest.param(dict(memory_budget="50%", expert_policy="forecast"), id="50%-predictive-forecast"),
+    pytest.param(dict(memory_budget="30%"), id="30%-predictive-cycle"),
     pytest.param(dict(memory_budget="75%", expert_policy="lfu", storage="nvme", prefetch_threads=3), id="75%-lfu-nvme"),
     pytest.param(dict(memory_budget="40%", expert_strategy="mmap"), id="40%-mmap"),
     pytest.param(dict(memory_budget="100%", prefetch_depth=1), id="100%-depth1"),
@@ -96,7 +97,7 @@ def test_stats_report_the_streaming_figures(tiny_zoo):
     assert 0.0 <= stats["io_hidden_fraction"] <= 1.0 and 0.0 <= stats["predictor_recall"] <= 1.0
     assert stats["storage"] == "custom:bw=200MB,lat=100us (200 MB/s, 100 us)"
     assert stats["io_mode"] == "direct" and stats["expert_source"] == "predictive"
-    assert stats["expert_policy"] == "forecast"  # the predictive strategy's default
+    assert stats["expert_policy"] == "cycle"  # the predictive strategy's default
     plan = stats["memory_plan"]
     assert stats["budget_bytes"] == (plan["dense_bytes"] + plan["kv_bytes"] + plan["scratch_bytes"]
                                      + plan["staging_bytes"] + plan["expert_cache_bytes"])

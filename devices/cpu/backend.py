@@ -12,7 +12,7 @@ import platform
 import numpy as np
 
 from devices.base import DeviceUnavailableError, has_moe_layers
-from devices.cache_buffers import CacheBuffer, KvCodec
+from devices.cache_buffers import CacheBuffer, KvCodec, StoredRows
 from devices.cpu.weights import CpuWeight, as_vector, prepare_weight
 from quant.kv_formats import KV_FORMATS
 
@@ -20,6 +20,7 @@ try:
     import numba
     import kernels.cpu  # noqa: F401  (configures Numba's cache and threading before kernels load)
     from kernels.cpu import attention as attention_kernels
+    from kernels.cpu import attention_stored as stored_attention_kernels
     from kernels.cpu import elementwise, kv_quant, linear as linear_kernels
     from kernels.cpu.runtime import threading_info
 except ImportError as exc:  # pragma: no cover - numba is a declared dependency
@@ -99,6 +100,16 @@ class CpuBackend:
     def attention(self, q, k, v, q_positions, k_positions, scale, window):
         self.use_threads()
         return attention_kernels.attention(q, k, v, q_positions, k_positions, scale, window, self.threads)
+
+    def attention_over_cache(self, q, keys: StoredRows, values: StoredRows, q_positions, k_positions, scale, window):
+        """Attention that reads f16 / int8 K/V as stored, widening each row in the kernel."""
+        self.use_threads()
+        if keys.format == "f32":
+            return attention_kernels.attention(q, keys.data, values.data, q_positions, k_positions, scale, window,
+                                               self.threads)
+        return stored_attention_kernels.stored_attention(q, keys.format, keys.group, keys.data, keys.scales,
+                                                         values.data, values.scales, q_positions, k_positions,
+                                                         scale, window, self.threads)
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         gate = np.ascontiguousarray(gate, dtype=np.float32)

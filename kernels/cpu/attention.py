@@ -43,6 +43,23 @@ def scratch_floats(n_heads: int, n_keys: int, head_dim: int) -> int:
 
 
 @helper
+def exponentiate_scores(scores, peaks, totals, n):
+    """In place: each query head's n scores (rows of `scores`) become exp(score - peak), masked
+    ones (-inf) 0, and totals [G] their sums."""
+    for g in range(peaks.shape[0]):
+        if peaks[g] == -np.inf:
+            continue
+        row = scores[g * n:(g + 1) * n]
+        peak = peaks[g]
+        total = np.float32(0.0)
+        for s in range(n):  # vectorised: exp_approx is plain arithmetic
+            weight = exp_approx(row[s] - peak) if row[s] != -np.inf else np.float32(0.0)
+            row[s] = weight
+            total += weight
+        totals[g] = total
+
+
+@helper
 def partial_attention(q, keys, values, kv_head, s_begin, s_end, k_positions, q_position, window, scale, work):
     """Partial softmax of the query heads q [G, Dh] (one KV head's group) over keys[s_begin:s_end,
     kv_head]. Returns (peaks [G] = m, totals [G] = l, accs [G, Dh]), all views of `work` (per-thread
@@ -71,17 +88,7 @@ def partial_attention(q, keys, values, kv_head, s_begin, s_end, k_positions, q_p
         else:
             for g in range(group):
                 scores[g * n + s] = -np.inf
-    for g in range(group):
-        if peaks[g] == -np.inf:
-            continue
-        row = scores[g * n:(g + 1) * n]
-        peak = peaks[g]
-        total = np.float32(0.0)
-        for s in range(n):  # vectorised: exp_approx is plain arithmetic
-            weight = exp_approx(row[s] - peak) if row[s] != -np.inf else np.float32(0.0)
-            row[s] = weight
-            total += weight
-        totals[g] = total
+    exponentiate_scores(scores, peaks, totals, n)
     for s in range(n):
         value = values[s_begin + s, kv_head]
         for g in range(group):
@@ -115,13 +122,11 @@ def merge_partials(peaks, totals, accs, out):
 
 
 @helper
-def attention_item(item, n_splits, n_heads, n_kv, q_rows, keys, values, q_positions, k_positions, scale, window,
-                   work, peaks, totals, accs):
-    """Item = (token, KV head, split) -> the partials of its query heads, stored at rows
-    ((token * Hq + h) * n_splits + split) of peaks/totals/accs. q_rows: [T, Hq * Dh]; work:
-    per-thread scratch of scratch_floats(Hq, S, Dh) floats."""
-    head_dim = accs.shape[1]
-    group = n_heads // n_kv  # query heads that share one KV head
+def item_span(item, n_splits, n_heads, n_kv, q_positions, k_positions, window):
+    """Item = (token, KV head, split) -> (token, kv_head, q_position, [s_begin, s_end) its keys, and
+    first_row: its first query head's row (token * Hq + h) * n_splits + split of the partials; the
+    group's heads follow every n_splits rows)."""
+    group = n_heads // n_kv
     split = item % n_splits
     kv_head = (item // n_splits) % n_kv
     token = item // (n_splits * n_kv)
@@ -130,10 +135,22 @@ def attention_item(item, n_splits, n_heads, n_kv, q_rows, keys, values, q_positi
     length = end - first
     s_begin = first + length * split // n_splits
     s_end = first + length * (split + 1) // n_splits
+    first_row = (token * n_heads + kv_head * group) * n_splits + split
+    return token, kv_head, q_position, s_begin, s_end, first_row
+
+
+@helper
+def attention_item(item, n_splits, n_heads, n_kv, q_rows, keys, values, q_positions, k_positions, scale, window,
+                   work, peaks, totals, accs):
+    """Item = (token, KV head, split) -> the partials of its query heads, stored at rows
+    ((token * Hq + h) * n_splits + split) of peaks/totals/accs. q_rows: [T, Hq * Dh]; work:
+    per-thread scratch of scratch_floats(Hq, S, Dh) floats."""
+    head_dim = accs.shape[1]
+    group = n_heads // n_kv  # query heads that share one KV head
+    token, kv_head, q_position, s_begin, s_end, first_row = item_span(item, n_splits, n_heads, n_kv, q_positions,
+                                                                      k_positions, window)
     first_head = kv_head * group
     q = q_rows[token, first_head * head_dim:(first_head + group) * head_dim].reshape((group, head_dim))
-    # rows of the group's heads: (token * Hq + h) * n_splits + split, h = first_head .. + group - 1
-    first_row = (token * n_heads + first_head) * n_splits + split
     group_peaks, group_totals, group_accs = partial_attention(q, keys, values, kv_head, s_begin, s_end, k_positions,
                                                               q_position, window, scale, work)
     for g in range(group):

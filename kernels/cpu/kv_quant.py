@@ -12,7 +12,7 @@ import numpy as np
 from numba import prange, types
 
 from kernels.cpu.llvm_ir import float_from_bits
-from kernels.cpu.runtime import kernel, mutable, readonly
+from kernels.cpu.runtime import helper, kernel, mutable, readonly
 from quant.kv_formats import INT8_LIMIT
 
 # one read-only signature per kernel: writable arrays are accepted where read-only ones are declared
@@ -61,19 +61,25 @@ def decode_kernel(codes, scales, group, out):
 _HALF_TO_SINGLE = np.float32(2.0 ** 112)  # rebias the exponent: 2^(127 - 15), subnormals included
 
 
+@helper
+def half_to_single(bits):
+    """The float32 equal to the IEEE half whose bit pattern is `bits` (uint16): the half's exponent
+    and mantissa placed in a single's bits, scaled by 2^112, is the same number (normal or
+    subnormal); all-ones exponents are inf / nan; the sign is applied last."""
+    half = np.int32(bits)
+    magnitude = half & np.int32(0x7FFF)
+    value = float_from_bits(magnitude << np.int32(13)) * _HALF_TO_SINGLE
+    if magnitude >= np.int32(0x7C00):
+        value = np.float32(np.inf) if magnitude == np.int32(0x7C00) else np.float32(np.nan)
+    return -value if half & np.int32(0x8000) else value
+
+
 @kernel(types.void(readonly(types.uint16, 2), _f32_2d), parallel=True)
 def widen_halves_kernel(bits, out):
-    """out [R, D] = the IEEE half-precision values whose bit patterns are `bits` [R, D]: the half's
-    exponent and mantissa placed in a single's bits, scaled by 2^112, is the same number (normal
-    or subnormal); all-ones exponents are inf / nan; the sign is applied last."""
+    """out [R, D] = the IEEE half-precision values whose bit patterns are `bits` [R, D]."""
     for r in prange(bits.shape[0]):
         for d in range(bits.shape[1]):
-            half = np.int32(bits[r, d])
-            magnitude = half & np.int32(0x7FFF)
-            value = float_from_bits(magnitude << np.int32(13)) * _HALF_TO_SINGLE
-            if magnitude >= np.int32(0x7C00):
-                value = np.float32(np.inf) if magnitude == np.int32(0x7C00) else np.float32(np.nan)
-            out[r, d] = -value if half & np.int32(0x8000) else value
+            out[r, d] = half_to_single(bits[r, d])
 
 
 def quantize_int8(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
