@@ -102,6 +102,10 @@ class Model:
         self._sessions.add(session)
         return session
 
+    def release_session(self, session: Session) -> None:
+        """Forget a closed session, so that its KV positions count against the budget no more."""
+        self._sessions.discard(session)
+
     # --- text -----------------------------------------------------------------------------
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

@@ -14,7 +14,6 @@ does not stop at end-of-sequence tokens: every device does the same amount of wo
 """
 from __future__ import annotations
 
-import gc
 import json
 import multiprocessing
 import os
@@ -116,21 +115,21 @@ def greedy_run(model, prompt_ids: list[int], new_tokens: int, after_prefill=None
 
     `after_prefill()`, when given, is called untimed between the prefill and the first decode step
     (the MoE benchmark snapshots the model's streaming counters there)."""
-    session = model.session(capacity=len(prompt_ids) + new_tokens)
-    started = time.perf_counter()
-    logits = session.prefill(prompt_ids)
-    prefill_seconds = time.perf_counter() - started
-    token = int(np.argmax(logits))
-    time_to_first_token = time.perf_counter() - started
-    if after_prefill is not None:
-        after_prefill()
-    tokens, decode_seconds = [token], 0.0
-    for _ in range(new_tokens - 1):
-        step_started = time.perf_counter()
-        logits = session.decode(token)
-        decode_seconds += time.perf_counter() - step_started
+    with model.session(capacity=len(prompt_ids) + new_tokens) as session:
+        started = time.perf_counter()
+        logits = session.prefill(prompt_ids)
+        prefill_seconds = time.perf_counter() - started
         token = int(np.argmax(logits))
-        tokens.append(token)
+        time_to_first_token = time.perf_counter() - started
+        if after_prefill is not None:
+            after_prefill()
+        tokens, decode_seconds = [token], 0.0
+        for _ in range(new_tokens - 1):
+            step_started = time.perf_counter()
+            logits = session.decode(token)
+            decode_seconds += time.perf_counter() - step_started
+            token = int(np.argmax(logits))
+            tokens.append(token)
     return RunTimes(prefill_seconds, decode_seconds, time_to_first_token, len(prompt_ids), new_tokens - 1, tokens)
 
 
@@ -206,9 +205,6 @@ def _device_worker(connection, checkpoint_path: str, device: str, threads: int |
             run = greedy_run(model, command["prompt_ids"], command["new_tokens"], after_prefill)
             if command.get("stats"):
                 snapshots["stats"] = model.stats()
-                # the run's session may sit in a reference cycle (first-call JIT compilation leaves some);
-                # collect it now, so that the KV positions it holds under a memory budget are free again
-                gc.collect()
             text = model.decode(run.tokens) if model.tokenizer else None
             connection.send({"event": "ran", **run.as_dict(), "text": text, **snapshots})
     except Exception as exc:  # forwarded whole to the parent, which raises it as a BenchError

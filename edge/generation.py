@@ -77,10 +77,13 @@ class Generation:
         return longest
 
     def _generate(self):
+        capacity = min(len(self.result.prompt_tokens) + self.max_new_tokens, self.model.spec.max_position_embeddings)
+        with self.model.session(capacity=capacity) as session:
+            yield from self._run(session)
+
+    def _run(self, session):
         model, result = self.model, self.result
         tokenizer = model.tokenizer
-        session = model.session(capacity=min(len(result.prompt_tokens) + self.max_new_tokens,
-                                             model.spec.max_position_embeddings))
         decoder = IncrementalDecoder(tokenizer, result.prompt_tokens) if tokenizer else None
         emitted = 0  # characters of result.text already released
         if self.max_new_tokens == 0:

@@ -8,7 +8,8 @@ ring buffer that holds only the window: position p lives at row p % window. Posi
 Buffers come from the backend: `allocate_kv(capacity, Hkv, Dh)` for plain float32 K/V (the
 layout fused executors read), `allocate_cache(rows, heads, dim, format)` for everything else.
 Both are indexed like arrays: `buffer[rows] = x` stores (rounding to the format), `buffer[rows]`
-reads float32.
+reads float32. `append_stored` hands attention the rows as stored (f16 values, int8 codes and
+scales) so that a backend's kernel reads the format directly; `append` reads them back as float32.
 """
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ class KVCache:
         return tuple(r.data if r.format == "f32" else buffer.decode(r)
                      for r, buffer in zip(rows, self.layers[layer])), positions
 
-    def append_stored(self, layer: int, start: int, new: tuple[np.ndarray, ...]) -> tuple[tuple[StoredRows, ...], np.ndarray]:
+    def append_stored(self, layer: int, start: int,
+                      new: tuple[np.ndarray, ...]) -> tuple[tuple[StoredRows, ...], np.ndarray]:
         """As `append`, but each part comes back as stored (f32 / f16 values, or int8 codes and
         scales) for kernels that read the format directly. A full slot returns views of its buffers
         (rows 0..end-1, nothing copied); a ring slot returns its held window rows followed by the

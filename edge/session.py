@@ -38,6 +38,8 @@ class Session:
         if bad.size:
             raise SessionError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab})")
         self.cache.check_room(len(ids), self.model.spec.max_position_embeddings)
+        if self.cache.length == 0:
+            self._begin_request()
         logits = self.model.transformer.forward(ids, self.cache, all_logits, observer)
         self.tokens.extend(int(i) for i in ids)
         return logits
@@ -56,6 +58,24 @@ class Session:
         from edge.saved_session import save_session
 
         save_session(self, path)
+
+    def _begin_request(self) -> None:
+        """A new request starts: an expert source restarts its per-request statistics (the predictor's
+        frequencies within the request); its cache and what the predictor learned stay."""
+        begin = getattr(self.model.transformer.experts, "begin_request", None)
+        if begin is not None:
+            begin()
+
+    def close(self) -> None:
+        """Free the KV cache and give its positions back to the model's memory budget."""
+        self.cache = None
+        self.model.release_session(self)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def reset(self) -> None:
         self.cache.length = 0

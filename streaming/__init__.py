@@ -12,21 +12,6 @@ from __future__ import annotations
 from edge.errors import ZllmError
 
 
-def _routers(tensors: dict, spec, layers: dict) -> dict:
-    """layer -> (post-attention norm gain [D], router [E, D] f32, bias [E] or None) for the predictor."""
-    from devices.reference import as_float32
-
-    routers = {}
-    for layer, moe in layers.items():
-        prefix = f"model.layers.{layer}."
-        bias_name = prefix + ("mlp.gate.e_score_correction_bias" if moe.score_correction_bias else "mlp.gate.bias")
-        bias = tensors.get(bias_name)
-        routers[layer] = (as_float32(tensors[prefix + "post_attention_layernorm.weight"]),
-                          as_float32(tensors[prefix + "mlp.gate.weight"]),
-                          None if bias is None else as_float32(bias))
-    return routers
-
-
 def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: int | None, storage=None,
                        policy: str | None = None, depth: int = 2, threads: int = 2, verify: bool = False):
     # `verify` also checks every record's crc32 when the resident source reads them all at load
@@ -53,9 +38,10 @@ def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: in
         policy = "cycle" if strategy == "predictive" else "lru"
     predictor = None
     if strategy == "predictive":
-        from streaming.predictor import ExpertPredictor, SignalWeights
+        from streaming.predictor import ExpertPredictor, SignalWeights, predictor_inputs
 
-        predictor = ExpertPredictor(layers, _routers(checkpoint.tensors, spec, layers), depth=depth,
+        _, routers = predictor_inputs(spec, checkpoint.tensors)
+        predictor = ExpertPredictor(layers, routers, depth=depth,
                                     weights=SignalWeights.for_checkpoint(checkpoint.path),
                                     rms_norm_eps=spec.rms_norm_eps)
     elif policy == "forecast":

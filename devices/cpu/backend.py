@@ -22,6 +22,7 @@ try:
     from kernels.cpu import attention as attention_kernels
     from kernels.cpu import attention_stored as stored_attention_kernels
     from kernels.cpu import elementwise, kv_quant, linear as linear_kernels
+    from kernels.cpu import moe as moe_kernels
     from kernels.cpu.runtime import threading_info
 except ImportError as exc:  # pragma: no cover - numba is a declared dependency
     raise DeviceUnavailableError(f"device 'cpu' needs numba and llvmlite ({exc}); pip install numba") from None
@@ -118,6 +119,16 @@ class CpuBackend:
                                   out.reshape(-1))
         return out
 
+    def expert_mixture(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts) -> np.ndarray:
+        """The routed experts' mixture of a MoE layer in one compiled call (kernels/cpu/moe.py):
+        x [T, D], ids / weights [T, A], experts {id: ExpertWeights} -> [T, D]."""
+        distinct = np.unique(ids)  # ascending: the kernel adds experts in this order
+        chosen = [experts[int(expert)] for expert in distinct]  # referenced until the kernel returns
+        matrices = [self._matrix(matrix) for w in chosen for matrix in (w.gate, w.up, w.down)]
+        descriptors = np.stack([matrix.descriptor for matrix in matrices])  # [3 * Ed, W_FIELDS]
+        self.use_threads()
+        return moe_kernels.expert_mixture(descriptors, x, ids, weights, self.threads)
+
     def softmax(self, scores: np.ndarray) -> np.ndarray:
         """Softmax over the last axis (attention's kernel; exposed for tests and the diff tool)."""
         scores = np.ascontiguousarray(scores, dtype=np.float32)
@@ -133,7 +144,8 @@ class CpuBackend:
                 np.zeros((capacity, kv_heads, head_dim), np.float32))
 
     def allocate_cache(self, rows: int, heads: int, dim: int, fmt: str) -> CacheBuffer:
-        # f16 / int8 K/V, MLA latents and ring buffers: op-by-op attention reads them dequantized
+        # f16 / int8 K/V and ring buffers: op-by-op attention reads them as stored (attention_over_cache);
+        # MLA latents are read back dequantized
         return CacheBuffer(rows, heads, dim, fmt, NUMBA_KV_CODEC)
 
     def head_matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -1,0 +1,184 @@
+"""One compiled call per MoE layer: the routed experts' mixture.
+
+T = tokens, D = hidden size, Ed = distinct experts this call uses (ascending id), I = an expert's
+intermediate size, P = threads, R = routed (token, expert) pairs.
+
+    out[t] = sum over the experts e that token t chose, in ascending id order, of
+             coeff[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t]))
+
+Experts arrive as a descriptor table [3 * Ed, W_FIELDS] (gate, up, down of each, kernels/cpu/formats.py)
+and the route as token lists per expert (CSR: `offsets` [Ed + 1] into `tokens` [R] and `coeffs` [R]).
+The projections are the linear kernels' row blocks (kernels/cpu/linear.py): row ranges are cut at
+multiples of MATVEC_BLOCK / TILE_M, and every output row is summed by the same code whatever range
+holds it, so the result does not depend on the thread count; experts are added in ascending id
+order, so it does not depend on where their weights came from either.
+
+Decode (T = 1): x is prepared once for every gate/up; each thread computes its rows of every
+expert's gate and up and their silu product, then its rows of the output from every expert's down
+projection, expert after expert. Prefill: expert after expert, that expert's tokens are gathered and
+transposed, gate/up are tiled into [I, Te] (already the down projection's transposed input), the
+down projection gives [Te, D], and its rows are scaled and added to the tokens' outputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import prange, types
+
+from kernels.cpu.elementwise import silu_times
+from kernels.cpu.formats import W_COLS, W_COLS_PADDED, W_FIELDS, W_ROWS
+from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_M, TILE_ROWS, TILE_T, gemm_rows, matvec_rows,
+                                padded_tokens, prepare_vector, split, sums_length, transpose_tokens)
+from kernels.cpu.runtime import kernel, mutable, readonly
+
+GATE, UP, DOWN = 0, 1, 2  # a distinct expert's rows in the descriptor table: 3 * e + GATE, ...
+
+_i64_ro_1d, _i64_ro_2d = readonly(types.int64, 1), readonly(types.int64, 2)
+_f32_ro_1d, _f32_ro_2d = readonly(types.float32, 1), readonly(types.float32, 2)
+_f32_1d, _f32_2d, _f32_3d = mutable(types.float32, 1), mutable(types.float32, 2), mutable(types.float32, 3)
+
+_DECODE_SIGNATURE = types.void(_i64_ro_2d, _f32_ro_2d, _f32_ro_1d, types.int64, _f32_2d,
+                               _f32_1d, _f32_1d, _f32_1d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d,
+                               _f32_1d)
+
+
+@kernel(_DECODE_SIGNATURE, parallel=True, optimization=2)
+def mixture_decode_kernel(weights, x, coeffs, n_threads, out, x_natural, x_pairs, x_sums, gate_rows, up_rows,
+                          hidden, h_natural, h_pairs, h_sums, down_rows):
+    """One token: out [1, D] = sum_e coeffs[e] * down_e(silu(gate_e(x)) * up_e(x)), x [1, D].
+
+    Scratch: x_* prepared x; gate_rows / up_rows / hidden [Ed, I_max]; h_* [Ed, ...] each expert's
+    prepared hidden vector; down_rows [D]."""
+    n_experts = coeffs.shape[0]
+    prepare_vector(x[0], x_natural, x_pairs, x_sums)
+    for part in prange(n_threads):  # every expert's gate and up rows of this part, then silu * up
+        for e in range(n_experts):
+            gate, up = weights[3 * e + GATE], weights[3 * e + UP]
+            begin, end = split(gate[W_ROWS], n_threads, part, MATVEC_BLOCK)
+            matvec_rows(gate, begin, end, x_natural, x_pairs, x_sums, gate_rows[e])
+            matvec_rows(up, begin, end, x_natural, x_pairs, x_sums, up_rows[e])
+            silu_times(gate_rows[e, begin:end], up_rows[e, begin:end], hidden[e, begin:end])
+    for e in prange(n_experts):  # each expert's hidden vector as the down projection takes it
+        down = weights[3 * e + DOWN]
+        k_padded = down[W_COLS_PADDED]
+        prepare_vector(hidden[e, :down[W_COLS]], h_natural[e, :k_padded], h_pairs[e, :k_padded], h_sums[e])
+    d_model = out.shape[1]
+    for r in range(d_model):
+        out[0, r] = 0.0
+    for part in prange(n_threads):  # this part's output rows, expert after expert (ascending id)
+        begin, end = split(d_model, n_threads, part, MATVEC_BLOCK)
+        for e in range(n_experts):
+            down = weights[3 * e + DOWN]
+            k_padded = down[W_COLS_PADDED]
+            matvec_rows(down, begin, end, h_natural[e, :k_padded], h_pairs[e, :k_padded], h_sums[e], down_rows)
+            coeff = coeffs[e]
+            for r in range(begin, end):
+                out[0, r] += coeff * down_rows[r]
+
+
+_PREFILL_SIGNATURE = types.void(_i64_ro_2d, _f32_ro_2d, _i64_ro_1d, _i64_ro_1d, _f32_ro_1d, types.int64, _f32_2d,
+                                _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_3d, _f32_2d)
+
+
+@kernel(_PREFILL_SIGNATURE, parallel=True, optimization=2)
+def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, gathered, xt, gate_t, up_t, tiles,
+                           blocks):
+    """T tokens: out [T, D] = the mixture, expert after expert; expert e's tokens are
+    tokens[offsets[e]:offsets[e + 1]] with weights coeffs[...] (ascending token order).
+
+    Scratch: gathered [>= Te, D]; xt [>= D_padded, padded Te]; gate_t / up_t [>= I_padded, padded Te]
+    (zero-filled: rows past I are the down projection's zero padding); tiles [P, TILE_ROWS, K_max];
+    blocks [P, TILE_M * TILE_T]."""
+    n_experts = offsets.shape[0] - 1
+    d_model = out.shape[1]
+    for t in range(out.shape[0]):
+        for r in range(d_model):
+            out[t, r] = 0.0
+    for e in range(n_experts):
+        first, n_routed = offsets[e], offsets[e + 1] - offsets[e]
+        if n_routed == 0:
+            continue
+        gate, up, down = weights[3 * e + GATE], weights[3 * e + UP], weights[3 * e + DOWN]
+        rows = gathered[:n_routed]
+        for i in range(n_routed):
+            rows[i] = x[tokens[first + i]]
+        k_padded = max(gate[W_COLS_PADDED], up[W_COLS_PADDED])
+        for part in prange(n_threads):
+            k_begin, k_end = split(k_padded, n_threads, part, CHUNK)
+            transpose_tokens(rows, xt, k_begin, k_end)
+        for part in prange(n_threads):  # gate and up rows [I, Te], then silu(gate) * up in place
+            begin, end = split(gate[W_ROWS], n_threads, part, TILE_M)
+            gemm_rows(gate, begin, end, xt, n_routed, tiles[part], blocks[part], gate_t, begin, False, True)
+            gemm_rows(up, begin, end, xt, n_routed, tiles[part], blocks[part], up_t, begin, False, True)
+            for r in range(begin, end):
+                silu_times(gate_t[r, :n_routed], up_t[r, :n_routed], gate_t[r, :n_routed])
+        for part in prange(n_threads):  # down rows [Te, D] into `rows` (x is no longer needed there)
+            begin, end = split(down[W_ROWS], n_threads, part, TILE_M)
+            gemm_rows(down, begin, end, gate_t, n_routed, tiles[part], blocks[part], rows, begin, False, False)
+        for i in range(n_routed):
+            coeff = coeffs[first + i]
+            destination = out[tokens[first + i]]
+            for r in range(d_model):
+                destination[r] += coeff * rows[i, r]
+
+
+def _check(descriptors: np.ndarray, d_model: int) -> None:
+    n_rows = descriptors.shape[0]
+    if descriptors.ndim != 2 or descriptors.shape[1] != W_FIELDS or n_rows % 3:
+        raise ValueError(f"expert_mixture: expected a descriptor table [3 * experts, {W_FIELDS}], "
+                         f"got {descriptors.shape}")
+    gates, ups, downs = descriptors[GATE::3], descriptors[UP::3], descriptors[DOWN::3]
+    if (gates[:, W_COLS] != d_model).any() or (ups[:, W_COLS] != d_model).any() or (downs[:, W_ROWS] != d_model).any():
+        raise ValueError(f"expert_mixture: x has {d_model} features but an expert's gate/up take "
+                         f"{sorted(set(gates[:, W_COLS].tolist()) | set(ups[:, W_COLS].tolist()))} and its "
+                         f"down gives {sorted(set(downs[:, W_ROWS].tolist()))}")
+    if (gates[:, W_ROWS] != ups[:, W_ROWS]).any() or (downs[:, W_COLS] != gates[:, W_ROWS]).any():
+        raise ValueError("expert_mixture: an expert's gate, up and down disagree on its intermediate size")
+
+
+def expert_mixture(descriptors: np.ndarray, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                   n_threads: int) -> np.ndarray:
+    """The routed experts' mixture: x [T, D] f32, ids [T, A] (expert ids), weights [T, A] f32, and
+    `descriptors` [3 * Ed, W_FIELDS]: gate, up, down of each distinct id of `ids` in ascending order.
+    -> out [T, D] f32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n_tokens, d_model = x.shape
+    descriptors = np.ascontiguousarray(descriptors, dtype=np.int64)
+    _check(descriptors, d_model)
+    distinct, slot_expert = np.unique(ids, return_inverse=True)  # ascending ids; [T * A] index into distinct
+    n_experts = descriptors.shape[0] // 3
+    if distinct.shape[0] != n_experts:
+        raise ValueError(f"expert_mixture: the route uses {distinct.shape[0]} distinct experts, "
+                         f"the descriptor table holds {n_experts}")
+    out = np.empty((n_tokens, d_model), np.float32)
+    intermediate = descriptors[GATE::3, W_ROWS]
+    k_max = int(descriptors[:, W_COLS_PADDED].max())
+    if n_tokens == 1:
+        # a token's A ids are distinct (top-k), so slot_expert orders its weights by expert id
+        coeffs = np.zeros(n_experts, np.float32)
+        coeffs[slot_expert.reshape(-1)] = np.asarray(weights, np.float32).reshape(-1)
+        i_max = int(intermediate.max())
+        h_padded = int(descriptors[DOWN::3, W_COLS_PADDED].max())
+        mixture_decode_kernel(
+            descriptors, x, coeffs, n_threads, out,
+            np.empty(k_max, np.float32), np.empty(k_max, np.float32), np.empty(sums_length(k_max), np.float32),
+            np.empty((n_experts, i_max), np.float32), np.empty((n_experts, i_max), np.float32),
+            np.empty((n_experts, i_max), np.float32), np.empty((n_experts, h_padded), np.float32),
+            np.empty((n_experts, h_padded), np.float32), np.empty((n_experts, sums_length(h_padded)), np.float32),
+            np.empty(d_model, np.float32))
+        return out
+    # routed pairs grouped by expert (stable: ascending token within an expert)
+    flat_expert = slot_expert.reshape(-1)
+    order = np.argsort(flat_expert, kind="stable")
+    tokens = (order // ids.shape[1]).astype(np.int64)
+    coeffs = np.ascontiguousarray(np.asarray(weights, np.float32).reshape(-1)[order])
+    offsets = np.zeros(n_experts + 1, np.int64)
+    np.cumsum(np.bincount(flat_expert, minlength=n_experts), out=offsets[1:])
+    most = int(np.diff(offsets).max())
+    columns = padded_tokens(most)
+    h_rows = max(int(descriptors[DOWN::3, W_COLS_PADDED].max()), int(intermediate.max()))
+    mixture_prefill_kernel(
+        descriptors, x, offsets, tokens, coeffs, n_threads, out,
+        np.empty((most, d_model), np.float32), np.empty((k_max, columns), np.float32),
+        np.zeros((h_rows, columns), np.float32), np.zeros((h_rows, columns), np.float32),
+        np.empty((n_threads, TILE_ROWS, k_max), np.float32), np.empty((n_threads, TILE_M * TILE_T), np.float32))
+    return out

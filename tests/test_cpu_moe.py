@@ -1,0 +1,119 @@
+"""The CPU backend's one-call expert mixture (kernels/cpu/moe.py) against the numpy oracle.
+
+T = tokens, D = hidden size, E = experts, A = active experts per token, I = expert intermediate size.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from devices.cpu import CpuBackend
+from devices.reference import ReferenceBackend
+from edge.moe import ExpertWeights, expert_mixture
+from kernels.cpu import moe as moe_kernels
+from quant import Scheme, quantize
+
+SCHEMES = {
+    "int4_sym_g32": Scheme("int4", 32, True),
+    "int4_affine_g64": Scheme("int4", 64, False),
+    "int8_sym_g32": Scheme("int8", 32, True),
+    "int8_affine_g128": Scheme("int8", 128, False),
+    "f16": None,
+    "f32": None,
+}
+
+
+def stored(matrix: np.ndarray, scheme_name: str):
+    """A float matrix as a checkpoint would store it under `scheme_name`."""
+    if scheme_name == "f32":
+        return matrix.astype(np.float32)
+    if scheme_name == "f16":
+        return matrix.astype(np.float16)
+    return quantize(matrix, SCHEMES[scheme_name])
+
+
+def random_experts(rng, n_experts: int, d_model: int, intermediate: int, scheme_name: str) -> dict[int, dict]:
+    """{id: {"gate": [I, D], "up": [I, D], "down": [D, I]}} as stored."""
+    def matrix(rows, cols):
+        return stored((rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32), scheme_name)
+
+    return {e: {"gate": matrix(intermediate, d_model), "up": matrix(intermediate, d_model),
+                "down": matrix(d_model, intermediate)} for e in range(n_experts)}
+
+
+def prepared(backend, experts: dict[int, dict]) -> dict[int, ExpertWeights]:
+    return {e: ExpertWeights(**{name: backend.prepare_weight(w) for name, w in parts.items()})
+            for e, parts in experts.items()}
+
+
+def random_route(rng, n_tokens: int, n_experts: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """ids [T, A] (distinct per token) and weights [T, A] f32."""
+    ids = np.stack([rng.permutation(n_experts)[:top_k] for _ in range(n_tokens)]).astype(np.int64)
+    weights = rng.uniform(0.1, 1.0, ids.shape).astype(np.float32)
+    return ids, weights
+
+
+def mixtures(scheme_name, n_tokens, top_k, d_model, intermediate, threads=2, seed=0):
+    rng = np.random.default_rng(seed)
+    n_experts = 6
+    experts = random_experts(rng, n_experts, d_model, intermediate, scheme_name)
+    x = rng.standard_normal((n_tokens, d_model)).astype(np.float32)
+    ids, weights = random_route(rng, n_tokens, n_experts, top_k)
+    reference = ReferenceBackend()
+    cpu = CpuBackend(threads=threads)
+    expected = expert_mixture(reference, x, ids, weights, prepared(reference, experts))
+    ours = cpu.expert_mixture(x, ids, weights, prepared(cpu, experts))
+    return ours, expected
+
+
+@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+@pytest.mark.parametrize("n_tokens, top_k", [(1, 1), (1, 4), (5, 2), (40, 3)])
+def test_mixture_matches_the_numpy_oracle(scheme_name, n_tokens, top_k):
+    # D = 96 and I = 70 (not a multiple of 32): padding of x and of every expert's hidden vector
+    ours, expected = mixtures(scheme_name, n_tokens, top_k, d_model=96, intermediate=70)
+    assert ours.shape == expected.shape and ours.dtype == np.float32
+    # both sides multiply the same dequantized weights in f32; only the order of the sums differs
+    # (each output is a sum over A experts of I-long dots of D-long dots)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3])
+def test_mixture_with_hidden_size_64(n_tokens):
+    ours, expected = mixtures("int4_sym_g32", n_tokens, top_k=2, d_model=64, intermediate=96)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("n_tokens", [1, 7])
+def test_mixture_does_not_depend_on_the_thread_count(n_tokens):
+    one, _ = mixtures("int4_affine_g64", n_tokens, top_k=3, d_model=96, intermediate=200, threads=1, seed=3)
+    two, _ = mixtures("int4_affine_g64", n_tokens, top_k=3, d_model=96, intermediate=200, threads=2, seed=3)
+    np.testing.assert_array_equal(one, two)
+
+
+def test_mixture_does_not_depend_on_which_objects_hold_the_weights():
+    # the same experts prepared twice (as a cache reload would) give the same bits
+    rng = np.random.default_rng(5)
+    experts = random_experts(rng, 4, 64, 48, "int8_sym_g32")
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    ids, weights = random_route(rng, 1, 4, 3)
+    cpu = CpuBackend(threads=2)
+    first = cpu.expert_mixture(x, ids, weights, prepared(cpu, experts))
+    again = cpu.expert_mixture(x, ids, weights, {e: w for e, w in reversed(prepared(cpu, experts).items())})
+    np.testing.assert_array_equal(first, again)
+
+
+def test_a_descriptor_table_that_does_not_match_the_route_is_refused():
+    rng = np.random.default_rng(1)
+    cpu = CpuBackend(threads=1)
+    experts = prepared(cpu, random_experts(rng, 3, 64, 32, "f32"))
+    table = np.stack([experts[0].gate.descriptor, experts[0].up.descriptor, experts[0].down.descriptor])
+    x = np.zeros((1, 64), np.float32)
+    with pytest.raises(ValueError) as error:
+        moe_kernels.expert_mixture(table, x, np.array([[0, 2]]), np.ones((1, 2), np.float32), 1)
+    assert str(error.value) == "expert_mixture: the route uses 2 distinct experts, the descriptor table holds 1"
+    with pytest.raises(ValueError) as error:
+        moe_kernels.expert_mixture(table, np.zeros((1, 32), np.float32), np.array([[0]]),
+                                   np.ones((1, 1), np.float32), 1)
+    assert str(error.value) == ("expert_mixture: x has 32 features but an expert's gate/up take [64] "
+                                "and its down gives [64]")
