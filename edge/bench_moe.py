@@ -8,8 +8,10 @@ Strategies (edge.load's expert_strategy):
     predictive  ours: the predictor's prefetches, and eviction by its forecast
 
 Every (strategy, budget) runs in its own spawned worker (edge/bench.py's DeviceWorker), so each peak
-RSS is its own; the RSS a worker has before loading (interpreter, numpy, numba...) is reported apart
-as the interpreter baseline, and the budget is compared with peak RSS minus that baseline. Each worker
+RSS is its own. Before the measured load a worker loads the model once, runs a few tokens and closes
+it (on Linux, then restarts the kernel's peak-RSS count): what stays is the runtime (interpreter,
+numpy, numba, the compiled kernels), reported apart as the baseline; the budget is compared with
+peak RSS minus that baseline. Each worker
 loads, runs one short warm-up on a prompt of its own (JIT compilation, the predictor's first routes),
 then `repeats` timed runs, each on a different prompt (a predictor must not be scored on a sequence
 it has already seen). Counters (hits, misses, bytes, stall) are taken over the decode steps only,

@@ -70,7 +70,12 @@ class ExpertSource(Protocol):
 
         `residual` [T, D] is the residual stream entering the layer's feed-forward block (before its
         norm): the expert predictor applies later layers' routers to it. The call also records the
-        route, so the source learns from it and schedules prefetches for the layers ahead."""
+        route, so the source learns from it and schedules prefetches for the layers ahead.
+
+        The weights stay valid until the next call, except when the mapping has a `window_size`
+        (a route needing more experts than a small cache holds): then only that many experts'
+        weights are valid at once, and taking a further one (in ascending id order) releases the
+        earliest taken; a consumer uses at most `window_size` experts' weights together."""
 
     def stats(self) -> dict: ...
 

@@ -135,9 +135,9 @@ def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int 
     top_k = max(spec.moe_for_layer(layer).top_k for layer in layers)
     staging = 0
     if strategy == "resident":
-        working, what = all_experts, f"{all_experts} bytes for every expert (resident)"
+        working, what = all_experts, "every expert (resident)"
     elif strategy == "mmap":
-        working, what = top_k * entry_bytes(index, largest), f"{top_k} experts of layer {largest} (top_k)"
+        working, what = top_k * entry_bytes(index, largest), f"{top_k} experts of layer {largest} at once (top_k)"
     else:
         if index.compression:  # per thread: the compressed record, and zstd's output before it is copied
             staging = loading_threads * (aligned_length(max(r.length for layer in layers
@@ -145,7 +145,7 @@ def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int 
                                          + index.largest_raw_record)
         in_flight = top_k + loading_threads
         working = in_flight * entry_bytes(index, largest)
-        what = (f"{in_flight} experts of layer {largest} (top_k {top_k} + {loading_threads} loading threads)"
+        what = (f"{in_flight} experts of layer {largest} at once (top_k {top_k} + {loading_threads} loading threads)"
                 + (f" and {staging} bytes of decompression staging" if staging else ""))
     fixed = dense_bytes + kv + scratch + staging
     minimum = fixed + working

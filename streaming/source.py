@@ -232,6 +232,11 @@ class StreamedLayer(Mapping):
             self._handed_out.append(expert)
         return entry.weights
 
+    @property
+    def window_size(self) -> int:
+        """How many experts' weights stay valid together (edge/moe.py ExpertSource)."""
+        return self.room
+
     def __iter__(self):
         return iter(self.ids)
 

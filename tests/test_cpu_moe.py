@@ -103,17 +103,53 @@ def test_mixture_does_not_depend_on_which_objects_hold_the_weights():
     np.testing.assert_array_equal(first, again)
 
 
+class Windowed(dict):
+    """Expert weights of which only `window_size` are valid at once, as a small streaming cache
+    hands them out: taking one more than the window invalidates the earliest taken."""
+
+    def __init__(self, experts, window_size):
+        super().__init__(experts)
+        self.window_size = window_size
+        self.taken = []
+
+    def __getitem__(self, expert):
+        self.taken.append(expert)
+        live = self.taken[-self.window_size:]
+        for stale in set(self.taken) - set(live):  # its buffer is reused: the codes change
+            weights = dict.__getitem__(self, stale)
+            for matrix in (weights.gate, weights.up, weights.down):
+                matrix.arrays[0][...] = 0
+        return dict.__getitem__(self, expert)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 9])
+def test_a_window_of_experts_gives_the_same_bits_as_all_of_them(n_tokens):
+    rng = np.random.default_rng(7)
+    experts = random_experts(rng, 6, 64, 40, "int4_sym_g32")
+    x = rng.standard_normal((n_tokens, 64)).astype(np.float32)
+    ids, weights = random_route(rng, n_tokens, 6, 4)
+    cpu = CpuBackend(threads=2)
+    whole = cpu.expert_mixture(x, ids, weights, prepared(cpu, experts))
+    windowed = Windowed(prepared(cpu, experts), window_size=2)
+    np.testing.assert_array_equal(cpu.expert_mixture(x, ids, weights, windowed), whole)
+    assert windowed.taken == sorted(windowed.taken) and len(windowed.taken) == len(np.unique(ids))
+
+
 def test_a_descriptor_table_that_does_not_match_the_route_is_refused():
     rng = np.random.default_rng(1)
     cpu = CpuBackend(threads=1)
     experts = prepared(cpu, random_experts(rng, 3, 64, 32, "f32"))
     table = np.stack([experts[0].gate.descriptor, experts[0].up.descriptor, experts[0].down.descriptor])
     x = np.zeros((1, 64), np.float32)
+    out = np.zeros((1, 64), np.float32)
     with pytest.raises(ValueError) as error:
-        moe_kernels.expert_mixture(table, x, np.array([[0, 2]]), np.ones((1, 2), np.float32), 1)
-    assert str(error.value) == "expert_mixture: the route uses 2 distinct experts, the descriptor table holds 1"
+        moe_kernels.expert_mixture(table, np.array([0, 2]), x, np.array([[0, 2]]), np.ones((1, 2), np.float32), 1, out)
+    assert str(error.value) == "expert_mixture: 2 expert ids for a descriptor table of 1 experts"
     with pytest.raises(ValueError) as error:
-        moe_kernels.expert_mixture(table, np.zeros((1, 32), np.float32), np.array([[0]]),
-                                   np.ones((1, 1), np.float32), 1)
+        moe_kernels.expert_mixture(table, np.array([1]), x, np.array([[0, 2]]), np.ones((1, 2), np.float32), 1, out)
+    assert str(error.value) == "expert_mixture: experts [1] are not all in the route [0, 2]"
+    with pytest.raises(ValueError) as error:
+        moe_kernels.expert_mixture(table, np.array([0]), np.zeros((1, 32), np.float32), np.array([[0]]),
+                                   np.ones((1, 1), np.float32), 1, out)
     assert str(error.value) == ("expert_mixture: x has 32 features but an expert's gate/up take [64] "
                                 "and its down gives [64]")

@@ -117,7 +117,7 @@ def test_budget_below_minimum_is_refused(tiny_zoo):
         f"memory budget {minimum - 1} bytes ({(minimum - 1) / 1e6:.1f} MB) is below this model's minimum working set "
         f"of {minimum} bytes ({minimum / 1e6:.1f} MB): {plan.dense_bytes} bytes of non-expert weights, "
         f"{plan.kv_bytes} bytes of KV cache ({plan.kv_capacity} positions), {plan.scratch_bytes} bytes of scratch and "
-        f"{4 * entry} bytes for 4 experts of layer 0 (top_k 2 + 2 loading threads); "
+        f"{4 * entry} bytes for 4 experts of layer 0 at once (top_k 2 + 2 loading threads); "
         f"raise memory_budget to at least {minimum} bytes")
     with pytest.raises(ZllmError) as error:
         edge.load(path, memory_budget="10%")  # 10% of 16 experts holds fewer than the 4 needed at once

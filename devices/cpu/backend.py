@@ -120,14 +120,24 @@ class CpuBackend:
         return out
 
     def expert_mixture(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts) -> np.ndarray:
-        """The routed experts' mixture of a MoE layer in one compiled call (kernels/cpu/moe.py):
-        x [T, D], ids / weights [T, A], experts {id: ExpertWeights} -> [T, D]."""
-        distinct = np.unique(ids)  # ascending: the kernel adds experts in this order
-        chosen = [experts[int(expert)] for expert in distinct]  # referenced until the kernel returns
-        matrices = [self._matrix(matrix) for w in chosen for matrix in (w.gate, w.up, w.down)]
-        descriptors = np.stack([matrix.descriptor for matrix in matrices])  # [3 * Ed, W_FIELDS]
+        """The routed experts' mixture of a MoE layer, one compiled call per batch of experts
+        (kernels/cpu/moe.py): x [T, D], ids / weights [T, A], experts {id: ExpertWeights} -> [T, D].
+
+        A source that keeps only `window_size` experts' weights valid at once (edge/moe.py
+        ExpertSource) is read that many experts at a time, in ascending id order; the kernel adds
+        them in the same order either way, so the result does not depend on the window."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        distinct = np.unique(ids)  # ascending
+        window = getattr(experts, "window_size", None) or len(distinct)
+        out = np.zeros(x.shape, np.float32)  # [T, D]
         self.use_threads()
-        return moe_kernels.expert_mixture(descriptors, x, ids, weights, self.threads)
+        for begin in range(0, len(distinct), window):
+            batch = distinct[begin:begin + window]
+            chosen = [experts[int(expert)] for expert in batch]  # referenced until the kernel returns
+            matrices = [self._matrix(matrix) for w in chosen for matrix in (w.gate, w.up, w.down)]
+            descriptors = np.stack([matrix.descriptor for matrix in matrices])  # [3 * Ed, W_FIELDS]
+            moe_kernels.expert_mixture(descriptors, batch, x, ids, weights, self.threads, out)
+        return out
 
     def softmax(self, scores: np.ndarray) -> np.ndarray:
         """Softmax over the last axis (attention's kernel; exposed for tests and the diff tool)."""

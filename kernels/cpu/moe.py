@@ -44,7 +44,7 @@ _DECODE_SIGNATURE = types.void(_i64_ro_2d, _f32_ro_2d, _f32_ro_1d, types.int64, 
 @kernel(_DECODE_SIGNATURE, parallel=True, optimization=2)
 def mixture_decode_kernel(weights, x, coeffs, n_threads, out, x_natural, x_pairs, x_sums, gate_rows, up_rows,
                           hidden, h_natural, h_pairs, h_sums, down_rows):
-    """One token: out [1, D] = sum_e coeffs[e] * down_e(silu(gate_e(x)) * up_e(x)), x [1, D].
+    """One token: out [1, D] += sum_e coeffs[e] * down_e(silu(gate_e(x)) * up_e(x)), x [1, D].
 
     Scratch: x_* prepared x; gate_rows / up_rows / hidden [Ed, I_max]; h_* [Ed, ...] each expert's
     prepared hidden vector; down_rows [D]."""
@@ -62,8 +62,6 @@ def mixture_decode_kernel(weights, x, coeffs, n_threads, out, x_natural, x_pairs
         k_padded = down[W_COLS_PADDED]
         prepare_vector(hidden[e, :down[W_COLS]], h_natural[e, :k_padded], h_pairs[e, :k_padded], h_sums[e])
     d_model = out.shape[1]
-    for r in range(d_model):
-        out[0, r] = 0.0
     for part in prange(n_threads):  # this part's output rows, expert after expert (ascending id)
         begin, end = split(d_model, n_threads, part, MATVEC_BLOCK)
         for e in range(n_experts):
@@ -82,7 +80,7 @@ _PREFILL_SIGNATURE = types.void(_i64_ro_2d, _f32_ro_2d, _i64_ro_1d, _i64_ro_1d, 
 @kernel(_PREFILL_SIGNATURE, parallel=True, optimization=2)
 def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, gathered, xt, gate_t, up_t, tiles,
                            blocks):
-    """T tokens: out [T, D] = the mixture, expert after expert; expert e's tokens are
+    """T tokens: out [T, D] += the mixture, expert after expert; expert e's tokens are
     tokens[offsets[e]:offsets[e + 1]] with weights coeffs[...] (ascending token order).
 
     Scratch: gathered [>= Te, D]; xt [>= D_padded, padded Te]; gate_t / up_t [>= I_padded, padded Te]
@@ -90,9 +88,6 @@ def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, 
     blocks [P, TILE_M * TILE_T]."""
     n_experts = offsets.shape[0] - 1
     d_model = out.shape[1]
-    for t in range(out.shape[0]):
-        for r in range(d_model):
-            out[t, r] = 0.0
     for e in range(n_experts):
         first, n_routed = offsets[e], offsets[e + 1] - offsets[e]
         if n_routed == 0:
@@ -135,27 +130,37 @@ def _check(descriptors: np.ndarray, d_model: int) -> None:
         raise ValueError("expert_mixture: an expert's gate, up and down disagree on its intermediate size")
 
 
-def expert_mixture(descriptors: np.ndarray, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
-                   n_threads: int) -> np.ndarray:
-    """The routed experts' mixture: x [T, D] f32, ids [T, A] (expert ids), weights [T, A] f32, and
-    `descriptors` [3 * Ed, W_FIELDS]: gate, up, down of each distinct id of `ids` in ascending order.
-    -> out [T, D] f32."""
+def expert_mixture(descriptors: np.ndarray, experts: np.ndarray, x: np.ndarray, ids: np.ndarray,
+                   weights: np.ndarray, n_threads: int, out: np.ndarray) -> None:
+    """out [T, D] += the share of the routed mixture that comes from `experts` [Ed] (ascending ids,
+    each used by the route), whose gate, up, down `descriptors` [3 * Ed, W_FIELDS] describes; x [T, D]
+    f32, the route ids [T, A] and weights [T, A] f32.
+
+    Calling it for consecutive ascending batches of the route's experts adds every output in the
+    same order as one call with all of them, so the result is the same to the bit."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     n_tokens, d_model = x.shape
     descriptors = np.ascontiguousarray(descriptors, dtype=np.int64)
     _check(descriptors, d_model)
-    distinct, slot_expert = np.unique(ids, return_inverse=True)  # ascending ids; [T * A] index into distinct
+    experts = np.asarray(experts, dtype=np.int64)
     n_experts = descriptors.shape[0] // 3
-    if distinct.shape[0] != n_experts:
-        raise ValueError(f"expert_mixture: the route uses {distinct.shape[0]} distinct experts, "
-                         f"the descriptor table holds {n_experts}")
-    out = np.empty((n_tokens, d_model), np.float32)
+    if experts.shape != (n_experts,):
+        raise ValueError(f"expert_mixture: {experts.shape[0]} expert ids for a descriptor table of {n_experts} experts")
+    if out.shape != (n_tokens, d_model) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"expert_mixture: out must be a C-contiguous float32 [{n_tokens}, {d_model}] array, "
+                         f"got {out.dtype} {out.shape}")
+    flat_ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [T * A]
+    flat_weights = np.asarray(weights, dtype=np.float32).reshape(-1)
+    position = np.minimum(np.searchsorted(experts, flat_ids), n_experts - 1)  # [T * A]: index in `experts`
+    in_batch = experts[position] == flat_ids
+    if np.bincount(position[in_batch], minlength=n_experts).min() == 0:
+        raise ValueError(f"expert_mixture: experts {experts.tolist()} are not all in the route {sorted(set(flat_ids.tolist()))}")
     intermediate = descriptors[GATE::3, W_ROWS]
     k_max = int(descriptors[:, W_COLS_PADDED].max())
     if n_tokens == 1:
-        # a token's A ids are distinct (top-k), so slot_expert orders its weights by expert id
+        # a token's A ids are distinct (top-k): one weight per expert
         coeffs = np.zeros(n_experts, np.float32)
-        coeffs[slot_expert.reshape(-1)] = np.asarray(weights, np.float32).reshape(-1)
+        coeffs[position[in_batch]] = flat_weights[in_batch]
         i_max = int(intermediate.max())
         h_padded = int(descriptors[DOWN::3, W_COLS_PADDED].max())
         mixture_decode_kernel(
@@ -165,14 +170,14 @@ def expert_mixture(descriptors: np.ndarray, x: np.ndarray, ids: np.ndarray, weig
             np.empty((n_experts, i_max), np.float32), np.empty((n_experts, h_padded), np.float32),
             np.empty((n_experts, h_padded), np.float32), np.empty((n_experts, sums_length(h_padded)), np.float32),
             np.empty(d_model, np.float32))
-        return out
-    # routed pairs grouped by expert (stable: ascending token within an expert)
-    flat_expert = slot_expert.reshape(-1)
-    order = np.argsort(flat_expert, kind="stable")
-    tokens = (order // ids.shape[1]).astype(np.int64)
-    coeffs = np.ascontiguousarray(np.asarray(weights, np.float32).reshape(-1)[order])
+        return
+    # the batch's routed (token, weight) pairs grouped by expert, ascending tokens within each
+    slots = np.nonzero(in_batch)[0]
+    slots = slots[np.argsort(position[slots], kind="stable")]
+    tokens = (slots // ids.shape[1]).astype(np.int64)
+    coeffs = np.ascontiguousarray(flat_weights[slots])
     offsets = np.zeros(n_experts + 1, np.int64)
-    np.cumsum(np.bincount(flat_expert, minlength=n_experts), out=offsets[1:])
+    np.cumsum(np.bincount(position[in_batch], minlength=n_experts), out=offsets[1:])
     most = int(np.diff(offsets).max())
     columns = padded_tokens(most)
     h_rows = max(int(descriptors[DOWN::3, W_COLS_PADDED].max()), int(intermediate.max()))
@@ -181,4 +186,3 @@ def expert_mixture(descriptors: np.ndarray, x: np.ndarray, ids: np.ndarray, weig
         np.empty((most, d_model), np.float32), np.empty((k_max, columns), np.float32),
         np.zeros((h_rows, columns), np.float32), np.zeros((h_rows, columns), np.float32),
         np.empty((n_threads, TILE_ROWS, k_max), np.float32), np.empty((n_threads, TILE_M * TILE_T), np.float32))
-    return out
