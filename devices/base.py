@@ -56,6 +56,15 @@ class Backend(Protocol):
     def head_matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """Per-head products (MLA's absorbed form): x [T, H, K], w [H, N, K] float32 -> [T, H, N]."""
 
+    # Optional, for backends that run MoE layers faster than op by op (edge/moe.py asks for it):
+    def expert_mixture(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts) -> np.ndarray:
+        """The routed experts' mixture of one MoE layer: x [T, D], expert ids [T, A], route weights
+        [T, A], experts {id: edge.moe.ExpertWeights} -> sum over each token's chosen experts of
+        weight * down(silu(gate(x)) * up(x)), [T, D]. Experts are added in ascending id order (so the
+        result does not depend on which ExpertSource supplied them), and a mapping with a
+        `window_size` is read at most that many experts at a time (edge/moe.py ExpertSource).
+        Without it, edge/moe.py `expert_mixture` composes linear and swiglu per expert."""
+
     def compile_forward(self, transformer) -> Callable | None:
         """A fused executor for the whole forward pass, or None to run edge's op-by-op composition.
 

@@ -134,8 +134,8 @@ class CpuBackend:
         for begin in range(0, len(distinct), window):
             batch = distinct[begin:begin + window]
             chosen = [experts[int(expert)] for expert in batch]  # referenced until the kernel returns
-            matrices = [self._matrix(matrix) for w in chosen for matrix in (w.gate, w.up, w.down)]
-            descriptors = np.stack([matrix.descriptor for matrix in matrices])  # [3 * Ed, W_FIELDS]
+            descriptors = np.concatenate([self._matrix(matrix).descriptor for w in chosen
+                                          for matrix in (w.gate, w.up, w.down)]).reshape(3 * len(batch), -1)
             moe_kernels.expert_mixture(descriptors, batch, x, ids, weights, self.threads, out)
         return out
 

@@ -1,13 +1,14 @@
 """Causal attention over a KV cache as stored: f16 values, or int8 codes with f16 per-group scales
-(quant/kv_formats.py). Each key or value row is widened into a per-thread f32 row of Dh values
-right before it is used, so attention reads the cache's own bytes (2 or ~1.06 per value instead of
-4) and never builds an f32 copy of the cache.
+(quant/kv_formats.py). Each f16 row, and each int8 value row, is widened into a per-thread f32 row
+of Dh values right before it is used; an int8 key enters its scores as sum over groups of
+scale_g * (q . codes_g). Attention thus reads the cache's own bytes (2 or ~1.06 per value instead
+of 4) and never builds an f32 copy of the cache.
 
 The work is cut as in kernels/cpu/attention.py: items (token, KV head, split), each serving the
 query heads of its KV head's group, partial softmaxes merged exactly by log-sum-exp. The widened
 rows equal the numpy dequantization bit for bit (an f16 widens exactly; code * scale is one f32
-product in both), so results differ from "dequantize, then the f32 kernel" by nothing but the
-order of f32 sums.
+product in both), so results differ from "dequantize, then the f32 kernel" by f32 rounding only
+(summation order, and the int8 key dot's per-group factoring).
 
 T = tokens, S = key positions, Hq / Hkv = query / KV heads, Dh = head dim, G = int8 group size.
 """
@@ -40,6 +41,27 @@ def widen_row(halves, codes, scales, group, s, kv_head, row):
             row[d] = half_to_single(row_halves[d])
 
 
+@helper
+def widen_scales(scales, s, kv_head, out):
+    """out[:D/G] = the f16 scales of the int8 row (s, kv_head) as f32."""
+    row_scales = scales[s, kv_head]
+    for g in range(row_scales.shape[0]):
+        out[g] = half_to_single(row_scales[g])
+
+
+@helper
+def int8_dot(q, codes, scales, group):
+    """q [Dh] . (codes [Dh] x per-group scales [D/G]): each group's integer-valued dot, then its scale."""
+    total = np.float32(0.0)
+    for g in range(codes.shape[0] // group):
+        base = g * group
+        partial = np.float32(0.0)
+        for j in range(group):
+            partial += q[base + j] * np.float32(codes[base + j])
+        total += partial * scales[g]
+    return total
+
+
 def stored_scratch_floats(n_heads: int, n_keys: int, head_dim: int) -> int:
     """Per-thread scratch of an item: the f32 kernel's, plus one widened row."""
     return scratch_floats(n_heads, n_keys, head_dim) + head_dim
@@ -60,21 +82,33 @@ def partial_attention_stored(q, key_halves, key_codes, key_scales, value_halves,
     accs[:] = 0.0
     peaks[:] = -np.inf
     totals[:] = 0.0
-    for s in range(n):
-        key_index = s_begin + s
-        p = k_positions[key_index]
-        if p <= q_position and (window == 0 or q_position - p < window):
-            widen_row(key_halves, key_codes, key_scales, group_size, key_index, kv_head, row)
+    if key_codes.shape[0] > 0:  # int8: per group, scale x (q . codes); no widened key row
+        for s in range(n):
+            key_index = s_begin + s
+            p = k_positions[key_index]
+            visible = p <= q_position and (window == 0 or q_position - p < window)
+            if visible:
+                widen_scales(key_scales, key_index, kv_head, row)
             for g in range(group):
-                dot = np.float32(0.0)
-                for d in range(head_dim):
-                    dot += q[g, d] * row[d]
-                score = dot * scale
+                score = int8_dot(q[g], key_codes[key_index, kv_head], row, group_size) * scale if visible else -np.inf
                 scores[g * n + s] = score
                 peaks[g] = max(peaks[g], score)
-        else:
-            for g in range(group):
-                scores[g * n + s] = -np.inf
+    else:
+        for s in range(n):
+            key_index = s_begin + s
+            p = k_positions[key_index]
+            if p <= q_position and (window == 0 or q_position - p < window):
+                widen_row(key_halves, key_codes, key_scales, group_size, key_index, kv_head, row)
+                for g in range(group):
+                    dot = np.float32(0.0)
+                    for d in range(head_dim):
+                        dot += q[g, d] * row[d]
+                    score = dot * scale
+                    scores[g * n + s] = score
+                    peaks[g] = max(peaks[g], score)
+            else:
+                for g in range(group):
+                    scores[g * n + s] = -np.inf
     exponentiate_scores(scores, peaks, totals, n)
     for s in range(n):
         weighted = False  # masked for every head of the group: no need to widen the value row

@@ -83,8 +83,8 @@ def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, 
     """T tokens: out [T, D] += the mixture, expert after expert; expert e's tokens are
     tokens[offsets[e]:offsets[e + 1]] with weights coeffs[...] (ascending token order).
 
-    Scratch: gathered [>= Te, D]; xt [>= D_padded, padded Te]; gate_t / up_t [>= I_padded, padded Te]
-    (zero-filled: rows past I are the down projection's zero padding); tiles [P, TILE_ROWS, K_max];
+    Scratch: gathered [>= Te, D]; xt [>= D_padded, padded Te]; gate_t / up_t [>= I_padded, padded Te];
+    tiles [P, TILE_ROWS, K_max];
     blocks [P, TILE_M * TILE_T]."""
     n_experts = offsets.shape[0] - 1
     d_model = out.shape[1]
@@ -106,6 +106,9 @@ def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, 
             gemm_rows(up, begin, end, xt, n_routed, tiles[part], blocks[part], up_t, begin, False, True)
             for r in range(begin, end):
                 silu_times(gate_t[r, :n_routed], up_t[r, :n_routed], gate_t[r, :n_routed])
+        for r in range(gate[W_ROWS], down[W_COLS_PADDED]):  # the down projection's zero padding
+            for t in range(gate_t.shape[1]):
+                gate_t[r, t] = 0.0
         for part in prange(n_threads):  # down rows [Te, D] into `rows` (x is no longer needed there)
             begin, end = split(down[W_ROWS], n_threads, part, TILE_M)
             gemm_rows(down, begin, end, gate_t, n_routed, tiles[part], blocks[part], rows, begin, False, False)
@@ -117,16 +120,16 @@ def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, 
 
 
 def _check(descriptors: np.ndarray, d_model: int) -> None:
-    n_rows = descriptors.shape[0]
-    if descriptors.ndim != 2 or descriptors.shape[1] != W_FIELDS or n_rows % 3:
+    if descriptors.ndim != 2 or descriptors.shape[1] != W_FIELDS or descriptors.shape[0] % 3:
         raise ValueError(f"expert_mixture: expected a descriptor table [3 * experts, {W_FIELDS}], "
                          f"got {descriptors.shape}")
-    gates, ups, downs = descriptors[GATE::3], descriptors[UP::3], descriptors[DOWN::3]
-    if (gates[:, W_COLS] != d_model).any() or (ups[:, W_COLS] != d_model).any() or (downs[:, W_ROWS] != d_model).any():
+    experts = descriptors.reshape(-1, 3, W_FIELDS)  # [Ed, gate/up/down, W_FIELDS]
+    rows, cols = experts[:, :, W_ROWS], experts[:, :, W_COLS]  # [Ed, 3] each
+    if (cols[:, GATE] != d_model).any() or (cols[:, UP] != d_model).any() or (rows[:, DOWN] != d_model).any():
         raise ValueError(f"expert_mixture: x has {d_model} features but an expert's gate/up take "
-                         f"{sorted(set(gates[:, W_COLS].tolist()) | set(ups[:, W_COLS].tolist()))} and its "
-                         f"down gives {sorted(set(downs[:, W_ROWS].tolist()))}")
-    if (gates[:, W_ROWS] != ups[:, W_ROWS]).any() or (downs[:, W_COLS] != gates[:, W_ROWS]).any():
+                         f"{sorted(set(cols[:, GATE].tolist()) | set(cols[:, UP].tolist()))} and its "
+                         f"down gives {sorted(set(rows[:, DOWN].tolist()))}")
+    if (rows[:, GATE] != rows[:, UP]).any() or (cols[:, DOWN] != rows[:, GATE]).any():
         raise ValueError("expert_mixture: an expert's gate, up and down disagree on its intermediate size")
 
 
@@ -184,5 +187,5 @@ def expert_mixture(descriptors: np.ndarray, experts: np.ndarray, x: np.ndarray, 
     mixture_prefill_kernel(
         descriptors, x, offsets, tokens, coeffs, n_threads, out,
         np.empty((most, d_model), np.float32), np.empty((k_max, columns), np.float32),
-        np.zeros((h_rows, columns), np.float32), np.zeros((h_rows, columns), np.float32),
+        np.empty((h_rows, columns), np.float32), np.empty((h_rows, columns), np.float32),
         np.empty((n_threads, TILE_ROWS, k_max), np.float32), np.empty((n_threads, TILE_M * TILE_T), np.float32))
