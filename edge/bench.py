@@ -180,11 +180,11 @@ def _device_worker(connection, checkpoint_path: str, device: str, threads: int |
 
     if load_options is not None:
         _import_runtime(device)
-        if _reset_peak_rss():
-            _warm_up_runtime(checkpoint_path, device, threads, load_options)
-    sampler = PeakRSSSampler() if peak_rss_bytes() is None else None
-    rss_before_load = psutil.Process().memory_info().rss
     try:
+        if load_options is not None and _reset_peak_rss():
+            _warm_up_runtime(checkpoint_path, device, threads, load_options)
+        sampler = PeakRSSSampler() if peak_rss_bytes() is None else None
+        rss_before_load = psutil.Process().memory_info().rss
         started = time.perf_counter()
         model = edge.load(checkpoint_path, device=device, threads=threads, **(load_options or {}))
         load_seconds = time.perf_counter() - started

@@ -391,29 +391,33 @@ class ExpertPredictor:
         mask = np.repeat(mask, grouped.shape[-1], axis=1)  # [T, E]
         return np.where(mask, logits, logits.min() - 30.0)
 
-    def signals(self, layer: int, gate_logits: dict[int, np.ndarray], n_tokens: int) -> dict[int, np.ndarray]:
+    def signals(self, layer: int, gate_logits: dict[int, np.ndarray], n_tokens: int,
+                used: tuple[bool, ...] = (True,) * len(SIGNALS)) -> dict[int, np.ndarray]:
         """For each target: the four signal distributions [T, S, E] (the predictor's raw evidence), from
-        the selection logits `gate_logits` of the targets (a missing target gets a uniform gate)."""
+        the selection logits `gate_logits` of the targets (a missing target gets a uniform gate).
+        A signal that `used` marks False is left at zero (a mix that gives it no weight skips its cost)."""
+        use_gate, use_temporal, use_spatial, use_frequency = used
         out = {}
-        here = self._pass_routes.get(layer) if self._current_layer == layer else None
+        here = self._pass_routes.get(layer) if self._current_layer == layer and use_spatial else None
         chained = None if here is None else _one_hot_mean(here, self.configs[layer].num_experts)  # [T, E_L]
         for target in self.targets(layer):
             num_experts = self.configs[target].num_experts
             uniform = np.full((n_tokens, num_experts), 1.0 / num_experts)
-            stack = np.empty((n_tokens, len(SIGNALS), num_experts))
-            stack[:, 0] = softmax(gate_logits[target].astype(np.float64)) if target in gate_logits else uniform
+            stack = np.zeros((n_tokens, len(SIGNALS), num_experts))
+            if use_gate:
+                stack[:, 0] = softmax(gate_logits[target].astype(np.float64)) if target in gate_logits else uniform
             previous = self.previous_token_route[target]
-            if previous is None:
-                stack[:, 1] = uniform
-            else:
-                stack[:, 1] = _row_normalized(self.temporal[target])[previous].mean(axis=0)
-            if chained is not None:
-                chained = chained @ _row_normalized(self.spatial[target])  # rows stay distributions
-                stack[:, 2] = chained
-            else:
-                stack[:, 2] = uniform
-            counts = self.frequency[target] + SMOOTHING
-            stack[:, 3] = counts / counts.sum()
+            if use_temporal:
+                stack[:, 1] = uniform if previous is None else _row_normalized(self.temporal[target])[previous].mean(0)
+            if use_spatial:
+                if chained is not None:
+                    chained = chained @ _row_normalized(self.spatial[target])  # rows stay distributions
+                    stack[:, 2] = chained
+                else:
+                    stack[:, 2] = uniform
+            if use_frequency:
+                counts = self.frequency[target] + SMOOTHING
+                stack[:, 3] = counts / counts.sum()
             out[target] = stack
         return out
 
@@ -444,8 +448,10 @@ class ExpertPredictor:
 
     def forecast_from_lookahead(self, layer: int, lookahead: dict[int, np.ndarray], n_tokens: int) -> dict[int, np.ndarray]:
         """`forecast` from raw lookahead logits already computed (replaying a recorded trace)."""
-        scores = self.combine(layer, self.signals(layer, self.corrected_gate(layer, lookahead), n_tokens))
         position = self.position[layer]
+        mixes = [self.weights.mix(self.position[target] - position).as_array() for target in lookahead]
+        used = tuple(bool(any(mix[s] for mix in mixes)) for s in range(len(SIGNALS)))
+        scores = self.combine(layer, self.signals(layer, self.corrected_gate(layer, lookahead), n_tokens, used))
         need = {}
         for target, per_token in scores.items():
             distance = self.position[target] - position
