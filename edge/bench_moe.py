@@ -302,6 +302,11 @@ def cmd_bench_moe(args) -> int:
         raise BenchError(f"--memory-budget benchmarks one device at a time, got --device {args.device}")
     budgets = parse_budgets(args.memory_budget or "25%,50%,75%,100%")
     strategies = parse_strategies(args.strategies)
+    if args.plot:
+        try:  # checked before the sweep, not after minutes of it
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise BenchError("--plot needs matplotlib: pip install 'zllm-edge[bench]' (or matplotlib)") from None
     if args.random_moe:
         if args.model:
             raise BenchError("give either a MODEL or --random-moe, not both")
