@@ -532,13 +532,17 @@ def cmd_bench(args) -> int:
     progress = None if args.quiet else (lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))
     report = run_bench(path, devices, threads=args.threads, prompt_tokens=args.prompt_tokens,
                        new_tokens=args.new_tokens, repeats=args.repeats, progress=progress)
-    table = format_table(report)
-    if args.json == "-":
+    emit_report(format_table(report), report, args.json)
+    return 0
+
+
+def emit_report(table: str, report: dict, json_target: str | None) -> None:
+    """The table on stdout and the JSON into a file; with `--json -`, JSON on stdout and the table on stderr."""
+    if json_target == "-":
         print(table, file=sys.stderr)
         print(json.dumps(report, indent=1))
     else:
         print(table)
-        if args.json:
-            with open(args.json, "w") as f:
+        if json_target:
+            with open(json_target, "w") as f:
                 json.dump(report, f, indent=1)
-    return 0

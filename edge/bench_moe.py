@@ -19,14 +19,13 @@ from `model.stats()` before and after them.
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import sys
 
-from edge.bench import (PROMPT_SEED, WARMUP_NEW_TOKENS, BenchError, DeviceWorker, _agreeing_prefix, id_prompt,
-                        machine_info)
+from edge.bench import (PROMPT_SEED, WARMUP_NEW_TOKENS, BenchError, DeviceWorker, _agreeing_prefix, emit_report,
+                        id_prompt, machine_info)
 
 STRATEGY_OPTIONS = {
     "resident": {"expert_strategy": "resident"},
@@ -319,15 +318,7 @@ def cmd_bench_moe(args) -> int:
     report = run_moe_bench(path, budgets, strategies, args.storage, device=args.device.strip(), threads=args.threads,
                            prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
                            prefetch_depth=args.prefetch_depth, progress=progress)
-    table = format_moe_table(report)
-    if args.json == "-":
-        print(table, file=sys.stderr)
-        print(json.dumps(report, indent=1))
-    else:
-        print(table)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+    emit_report(format_moe_table(report), report, args.json)
     if args.plot:
         plot_moe_report(report, args.plot)
     return 0
