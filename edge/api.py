@@ -44,6 +44,12 @@ class Model:
         # one budget: dense weights + KV reservation + scratch + expert cache (streaming/budget.py)
         self.memory = plan_memory(self.spec, self.weight_bytes, experts, memory_budget, self.expert_strategy,
                                   prefetch_threads, kv_capacity, kv_cache)
+        if (expert_strategy is None and experts is not None and self.memory.expert_cache_bytes is not None
+                and self.memory.expert_cache_bytes >= self.memory.expert_bytes):
+            # the budget holds every expert: nothing to stream or predict, so none of their per-layer cost
+            self.expert_strategy = "resident"
+            self.memory = plan_memory(self.spec, self.weight_bytes, experts, self.memory.budget_bytes, "resident",
+                                      prefetch_threads, kv_capacity, kv_cache)
         self.memory_budget = self.memory.budget_bytes
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         try:
@@ -176,7 +182,8 @@ def load(path, device: str = "reference", threads: int | None = None,
     P% of the expert bytes); it covers dense weights, the KV cache of `kv_capacity` positions (sessions
     share them), scratch and the expert cache (streaming/budget.py). MoE models only:
     storage: None/"native", a preset ("nvme", "ufs", "emmc", "sd") or "custom:bw=500MB,lat=200us";
-    expert_strategy: "resident" (default without a budget), "predictive" (default with one),
+    expert_strategy: "resident" (default without a budget, or with one that holds every expert),
+    "predictive" (default with a smaller budget),
     "ondemand" (no predictor, no prefetch) or "mmap" (plain mmap + bounded page cache);
     expert_policy: "lru", "lfu", "forecast" (evict what the predictor needs least) or "cycle" (evict
     the expert whose layer comes last in the layer-by-layer cycle, ties by the predictor's need: the

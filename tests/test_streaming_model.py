@@ -55,7 +55,7 @@ STREAMED = [
     pytest.param(dict(memory_budget="30%"), id="30%-predictive-cycle"),
     pytest.param(dict(memory_budget="75%", expert_policy="lfu", storage="nvme", prefetch_threads=3), id="75%-lfu-nvme"),
     pytest.param(dict(memory_budget="40%", expert_strategy="mmap"), id="40%-mmap"),
-    pytest.param(dict(memory_budget="100%", prefetch_depth=1), id="100%-depth1"),
+    pytest.param(dict(memory_budget="100%", expert_strategy="predictive", prefetch_depth=1), id="100%-depth1"),
 ]
 
 
@@ -145,6 +145,17 @@ def test_bad_streaming_options_are_refused(tiny_zoo):
     assert str(error.value) == (f"{os.path.join(packed, EXPERTS_FILE)}: expert_strategy 'mmap' uses experts in place, "
                                 "but this checkpoint stores them zstd-compressed; convert without --compress-experts, "
                                 "or use expert_strategy 'predictive' or 'ondemand'")
+
+
+def test_default_strategy_streams_only_what_the_budget_cannot_hold(tiny_zoo):
+    path = tiny_zoo.converted("qwen3_moe_norm", MIXED)
+    with edge.load(path, memory_budget="100%") as model:
+        assert model.expert_strategy == "resident"
+        assert model.memory.budget_bytes >= model.memory.minimum_bytes
+    with edge.load(path, memory_budget="50%") as model:
+        assert model.expert_strategy == "predictive"
+    with edge.load(path) as model:
+        assert model.expert_strategy == "resident" and model.memory.budget_bytes is None
 
 
 def test_sessions_beyond_the_kv_reservation_are_refused(tiny_zoo):
