@@ -65,12 +65,15 @@ class ExpertWeights:
 class ExpertSource(Protocol):
     """Where the MoE block gets expert weights (implemented in streaming/)."""
 
-    def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray) -> Mapping[int, ExpertWeights]:
+    def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
+                router_logits: np.ndarray | None = None) -> Mapping[int, ExpertWeights]:
         """Weights of every distinct id in expert_ids [T, A] of `layer`, blocking until they are loaded.
 
         `residual` [T, D] is the residual stream entering the layer's feed-forward block (before its
         norm): the expert predictor applies later layers' routers to it. The call also records the
         route, so the source learns from it and schedules prefetches for the layers ahead.
+        `router_logits` [T, E] are the layer's own router logits, which the model has computed
+        already (the predictor learns its lookahead's drift from them instead of recomputing them).
 
         The weights stay valid until the next call, except when the mapping has a `window_size`
         (a route needing more experts than a small cache holds): then only that many experts'
@@ -184,7 +187,7 @@ def moe_block(be, layer: int, x: np.ndarray, residual: np.ndarray, weights: MoeL
     x [T, D] -> (output [T, D], the route: expert ids [T, A] and their weights [T, A])."""
     router_logits = be.linear(x, weights.router, weights.router_bias)  # [T, E]
     ids, route_weights = route(router_logits, weights.config, weights.correction_bias)  # [T, A] each
-    chosen = source.experts(layer, ids, residual)
+    chosen = source.experts(layer, ids, residual, router_logits)
     out = expert_mixture(be, x, ids, route_weights, chosen)
     if weights.shared_gate is not None:
         shared = be.linear(be.swiglu(be.linear(x, weights.shared_gate), be.linear(x, weights.shared_up)),

@@ -144,9 +144,10 @@ class RecordingExperts:
     def __init__(self, inner, recorder: TraceRecorder):
         self.inner, self.recorder = inner, recorder
 
-    def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray):
+    def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
+                router_logits: np.ndarray | None = None):
         self.recorder.route(layer, expert_ids, residual)
-        return self.inner.experts(layer, expert_ids, residual)
+        return self.inner.experts(layer, expert_ids, residual, router_logits)
 
     def stats(self) -> dict:
         return self.inner.stats()

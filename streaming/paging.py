@@ -84,7 +84,8 @@ class MappedExperts:
         os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
         self.evictions += 1
 
-    def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray) -> Mapping[int, ExpertWeights]:
+    def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
+                router_logits: np.ndarray | None = None) -> Mapping[int, ExpertWeights]:
         wanted = [int(e) for e in np.unique(expert_ids)]  # ascending distinct ids of the route [T, A]
         chosen = {}
         for expert in wanted:

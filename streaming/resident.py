@@ -42,7 +42,8 @@ class ResidentExperts:
             os.close(fd)
         self.resident_bytes = index.total_raw_bytes
 
-    def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray) -> Mapping[int, ExpertWeights]:
+    def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
+                router_logits: np.ndarray | None = None) -> Mapping[int, ExpertWeights]:
         layer_experts = self._experts[layer]
         wanted = np.unique(expert_ids)  # ascending distinct ids of the route [T, A]
         self._hits += len(wanted)

@@ -96,7 +96,8 @@ class StreamingExperts:
         self._last_ordinal = ordinal
         return self._pass * len(self.layers) + ordinal
 
-    def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray) -> Mapping[int, ExpertWeights]:
+    def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
+                router_logits: np.ndarray | None = None) -> Mapping[int, ExpertWeights]:
         position = self._position(layer)
         if self._current is not None:
             self._current.release()
@@ -108,7 +109,7 @@ class StreamingExperts:
         self._current = StreamedLayer(self, layer, ids, room)
         if self.predictor is not None:
             with self.cache.lock:  # the predictor's need_score is read by eviction under this lock
-                self.predictor.observe(layer, expert_ids, residual)
+                self.predictor.observe(layer, expert_ids, residual, router_logits=router_logits)
                 forecast = self.predictor.forecast(layer, residual)
                 self.cache.new_step()
             self._schedule(position, forecast, free_entries=room - len(ids), n_tokens=len(expert_ids))

@@ -43,9 +43,9 @@ class RouteRecorder:
         self.inner = inner
         self.routes: list[tuple[int, np.ndarray]] = []  # (layer, ids [T, A]) in request order
 
-    def experts(self, layer, expert_ids, residual):
+    def experts(self, layer, expert_ids, residual, router_logits=None):
         self.routes.append((layer, np.array(expert_ids)))
-        return self.inner.experts(layer, expert_ids, residual)
+        return self.inner.experts(layer, expert_ids, residual, router_logits)
 
     def stats(self):
         return self.inner.stats()

@@ -149,7 +149,7 @@ class ScriptedPredictor:
     def __init__(self, forecasts: dict[int, dict[int, list[int]]], n_experts: int = 6):
         self.forecasts, self.n_experts, self.observed = forecasts, n_experts, []
 
-    def observe(self, layer, expert_ids, residual):
+    def observe(self, layer, expert_ids, residual, router_logits=None):
         self.observed.append((layer, np.asarray(expert_ids).tolist()))
 
     def forecast(self, layer, residual):
