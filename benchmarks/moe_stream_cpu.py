@@ -25,10 +25,12 @@ import edge  # noqa: E402
 from edge.bench import text_prompt  # noqa: E402
 
 
-def measure(path: str, strategy: str, budget: str, storage: str | None, threads: int, new_tokens: int) -> dict:
+def measure(path: str, strategy: str, budget: str, storage: str | None, threads: int, new_tokens: int,
+            prefetch_threads: int) -> dict:
     resident = strategy == "resident"
     with edge.load(path, device="cpu", threads=threads, memory_budget="100%" if resident else budget,
-                   storage=None if resident else storage, expert_strategy=strategy) as model:
+                   storage=None if resident else storage, expert_strategy=strategy,
+                   prefetch_threads=prefetch_threads) as model:
         prompt = text_prompt(model.tokenizer, 64)
         for ids, steps in ((prompt[:32], 4), (prompt[32:], new_tokens)):  # warm-up, then the measured run
             with model.session(capacity=len(ids) + steps + 1) as session:
@@ -58,9 +60,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--strategies", default="resident,predictive")
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--prefetch-threads", type=int, default=4)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    rows = [measure(args.model, s.strip(), args.budget, args.storage, args.threads, args.new_tokens)
+    rows = [measure(args.model, s.strip(), args.budget, args.storage, args.threads, args.new_tokens, args.prefetch_threads)
             for s in args.strategies.split(",") if s.strip()]
     print(f"{'strategy':>10} {'budget':>6} {'tok/s':>6} {'wall s':>7} {'model thread s':>14} "
           f"{'process user s':>14} {'system s':>8} {'stall s':>7} {'reads/token':>11}")
@@ -69,6 +72,7 @@ def main() -> int:
               f"{r['model_thread_cpu_seconds']:>14.2f} {r['process_user_seconds']:>14.2f} "
               f"{r['process_system_seconds']:>8.2f} {r['io_stall_seconds']:>7.2f} {r['expert_reads_per_token']:>11.1f}")
     report = {"model": args.model, "cores": os.cpu_count(), "threads": args.threads, "storage": args.storage,
+              "prefetch_threads": args.prefetch_threads,
               "rows": rows}
     print(json.dumps(report, indent=1))
     if args.json:

@@ -9,7 +9,8 @@ kv       the KV cache the budget reserves: `kv_capacity` positions (default BUDG
          refused (edge/api.py)
 scratch  activations of one forward call of up to SCRATCH_TOKENS tokens: hidden states, projections,
          attention scores over the reserved KV positions, and the logits
-staging  per reading thread, a compressed record before it is decompressed and zstd's output
+staging  per reading thread (the loading threads, and the model's thread, which reads its misses itself),
+         a compressed record before it is decompressed and zstd's output
 cache    the expert cache (streaming/cache.py charges buffer + ENTRY_OVERHEAD per expert)
 
 A budget "P%" means everything that is not an expert plus a cache holding P% of all experts.
@@ -140,7 +141,7 @@ def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int 
         working, what = top_k * entry_bytes(index, largest), f"{top_k} experts of layer {largest} at once (top_k)"
     else:
         if index.compression:  # per thread: the compressed record, and zstd's output before it is copied
-            staging = loading_threads * (aligned_length(max(r.length for layer in layers
+            staging = (loading_threads + 1) * (aligned_length(max(r.length for layer in layers
                                                             for r in index.layers[layer].records))
                                          + index.largest_raw_record)
         in_flight = top_k + loading_threads

@@ -65,57 +65,71 @@ class LfuPolicy:
 
 
 class ForecastPolicy:
-    """Evict the entry with the lowest predicted need (the predictor's need_score), ties by LRU."""
+    """Evict the entry with the lowest predicted need (the predictor's need vector), ties by LRU."""
     name = "forecast"
 
-    def __init__(self, need_score: Callable[[int, int], float]):
-        self.need_score = need_score
+    def __init__(self, need_vector: Callable[[int], np.ndarray]):
+        self.need_vector = need_vector
 
     def rank(self, entry: Entry, frequency: int) -> tuple:
-        return (self.need_score(*entry.key), entry.last_use)
+        layer, expert = entry.key
+        return (float(self.need_vector(layer)[expert]), entry.last_use)
 
 
 class CyclePolicy:
     """Evict the expert whose layer the model reaches last from where it is now. Every token visits the
     layers in order, pass after pass, so this is Belady's optimal policy at layer granularity; ties by
-    the predictor's need when there is a predictor, then by LRU."""
+    the predictor's need when there is a predictor, then by LRU.
+
+    The layer order is the whole ranking's first key, so the victim is found layer by layer (the
+    furthest first) among a layer's few entries, instead of sorting every cached expert."""
     name = "cycle"
 
-    def __init__(self, layers_until: Callable[[int], int], need_score: Callable[[int, int], float] | None = None):
+    def __init__(self, layers_until: Callable[[int], int], need_vector: Callable[[int], np.ndarray] | None = None):
         self.layers_until = layers_until  # layer -> MoE layers until the model computes it again
-        self.need_score = need_score
+        self.need_vector = need_vector
 
     def rank(self, entry: Entry, frequency: int) -> tuple:
         layer, expert = entry.key
-        need = self.need_score(layer, expert) if self.need_score is not None else 0.0
+        need = float(self.need_vector(layer)[expert]) if self.need_vector is not None else 0.0
         return (-self.layers_until(layer), need, entry.last_use)
+
+    def victim(self, by_layer: dict[int, dict[int, Entry]], evictable: Callable[[Entry], bool]) -> Entry | None:
+        for layer in sorted(by_layer, key=self.layers_until, reverse=True):
+            candidates = [entry for entry in by_layer[layer].values() if evictable(entry)]
+            if candidates:
+                need = self.need_vector(layer) if self.need_vector is not None else None
+                return min(candidates, key=lambda e: (0.0 if need is None else need[e.key[1]], e.last_use))
+        return None
 
 
 POLICIES = ("lru", "lfu", "forecast", "cycle")
 
 
-def make_policy(name: str, need_score: Callable[[int, int], float] | None = None,
+def make_policy(name: str, need_vector: Callable[[int], np.ndarray] | None = None,
                 layers_until: Callable[[int], int] | None = None):
     if name == "lru":
         return LruPolicy()
     if name == "lfu":
         return LfuPolicy()
     if name == "cycle" and layers_until is not None:
-        return CyclePolicy(layers_until, need_score)
+        return CyclePolicy(layers_until, need_vector)
     if name == "forecast":
-        if need_score is None:
+        if need_vector is None:
             raise ZllmError("expert_policy 'forecast' needs the expert predictor; use expert_strategy='predictive' "
                             "or another expert_policy (lru, lfu)")
-        return ForecastPolicy(need_score)
+        return ForecastPolicy(need_vector)
     raise ZllmError(f"expert_policy {name!r} is not known; choose one of {', '.join(POLICIES)}")
 
 
 class ExpertCache:
-    def __init__(self, capacity_bytes: int, policy=None):
+    def __init__(self, capacity_bytes: int, policy=None, on_buffer_dropped: Callable[[np.ndarray], None] | None = None):
         self.capacity_bytes = int(capacity_bytes)
         self.policy = policy or LruPolicy()
+        self.on_buffer_dropped = on_buffer_dropped  # told when a free buffer is released for good
         self.lock = threading.Condition()
         self.entries: dict[Key, Entry] = {}
+        self.by_layer: dict[int, dict[int, Entry]] = {}  # the same entries, layer -> expert -> entry
         self._free: dict[int, list[np.ndarray]] = {}
         self._charged = 0          # live entries (buffer + overhead) + free buffers
         self._clock = 0
@@ -153,7 +167,11 @@ class ExpertCache:
         """Release free buffers of other sizes than keep_size; True if any were released."""
         sizes = [s for s in self._free if s != keep_size and self._free[s]]
         for size in sizes:
-            self._charged -= size * len(self._free.pop(size))
+            buffers = self._free.pop(size)
+            self._charged -= size * len(buffers)
+            if self.on_buffer_dropped is not None:
+                for buffer in buffers:
+                    self.on_buffer_dropped(buffer)
         return bool(sizes)
 
     def new_step(self) -> None:
@@ -163,6 +181,8 @@ class ExpertCache:
         self._ranking = None
 
     def _victim(self, for_prefetch: bool, position: int) -> Entry | None:
+        if hasattr(self.policy, "victim"):
+            return self.policy.victim(self.by_layer, lambda e: self._evictable(e, for_prefetch, position))
         for rebuilt in (False, True):
             if self._ranking is None or rebuilt:  # rebuilt: entries loaded since may be evictable now
                 candidates = [e for e in self.entries.values() if not e.pins and e.state != LOADING]
@@ -209,6 +229,7 @@ class ExpertCache:
             self.lock.wait()
         entry = Entry(key, buffer)
         self.entries[key] = entry
+        self.by_layer.setdefault(key[0], {})[key[1]] = entry
         self.peak_charged = max(self.peak_charged, self._charged)
         return entry
 
@@ -216,6 +237,7 @@ class ExpertCache:
         """Forget an entry (evicted, or failed and reported); its buffer goes to the free list."""
         if self.entries.get(entry.key) is entry:
             del self.entries[entry.key]
+            del self.by_layer[entry.key[0]][entry.key[1]]
             self._charged -= ENTRY_OVERHEAD
             self._free.setdefault(entry.buffer.nbytes, []).append(entry.buffer)
             entry.weights = None

@@ -232,6 +232,7 @@ class ExpertPredictor:
         self.position = {layer: i for i, layer in enumerate(self.order)}
         self.depth = depth
         self.weights = weights or SignalWeights.default()
+        self._mix_arrays: dict[int, np.ndarray] = {}  # distance -> the mix as an array [S]
         self.eps = rms_norm_eps
         self.routers = {}
         for layer, config in self.configs.items():
@@ -240,8 +241,16 @@ class ExpertPredictor:
             if router.shape[0] != config.num_experts:
                 raise PredictorError(f"layer {layer}: router has {router.shape[0]} rows, the layer has "
                                      f"{config.num_experts} experts")
-            self.routers[layer] = (np.asarray(gain, np.float32), router,
-                                   None if bias is None else np.asarray(bias, np.float32))
+            self.routers[layer] = (np.array(gain, np.float32), router.copy(),
+                                   None if bias is None else np.array(bias, np.float32))
+        # The lookahead from one layer applies every target's router to the same normalised residual:
+        # with each norm gain folded into its router (x̂ ⊙ g) Rᵀ = x̂ (R ⊙ g)ᵀ, the targets' routers
+        # stack into one matrix and the lookahead is one product per layer.
+        self._stacked_routers = {}
+        for layer in self.order:
+            folded = [self.routers[target][1] * self.routers[target][0][None, :] for target in self.targets(layer)]
+            if folded:
+                self._stacked_routers[layer] = np.ascontiguousarray(np.concatenate(folded), np.float32)
         # Learned online; kept across requests (what the model does with its experts does not change).
         self.temporal = {layer: np.zeros((c.num_experts, c.num_experts)) for layer, c in self.configs.items()}
         self.spatial = {layer: np.zeros((self.configs[prev].num_experts, self.configs[layer].num_experts))
@@ -312,6 +321,10 @@ class ExpertPredictor:
         """counts[i, j] += 1 for every expert i of a token in `before` and j of the same row in `after`."""
         if len(before) == 0:
             return
+        if len(before) == 1 and len(set(before[0].tolist())) == before.shape[1] and \
+                len(set(after[0].tolist())) == after.shape[1]:
+            counts[np.ix_(before[0], after[0])] += 1.0  # one token, distinct ids (a decode step): no repeats to add up
+            return
         rows = np.broadcast_to(before[:, :, None], (len(before), before.shape[1], after.shape[1]))
         cols = np.broadcast_to(after[:, None, :], rows.shape)
         np.add.at(counts, (rows.reshape(-1), cols.reshape(-1)), 1.0)
@@ -346,17 +359,30 @@ class ExpertPredictor:
     def raw_logits(self, target: int, residual: np.ndarray) -> np.ndarray:
         """`target`'s router applied to rms_norm(residual) with its norm gain (and its linear bias): [T, E]."""
         residual = np.asarray(residual, np.float32).reshape(-1, np.shape(residual)[-1])
-        config = self.configs[target]
-        gain, router, bias = self.routers[target]
-        logits = rms_norm(residual, gain, self.eps) @ router.T  # [T, E]
-        if bias is not None and not config.score_correction_bias:
+        gain, router, _ = self.routers[target]
+        return self._with_bias(target, rms_norm(residual, gain, self.eps) @ router.T)  # [T, E]
+
+    def _with_bias(self, target: int, logits: np.ndarray) -> np.ndarray:
+        bias = self.routers[target][2]
+        if bias is not None and not self.configs[target].score_correction_bias:
             logits = logits + bias
-        return logits.astype(np.float32)
+        return logits.astype(np.float32, copy=False)
 
     def lookahead_logits(self, layer: int, residual: np.ndarray) -> dict[int, np.ndarray]:
         """For each target M ahead of `layer`: M's raw router logits [T, E_M] from `residual` [T, D]
         entering layer's FFN (before the learned drift; what a route trace records)."""
-        return {target: self.raw_logits(target, residual) for target in self.targets(layer)}
+        targets = self.targets(layer)
+        if not targets:
+            return {}
+        x = np.asarray(residual, np.float32).reshape(-1, np.shape(residual)[-1])
+        normalised = x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + self.eps)
+        stacked = normalised @ self._stacked_routers[layer].T  # [T, sum of the targets' E]
+        out, start = {}, 0
+        for target in targets:
+            end = start + self.configs[target].num_experts
+            out[target] = self._with_bias(target, np.ascontiguousarray(stacked[:, start:end]))
+            start = end
+        return out
 
     def selection_logits(self, target: int, logits: np.ndarray) -> np.ndarray:
         """Raw logits [T, E] -> logits that rank experts the way `target`'s router selects them.
@@ -372,11 +398,11 @@ class ExpertPredictor:
                 selection = selection + bias
                 clipped = np.clip(selection, SIGMOID_CLIP, 1 - SIGMOID_CLIP)
                 logits = np.log(clipped) - np.log1p(-clipped)
-        else:
-            selection = softmax(logits)
-        if config.n_group > 1:
-            logits = self._mask_groups(logits, selection, config)
-        return logits.astype(np.float32)
+            if config.n_group > 1:
+                logits = self._mask_groups(logits, selection, config)
+        elif config.n_group > 1:
+            logits = self._mask_groups(logits, softmax(logits), config)
+        return logits.astype(np.float32, copy=False)
 
     @staticmethod
     def _mask_groups(logits: np.ndarray, selection: np.ndarray, config: MoeConfig) -> np.ndarray:
@@ -449,9 +475,13 @@ class ExpertPredictor:
     def forecast_from_lookahead(self, layer: int, lookahead: dict[int, np.ndarray], n_tokens: int) -> dict[int, np.ndarray]:
         """`forecast` from raw lookahead logits already computed (replaying a recorded trace)."""
         position = self.position[layer]
-        mixes = [self.weights.mix(self.position[target] - position).as_array() for target in lookahead]
+        mixes = [self._mix_array(self.position[target] - position) for target in lookahead]
         used = tuple(bool(any(mix[s] for mix in mixes)) for s in range(len(SIGNALS)))
-        scores = self.combine(layer, self.signals(layer, self.corrected_gate(layer, lookahead), n_tokens, used))
+        gate = self.corrected_gate(layer, lookahead)
+        if used == (True, False, False, False):  # the gate alone (the default mix): what combine gives, directly
+            scores = {target: mix[0] * softmax(gate[target].astype(np.float64)) for target, mix in zip(lookahead, mixes)}
+        else:
+            scores = self.combine(layer, self.signals(layer, gate, n_tokens, used))
         need = {}
         for target, per_token in scores.items():
             distance = self.position[target] - position
@@ -463,18 +493,28 @@ class ExpertPredictor:
             self._need[target] = need[target]
         return need
 
+    def _mix_array(self, distance: int) -> np.ndarray:
+        mix = self._mix_arrays.get(distance)
+        if mix is None:
+            mix = self._mix_arrays[distance] = self.weights.mix(distance).as_array()
+        return mix
+
     def need_score(self, layer: int, expert: int) -> float:
         """How soon/likely `expert` of `layer` is needed: the latest forecast for layers ahead; for the
         layer running now, 1 for the experts in use; for layers already run in this forward call, the
-        next token's temporal and frequency estimate, discounted by how many MoE layers away it is.
-        (Eviction asks this for every cached expert, so each layer's vector is computed once per step.)"""
+        next token's temporal and frequency estimate, discounted by how many MoE layers away it is."""
         config = self._config(layer)
         if not 0 <= expert < config.num_experts:
             raise PredictorError(f"layer {layer} has experts 0..{config.num_experts - 1}, asked for {expert}")
+        return float(self.need_vector(layer)[expert])
+
+    def need_vector(self, layer: int) -> np.ndarray:
+        """need_score of every expert of `layer` [E] (eviction reads these; each is computed once per step)."""
         need = self._need.get(layer)
         if need is None:
+            self._config(layer)
             need = self._need[layer] = self._next_token_need(layer)
-        return float(need[expert])
+        return need
 
     def _next_token_need(self, layer: int) -> np.ndarray:
         config = self.configs[layer]

@@ -31,7 +31,7 @@ from converters.expert_file import ExpertIndex
 from edge.errors import ZllmError
 from edge.moe import ExpertWeights, MoeConfig
 from streaming.cache import FAILED, READY, Entry, ExpertCache, make_policy
-from streaming.prefetch import Prefetcher
+from streaming.prefetch import LOAD_BATCH, Prefetcher
 from streaming.stats import StreamingCounters
 from streaming.store import ExpertStore
 
@@ -58,7 +58,7 @@ class StreamingExperts:
     def __init__(self, index: ExpertIndex, prepare_weight, layers: dict[int, MoeConfig], cache_bytes: int,
                  storage=None, predictor=None, policy: str = "lru", depth: int = 2, threads: int = 2,
                  verify: bool = True, direct_io: bool = True, store: ExpertStore | None = None,
-                 prefetch_width: float = PREFETCH_WIDTH):
+                 prefetch_width: float = PREFETCH_WIDTH, load_batch: int = LOAD_BATCH):
         self.index = index
         self._prepare_weight = prepare_weight
         self.layers = dict(sorted(layers.items()))
@@ -67,16 +67,30 @@ class StreamingExperts:
         self.depth = depth if predictor is not None else 0
         self.prefetch_width = prefetch_width
         self.store = store or ExpertStore(index, storage, verify=verify, direct_io=direct_io)
-        self.cache = ExpertCache(cache_bytes, make_policy(policy, predictor.need_score if predictor else None,
-                                                          self._layers_until))
-        self.prefetcher = Prefetcher(self.store, self.cache, self._prepare, threads)
+        self.cache = ExpertCache(cache_bytes, make_policy(policy, predictor.need_vector if predictor else None,
+                                                          self._layers_until), on_buffer_dropped=self._forget_buffer)
+        # Cache buffers are recycled, so the backend's prepared weights (descriptors pointing into a
+        # buffer) are kept per buffer and layout and reused by the next expert read into that buffer:
+        # preparing costs more CPU than the read itself.
+        self._layout_signature = {layer: index.layout(layer).signature for layer in self.layers}
+        self._prepared: dict[int, dict[tuple, ExpertWeights]] = {}  # buffer address -> layout -> weights
+        self.prefetcher = Prefetcher(self.store, self.cache, self._prepare, threads, load_batch)
         self.policy = policy
         self.counters = StreamingCounters()
         self._pass, self._last_ordinal = 0, None
         self._current: StreamedLayer | None = None
 
     def _prepare(self, layer: int, expert: int, raw: np.ndarray) -> ExpertWeights:
-        return prepared_expert(self.index, self._prepare_weight, layer, expert, raw)
+        by_layout = self._prepared.setdefault(raw.ctypes.data, {})
+        signature = self._layout_signature[layer]
+        weights = by_layout.get(signature)
+        if weights is None:
+            weights = by_layout[signature] = prepared_expert(self.index, self._prepare_weight, layer, expert, raw)
+        return weights
+
+    def _forget_buffer(self, buffer: np.ndarray) -> None:
+        """The cache gave a buffer back: drop the weights prepared on it, which would keep it alive."""
+        self._prepared.pop(buffer.ctypes.data, None)
 
     @property
     def strategy(self) -> str:
@@ -102,7 +116,7 @@ class StreamingExperts:
         if self._current is not None:
             self._current.release()
         self.prefetcher.advance(position)
-        ids = [int(e) for e in np.unique(expert_ids)]  # ascending distinct ids of the route [T, A]
+        ids = sorted(set(np.asarray(expert_ids).ravel().tolist()))  # ascending distinct ids of the route [T, A]
         room = self.cache.capacity_entries(self.store.buffer_bytes(layer))
         with self.cache.lock:
             self.cache.new_step()
@@ -119,18 +133,21 @@ class StreamingExperts:
 
     def _schedule(self, position: int, forecast: dict[int, np.ndarray], free_entries: int, n_tokens: int) -> None:
         """Queue prefetches of the likeliest experts of the layers ahead, nearest layer first."""
+        with self.cache.lock:
+            self._schedule_locked(position, forecast, free_entries, n_tokens)
+
+    def _schedule_locked(self, position: int, forecast: dict[int, np.ndarray], free_entries: int,
+                         n_tokens: int) -> None:
         here = self._last_ordinal
         for target, need in sorted(forecast.items(), key=lambda item: self._ordinal[item[0]]):
             distance = self._ordinal[target] - here
             if distance <= 0 or distance > self.depth or free_entries <= 0:
                 continue
             width = min(len(need), int(np.ceil(self.layers[target].top_k * n_tokens * self.prefetch_width)))
-            for expert in np.argsort(-need, kind="stable")[:width]:
+            for expert in np.argsort(-need, kind="stable")[:width].tolist():
                 if free_entries <= 0 or need[expert] <= 0:
                     break
-                key = (target, int(expert))
-                if not self.prefetcher.is_pending(key):
-                    self.prefetcher.prefetch(key, position + distance, distance, float(need[expert]))
+                self.prefetcher.prefetch((target, expert), position + distance, distance, float(need[expert]))
                 free_entries -= 1
 
     def begin_request(self) -> None:
@@ -172,24 +189,27 @@ class StreamedLayer(Mapping):
         self._entries: dict[int, Entry] = {}
         self._handed_out: list[int] = []
         try:
-            for expert in ids[: self.room]:
-                self._acquire(expert)
+            with source.cache.lock:  # one hold for the layer, not one per expert
+                missed = [self._acquire(expert) for expert in ids[: self.room]]
+            if any(missed):
+                source.prefetcher.load_demanded()
         except BaseException:
             self.release()  # no pin may outlive a failed call
             raise
 
-    def _acquire(self, expert: int) -> Entry:
+    def _acquire(self, expert: int) -> bool:
+        """Pin the expert's entry; True if it missed (its load is queued ahead of every prefetch)."""
         source = self.source
         with source.cache.lock:
-            entry, loaded_on_demand = source.prefetcher.demand((self.layer, expert))
+            entry, missed = source.prefetcher.demand((self.layer, expert))
             source.cache.touch(entry)
-            if loaded_on_demand:
+            if missed:
                 source.counters.misses += 1
             else:
                 source.counters.hits += 1
                 source.counters.late_prefetches += entry.state != READY and entry.state != FAILED
         self._entries[expert] = entry
-        return entry
+        return missed
 
     def _wait(self, entry: Entry) -> None:
         if not entry.loaded.is_set():
@@ -227,7 +247,9 @@ class StreamedLayer(Mapping):
                     if released is not None:
                         released.pins -= 1
                     self.source.cache.lock.notify_all()
-            entry = self._acquire(expert)
+            if self._acquire(expert):
+                self.source.prefetcher.load_demanded()
+            entry = self._entries[expert]
         self._wait(entry)
         if expert not in self._handed_out:
             self._handed_out.append(expert)

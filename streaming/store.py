@@ -22,6 +22,7 @@ import numpy as np
 
 from converters.expert_file import ExpertIndex, check_stored_record, raw_record
 from edge.errors import CheckpointError
+from kernels.cpu.record_io import read_records
 from streaming.storage import EmulatedDevice, StorageModel, parse_storage
 
 PAGE = 4096
@@ -138,12 +139,7 @@ class ExpertStore:
         target = self._staging() if compressed else out
         started = self.clock()
         done = self.device.schedule(record.length, started) if self.device else None
-        try:
-            got = self._pread(target, record.length, record.offset)
-        except OSError as exc:
-            raise ExpertReadError(f"{self.index.path}: reading layer {layer} expert {expert} ({record.length} bytes at "
-                                  f"offset {record.offset}) failed: {exc}; check the disk holding the checkpoint"
-                                  ) from exc
+        got = self._read_or_raise(layer, expert, target, record)
         slept = self.device.wait_until(done) if self.device else 0.0
         elapsed = self.clock() - started
         with self._lock:
@@ -156,6 +152,64 @@ class ExpertStore:
         if compressed:
             return raw_record(self.index, layer, stored, out)
         return out[:raw_length]
+
+    def read_batch(self, requests: list[tuple[int, int, np.ndarray]]):
+        """Read several records, each (layer, expert, out) as for `read`; yields (i, raw record view or
+        the exception reading it raised) in request order, each once its emulated time has passed.
+
+        The records are read and checksummed in one call that does not hold the GIL
+        (kernels/cpu/record_io.py) and are booked on the emulated device together, as a queue of
+        commands issued at once. Compressed records are read one by one (`read`): each needs its
+        own staging buffer and decompression."""
+        if self.index.compression is not None:
+            for i, (layer, expert, out) in enumerate(requests):
+                try:
+                    yield i, self.read(layer, expert, out)
+                except (CheckpointError, ValueError) as exc:
+                    yield i, exc
+            return
+        records = [self.index.record(layer, expert) for layer, expert, _ in requests]
+        for (layer, expert, out), record in zip(requests, records):
+            if len(out) < self.buffer_bytes(layer):
+                raise ValueError(f"layer {layer} expert {expert}: buffer of {len(out)} bytes, reading the record "
+                                 f"needs {self.buffer_bytes(layer)} (new_buffer makes one)")
+        fd, mode = self.fd, self.io_mode
+        lengths = np.array([r.length for r in records], np.int64)
+        spans = np.array([aligned_length(n) for n in lengths.tolist()], np.int64) if mode == IO_DIRECT else lengths
+        got, crcs = np.empty(len(records), np.int64), np.zeros(len(records), np.uint32)
+        started = self.clock()
+        done = [self.device.schedule(r.length, started) if self.device else None for r in records]
+        read_records(fd, np.array([r.offset for r in records], np.int64), spans, lengths,
+                     np.array([out.ctypes.data for _, _, out in requests], np.uint64), self.verify, got, crcs)
+        for i, ((layer, expert, out), record) in enumerate(zip(requests, records)):
+            try:
+                n = int(got[i])
+                if n < 0:  # read it again here, where the OS error can be reported (or O_DIRECT refused)
+                    n = self._read_or_raise(layer, expert, out, record)
+                    crc = None
+                else:
+                    n, crc = min(n, record.length), int(crcs[i])
+                    if mode == IO_BUFFERED:
+                        os.posix_fadvise(fd, record.offset, record.length, os.POSIX_FADV_DONTNEED)
+                slept = self.device.wait_until(done[i]) if self.device else 0.0
+                with self._lock:
+                    self.reads += 1
+                    self.bytes_read += n
+                    self.read_seconds += self.clock() - started
+                    self.emulated_seconds += slept
+                if n != record.length or (self.verify and crc != record.crc32):
+                    check_stored_record(self.index, layer, expert, out[:n], self.verify)  # raises the typed error
+                yield i, out[:self.index.layout(layer).raw_length]
+            except CheckpointError as exc:
+                yield i, exc
+
+    def _read_or_raise(self, layer: int, expert: int, out: np.ndarray, record) -> int:
+        try:
+            return self._pread(out, record.length, record.offset)
+        except OSError as exc:
+            raise ExpertReadError(f"{self.index.path}: reading layer {layer} expert {expert} ({record.length} bytes at "
+                                  f"offset {record.offset}) failed: {exc}; check the disk holding the checkpoint"
+                                  ) from exc
 
     def stats(self) -> dict:
         with self._lock:

@@ -5,6 +5,7 @@ E = experts of a layer, I = an expert's intermediate size, D = hidden size.
 from __future__ import annotations
 
 import os
+import zlib
 
 import numpy as np
 
@@ -44,3 +45,24 @@ def raw_bytes(index: ExpertIndex, layer: int, expert: int) -> bytes:
     gate = layout.projections["gate_proj"]
     scheme, (intermediate, hidden) = gate.scheme, gate.shape
     return layout.encode(expert_weights(layer, expert, intermediate, hidden, scheme))
+
+
+def read_records_through_preadv(monkeypatch) -> None:
+    """Route the store's batch reads (a compiled call that does not go through Python's os module)
+    through `streaming.store.os.preadv`, so a test can hold or fail reads by patching that."""
+    import ctypes
+
+    from streaming import store as store_module
+
+    def read_records(fd, offsets, spans, lengths, addresses, checksum, got, crcs):
+        for i in range(len(offsets)):
+            target = (ctypes.c_char * int(spans[i])).from_address(int(addresses[i]))
+            try:
+                got[i] = store_module.os.preadv(fd, [memoryview(target).cast("B")], int(offsets[i]))
+            except OSError:
+                got[i] = -1  # as the compiled reader reports a failed pread
+                continue
+            if checksum:
+                crcs[i] = zlib.crc32(memoryview(target).cast("B")[:min(int(got[i]), int(lengths[i]))])
+
+    monkeypatch.setattr(store_module, "read_records", read_records)

@@ -16,7 +16,7 @@ from streaming.cache import ENTRY_OVERHEAD, CyclePolicy, ExpertCache, ForecastPo
 from streaming.paging import MappedExperts
 from streaming.source import StreamingExperts
 from streaming.store import ExpertReadError, ExpertStore
-from streaming_experts import raw_bytes, write_expert_file
+from streaming_experts import raw_bytes, read_records_through_preadv, write_expert_file
 
 BUFFER = 8192
 ENTRY = BUFFER + ENTRY_OVERHEAD
@@ -88,8 +88,8 @@ def test_lfu_evicts_least_frequently_used_ties_by_lru():
 
 
 def test_forecast_evicts_lowest_need_ties_by_lru():
-    need = {(0, 0): 0.9, (0, 1): 0.1, (0, 2): 0.1, (0, 3): 0.5}
-    cache = ExpertCache(3 * ENTRY, ForecastPolicy(lambda layer, expert: need[(layer, expert)]))
+    need = {0: np.array([0.9, 0.1, 0.1, 0.5])}
+    cache = ExpertCache(3 * ENTRY, ForecastPolicy(need.__getitem__))
     for e in range(3):
         _fill(cache, (0, e))
     _fill(cache, (0, 3))  # (0, 1) and (0, 2) tie on need; (0, 1) was used longer ago
@@ -98,8 +98,8 @@ def test_forecast_evicts_lowest_need_ties_by_lru():
 
 def test_cycle_evicts_the_layer_reached_last_ties_by_need():
     layers_until = {0: 3, 1: 1, 2: 2}  # the model runs layer 0 now: layer 1 comes next, layer 0 last
-    need = {(0, 0): 0.9, (0, 1): 0.2, (1, 0): 0.0, (2, 0): 0.0, (1, 1): 0.0}
-    cache = ExpertCache(4 * ENTRY, CyclePolicy(layers_until.__getitem__, lambda layer, e: need[(layer, e)]))
+    need = {0: np.array([0.9, 0.2]), 1: np.array([0.0, 0.0]), 2: np.array([0.0])}
+    cache = ExpertCache(4 * ENTRY, CyclePolicy(layers_until.__getitem__, need.__getitem__))
     for key in ((0, 0), (0, 1), (1, 0), (2, 0)):
         _fill(cache, key)
     _fill(cache, (1, 1))  # both experts of layer 0 are reached last; (0, 1) is needed less
@@ -160,8 +160,8 @@ class ScriptedPredictor:
             out[target] = scores
         return out
 
-    def need_score(self, layer, expert):
-        return 0.0
+    def need_vector(self, layer):
+        return np.zeros(self.n_experts)
 
     def stats(self):
         return {"predictor_precision": 1.0, "predictor_recall": 1.0}
@@ -246,8 +246,10 @@ def test_stale_prefetches_are_cancelled(expert_file, monkeypatch):
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(store_module.os, "preadv", held_preadv)
+    read_records_through_preadv(monkeypatch)
     predictor = ScriptedPredictor({0: {1: [0, 1, 2, 3, 4, 5]}})
-    source = _source(expert_file, cache_entries=12, predictor=predictor, depth=1, threads=1, prefetch_width=3.0)
+    source = _source(expert_file, cache_entries=12, predictor=predictor, depth=1, threads=1, prefetch_width=3.0,
+                     load_batch=1)
     opener = threading.Timer(0.3, gate.set)
     try:
         source.experts(0, np.array([[0, 1]]), np.zeros((1, 64), np.float32))  # queues 6 prefetches of layer 1
@@ -275,6 +277,7 @@ def test_prefetch_error_surfaces_where_the_expert_is_needed(expert_file, monkeyp
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(store_module.os, "preadv", failing_preadv)
+    read_records_through_preadv(monkeypatch)
     predictor = ScriptedPredictor({0: {1: [3, 4]}})
     source = _source(expert_file, cache_entries=8, predictor=predictor, depth=1)
     try:

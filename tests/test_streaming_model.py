@@ -14,6 +14,7 @@ from converters.convert import QuantPlan
 from converters.expert_file import EXPERTS_FILE, ExpertChecksumError
 from edge.errors import SessionError, ZllmError
 from streaming.budget import Budget, parse_budget, plan_memory
+from streaming.prefetch import DEFAULT_THREADS
 from tiny_models import random_prompt
 
 PROMPT = random_prompt(9, seed=5)
@@ -43,16 +44,16 @@ def resident_run(path: str, device: str):
     return _RESIDENT[path, device]
 
 
-def minimum_budget(path: str, strategy: str = "predictive", threads: int = 2) -> int:
+def minimum_budget(path: str, strategy: str = "predictive", threads: int = DEFAULT_THREADS) -> int:
     with edge.load(path) as model:
         return plan_memory(model.spec, model.weight_bytes, model.checkpoint.experts, None, strategy, threads).minimum_bytes
 
 
 STREAMED = [
     pytest.param(dict(memory_budget="minimum", expert_policy="lru"), id="minimum-predictive-lru"),
-    pytest.param(dict(memory_budget="25%", expert_strategy="ondemand"), id="25%-ondemand"),
+    pytest.param(dict(memory_budget="25%", expert_strategy="ondemand", prefetch_threads=2), id="25%-ondemand"),
     pytest.param(dict(memory_budget="50%", expert_policy="forecast"), id="50%-predictive-forecast"),
-    pytest.param(dict(memory_budget="30%"), id="30%-predictive-cycle"),
+    pytest.param(dict(memory_budget="30%", prefetch_threads=2), id="30%-predictive-cycle"),
     pytest.param(dict(memory_budget="75%", expert_policy="lfu", storage="nvme", prefetch_threads=3), id="75%-lfu-nvme"),
     pytest.param(dict(memory_budget="40%", expert_strategy="mmap"), id="40%-mmap"),
     pytest.param(dict(memory_budget="100%", expert_strategy="predictive", prefetch_depth=1), id="100%-depth1"),
@@ -80,7 +81,7 @@ def test_streamed_run_is_bit_identical_to_resident(tiny_zoo, case, options, devi
 def test_compressed_experts_stream_bit_identically(tiny_zoo):
     plain = tiny_zoo.converted("qwen3_moe_norm", MIXED)
     packed = tiny_zoo.converted("qwen3_moe_norm", MIXED, compress_experts=True)
-    tokens, logits, stats = greedy_run(packed, "reference", memory_budget="30%")
+    tokens, logits, stats = greedy_run(packed, "reference", memory_budget="30%", prefetch_threads=2)
     expected_tokens, expected_logits, _ = resident_run(plain, "reference")
     assert tokens == expected_tokens
     assert all(np.array_equal(got, want) for got, want in zip(logits, expected_logits))
@@ -117,10 +118,11 @@ def test_budget_below_minimum_is_refused(tiny_zoo):
         f"memory budget {minimum - 1} bytes ({(minimum - 1) / 1e6:.1f} MB) is below this model's minimum working set "
         f"of {minimum} bytes ({minimum / 1e6:.1f} MB): {plan.dense_bytes} bytes of non-expert weights, "
         f"{plan.kv_bytes} bytes of KV cache ({plan.kv_capacity} positions), {plan.scratch_bytes} bytes of scratch and "
-        f"{4 * entry} bytes for 4 experts of layer 0 at once (top_k 2 + 2 loading threads); "
+        f"{(2 + DEFAULT_THREADS) * entry} bytes for {2 + DEFAULT_THREADS} experts of layer 0 at once "
+        f"(top_k 2 + {DEFAULT_THREADS} loading threads); "
         f"raise memory_budget to at least {minimum} bytes")
     with pytest.raises(ZllmError) as error:
-        edge.load(path, memory_budget="10%")  # 10% of 16 experts holds fewer than the 4 needed at once
+        edge.load(path, memory_budget="10%")  # 10% of 16 experts holds fewer than the 6 needed at once
     assert str(error.value).startswith("memory budget ") and f"minimum working set of {minimum} bytes" in str(error.value)
     with pytest.raises(ZllmError) as error:
         edge.load(path, memory_budget="50%", expert_strategy="resident")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 
 import numpy as np
 
@@ -26,6 +27,9 @@ try:
     from kernels.cpu.runtime import threading_info
 except ImportError as exc:  # pragma: no cover - numba is a declared dependency
     raise DeviceUnavailableError(f"device 'cpu' needs numba and llvmlite ({exc}); pip install numba") from None
+
+
+_launching = threading.local()  # the Numba thread count this thread last set
 
 
 def _thread_count(threads: int | None) -> int:
@@ -54,10 +58,14 @@ class CpuBackend:
             raise ValueError(f"device 'cpu' has no variants, got 'cpu:{variant}'")
         self.threads = _thread_count(threads)
         numba.set_num_threads(self.threads)
+        _launching.threads = self.threads
 
     def use_threads(self) -> None:
-        """Numba's thread count is per calling thread: set it before every kernel launch."""
-        numba.set_num_threads(self.threads)
+        """Numba's thread count is per calling thread: set it before every kernel launch (setting it
+        costs more than a small kernel, so only when this thread last ran with another count)."""
+        if getattr(_launching, "threads", None) != self.threads:
+            numba.set_num_threads(self.threads)
+            _launching.threads = self.threads
 
     # --- weights -------------------------------------------------------------------------------
     prepare_weight = staticmethod(prepare_weight)
