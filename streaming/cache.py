@@ -88,6 +88,8 @@ class CyclePolicy:
     def __init__(self, layers_until: Callable[[int], int], need_vector: Callable[[int], np.ndarray] | None = None):
         self.layers_until = layers_until  # layer -> MoE layers until the model computes it again
         self.need_vector = need_vector
+        self._order: list[int] = []
+        self._order_state: tuple | None = None
 
     def rank(self, entry: Entry, frequency: int) -> tuple:
         layer, expert = entry.key
@@ -95,7 +97,14 @@ class CyclePolicy:
         return (-self.layers_until(layer), need, entry.last_use)
 
     def victim(self, by_layer: dict[int, dict[int, Entry]], evictable: Callable[[Entry], bool]) -> Entry | None:
-        for layer in sorted(by_layer, key=self.layers_until, reverse=True):
+        if not by_layer:
+            return None
+        # the order changes only when the model moves to another layer (or a layer joins the cache)
+        state = (len(by_layer), self.layers_until(min(by_layer)))
+        if state != self._order_state:
+            self._order = sorted(by_layer, key=self.layers_until, reverse=True)
+            self._order_state = state
+        for layer in self._order:
             candidates = [entry for entry in by_layer[layer].values() if evictable(entry)]
             if candidates:
                 need = self.need_vector(layer) if self.need_vector is not None else None

@@ -186,33 +186,30 @@ class Prefetcher:
             self._load(*picked)
 
     def _load(self, batch: list[Entry], prefetched: bool) -> None:
+        """Read a batch of reserved entries, prepare them, and publish them together."""
         started = time.monotonic()
-        pending = dict(enumerate(batch))
         try:
-            for i, result in self.store.read_batch([(e.key[0], e.key[1], e.buffer) for e in batch]):
-                self._finish(pending.pop(i), result, started, prefetched)
-        except Exception as exc:  # stored on the entries not loaded yet, raised where they are needed
-            for entry in pending.values():
-                self._finish(entry, exc, started, prefetched)
-
-    def _finish(self, entry: Entry, result, started: float, prefetched: bool) -> None:
-        """Prepare a record that arrived (or keep the error that replaced it) and publish its entry."""
-        weights, error = None, None
-        if isinstance(result, BaseException):
-            error = result
-        else:
+            results = self.store.read_batch([(e.key[0], e.key[1], e.buffer) for e in batch])
+        except Exception as exc:  # stored on the entries and raised where they are needed
+            results = [exc] * len(batch)
+        outcomes = []
+        for entry, result in zip(batch, results):
+            if isinstance(result, BaseException):
+                outcomes.append((entry, None, result))
+                continue
             try:
-                weights = self.prepare(entry.key[0], entry.key[1], result)
+                outcomes.append((entry, self.prepare(entry.key[0], entry.key[1], result), None))
             except Exception as exc:
-                error = exc
+                outcomes.append((entry, None, exc))
         with self.lock:
-            self._in_flight -= 1
-            self.io_seconds += time.monotonic() - started
-            if error is None:
-                self.prefetches_loaded += prefetched
-                self.cache.mark_ready(entry, weights)
-            else:
-                self.cache.mark_failed(entry, error)
+            self._in_flight -= len(batch)
+            self.io_seconds += (time.monotonic() - started) * len(batch)
+            for entry, weights, error in outcomes:
+                if error is None:
+                    self.prefetches_loaded += prefetched
+                    self.cache.mark_ready(entry, weights)
+                else:
+                    self.cache.mark_failed(entry, error)
 
     def wait_idle(self) -> None:
         """Block until nothing is queued or being loaded (benchmarks and tests use it between phases)."""

@@ -126,6 +126,9 @@ class StreamingExperts:
                 self.predictor.observe(layer, expert_ids, residual, router_logits=router_logits)
                 forecast = self.predictor.forecast(layer, residual)
                 self.cache.new_step()
+                # The last layers of a pass also prefetch for the first layers of the next token, which
+                # the gate lookahead cannot reach (another token's input): by the next-token estimate.
+                forecast.update({first: self.predictor.need_vector(first) for first in self._next_pass_targets()})
             self._schedule(position, forecast, free_entries=room - len(ids), n_tokens=len(expert_ids))
         if len(ids) <= room:
             self._current.wait_all()
@@ -136,14 +139,21 @@ class StreamingExperts:
         with self.cache.lock:
             self._schedule_locked(position, forecast, free_entries, n_tokens)
 
+    def _next_pass_targets(self) -> list[int]:
+        """The MoE layers of the next forward pass within `depth` layers of the one running now."""
+        ahead = self._last_ordinal + self.depth - len(self.layers)  # ordinals of the next pass reached
+        return list(self.layers)[: max(0, ahead + 1)]
+
     def _schedule_locked(self, position: int, forecast: dict[int, np.ndarray], free_entries: int,
                          n_tokens: int) -> None:
         here = self._last_ordinal
-        for target, need in sorted(forecast.items(), key=lambda item: self._ordinal[item[0]]):
-            distance = self._ordinal[target] - here
-            if distance <= 0 or distance > self.depth or free_entries <= 0:
+        for target, need in sorted(forecast.items(), key=lambda item: self._layers_until(item[0])):
+            distance = self._layers_until(target)
+            if distance > self.depth or free_entries <= 0:
                 continue
-            width = min(len(need), int(np.ceil(self.layers[target].top_k * n_tokens * self.prefetch_width)))
+            next_pass = self._ordinal[target] <= here  # a decode step of one token follows this pass
+            tokens = 1 if next_pass else n_tokens
+            width = min(len(need), int(np.ceil(self.layers[target].top_k * tokens * self.prefetch_width)))
             for expert in np.argsort(-need, kind="stable")[:width].tolist():
                 if free_entries <= 0 or need[expert] <= 0:
                     break

@@ -153,21 +153,22 @@ class ExpertStore:
             return raw_record(self.index, layer, stored, out)
         return out[:raw_length]
 
-    def read_batch(self, requests: list[tuple[int, int, np.ndarray]]):
-        """Read several records, each (layer, expert, out) as for `read`; yields (i, raw record view or
-        the exception reading it raised) in request order, each once its emulated time has passed.
+    def read_batch(self, requests: list[tuple[int, int, np.ndarray]]) -> list[np.ndarray | CheckpointError]:
+        """Read several records, each (layer, expert, out) as for `read`; returns, in request order, each
+        raw record view or the typed error reading it raised, once the batch's emulated time has passed.
 
         The records are read and checksummed in one call that does not hold the GIL
         (kernels/cpu/record_io.py) and are booked on the emulated device together, as a queue of
         commands issued at once. Compressed records are read one by one (`read`): each needs its
         own staging buffer and decompression."""
         if self.index.compression is not None:
-            for i, (layer, expert, out) in enumerate(requests):
+            results = []
+            for layer, expert, out in requests:
                 try:
-                    yield i, self.read(layer, expert, out)
-                except (CheckpointError, ValueError) as exc:
-                    yield i, exc
-            return
+                    results.append(self.read(layer, expert, out))
+                except CheckpointError as exc:
+                    results.append(exc)
+            return results
         records = [self.index.record(layer, expert) for layer, expert, _ in requests]
         for (layer, expert, out), record in zip(requests, records):
             if len(out) < self.buffer_bytes(layer):
@@ -175,33 +176,34 @@ class ExpertStore:
                                  f"needs {self.buffer_bytes(layer)} (new_buffer makes one)")
         fd, mode = self.fd, self.io_mode
         lengths = np.array([r.length for r in records], np.int64)
-        spans = np.array([aligned_length(n) for n in lengths.tolist()], np.int64) if mode == IO_DIRECT else lengths
+        spans = (lengths + (PAGE - 1)) // PAGE * PAGE if mode == IO_DIRECT else lengths
         got, crcs = np.empty(len(records), np.int64), np.zeros(len(records), np.uint32)
         started = self.clock()
-        done = [self.device.schedule(r.length, started) if self.device else None for r in records]
+        done = max(self.device.schedule(r.length, started) for r in records) if self.device else None
         read_records(fd, np.array([r.offset for r in records], np.int64), spans, lengths,
                      np.array([out.ctypes.data for _, _, out in requests], np.uint64), self.verify, got, crcs)
-        for i, ((layer, expert, out), record) in enumerate(zip(requests, records)):
+        results, n_bytes = [], 0
+        for (layer, expert, out), record, n, crc in zip(requests, records, got.tolist(), crcs.tolist()):
             try:
-                n = int(got[i])
                 if n < 0:  # read it again here, where the OS error can be reported (or O_DIRECT refused)
-                    n = self._read_or_raise(layer, expert, out, record)
-                    crc = None
+                    n, crc = self._read_or_raise(layer, expert, out, record), None
                 else:
-                    n, crc = min(n, record.length), int(crcs[i])
+                    n = min(n, record.length)
                     if mode == IO_BUFFERED:
                         os.posix_fadvise(fd, record.offset, record.length, os.POSIX_FADV_DONTNEED)
-                slept = self.device.wait_until(done[i]) if self.device else 0.0
-                with self._lock:
-                    self.reads += 1
-                    self.bytes_read += n
-                    self.read_seconds += self.clock() - started
-                    self.emulated_seconds += slept
+                n_bytes += n
                 if n != record.length or (self.verify and crc != record.crc32):
                     check_stored_record(self.index, layer, expert, out[:n], self.verify)  # raises the typed error
-                yield i, out[:self.index.layout(layer).raw_length]
+                results.append(out[:self.index.layout(layer).raw_length])
             except CheckpointError as exc:
-                yield i, exc
+                results.append(exc)
+        slept = self.device.wait_until(done) if self.device else 0.0
+        with self._lock:
+            self.reads += len(records)
+            self.bytes_read += n_bytes
+            self.read_seconds += (self.clock() - started) * len(records)
+            self.emulated_seconds += slept
+        return results
 
     def _read_or_raise(self, layer: int, expert: int, out: np.ndarray, record) -> int:
         try:
