@@ -30,6 +30,12 @@ except ImportError as exc:  # pragma: no cover - numba is a declared dependency
 
 
 _launching = threading.local()  # the Numba thread count this thread last set
+# Multiply-adds below which an op-by-op kernel runs on the calling thread alone (use_threads):
+# splitting in two pays once half the kernel's time (~10 G multiply-adds/s on one core) exceeds the
+# ~100 us it takes to wake a sleeping pool thread. On the MoEfied SmolLM2 at 2 threads this took
+# op-by-op decode from 33 to 52-54 tok/s (1 thread: 60); decode projections (576 x 576) stay on
+# one thread, the LM head splits.
+PARALLEL_MIN_WORK = 1 << 21
 
 
 def _thread_count(threads: int | None) -> int:
@@ -60,12 +66,17 @@ class CpuBackend:
         numba.set_num_threads(self.threads)
         _launching.threads = self.threads
 
-    def use_threads(self) -> None:
-        """Numba's thread count is per calling thread: set it before every kernel launch (setting it
-        costs more than a small kernel, so only when this thread last ran with another count)."""
-        if getattr(_launching, "threads", None) != self.threads:
-            numba.set_num_threads(self.threads)
-            _launching.threads = self.threads
+    def use_threads(self, work: int | None = None) -> int:
+        """Set the thread count of the next kernel launch and return it: this backend's, or 1 for a
+        launch of fewer than PARALLEL_MIN_WORK multiply-adds. Op-by-op decode launches dozens of small
+        kernels per layer, and waking a sleeping pool thread (the OpenMP wait policy is passive,
+        kernels/cpu/runtime.py) costs more than such a kernel saves by splitting. Numba's count is per
+        calling thread, and setting it costs more than a small kernel: only when it changes."""
+        threads = self.threads if work is None or work >= PARALLEL_MIN_WORK else 1
+        if getattr(_launching, "threads", None) != threads:
+            numba.set_num_threads(threads)
+            _launching.threads = threads
+        return threads
 
     # --- weights -------------------------------------------------------------------------------
     prepare_weight = staticmethod(prepare_weight)
@@ -88,8 +99,8 @@ class CpuBackend:
         weight = self._matrix(weight)
         x = np.asarray(x, dtype=np.float32)
         flat = x.reshape(-1, x.shape[-1])
-        self.use_threads()
-        y = linear_kernels.linear(weight.descriptor, flat, None if bias is None else as_vector(bias), self.threads)
+        threads = self.use_threads(flat.shape[0] * weight.shape[0] * weight.shape[1])
+        y = linear_kernels.linear(weight.descriptor, flat, None if bias is None else as_vector(bias), threads)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def rms_norm(self, x: np.ndarray, weight, eps: float) -> np.ndarray:
@@ -107,18 +118,18 @@ class CpuBackend:
         return rotated
 
     def attention(self, q, k, v, q_positions, k_positions, scale, window):
-        self.use_threads()
-        return attention_kernels.attention(q, k, v, q_positions, k_positions, scale, window, self.threads)
+        threads = self.use_threads(q.shape[0] * len(k_positions) * q.shape[1] * q.shape[2])
+        return attention_kernels.attention(q, k, v, q_positions, k_positions, scale, window, threads)
 
     def attention_over_cache(self, q, keys: StoredRows, values: StoredRows, q_positions, k_positions, scale, window):
         """Attention that reads f16 / int8 K/V as stored, widening each row in the kernel."""
-        self.use_threads()
+        threads = self.use_threads(q.shape[0] * len(k_positions) * q.shape[1] * q.shape[2])
         if keys.format == "f32":
             return attention_kernels.attention(q, keys.data, values.data, q_positions, k_positions, scale, window,
-                                               self.threads)
+                                               threads)
         return stored_attention_kernels.stored_attention(q, keys.format, keys.group, keys.data, keys.scales,
                                                          values.data, values.scales, q_positions, k_positions,
-                                                         scale, window, self.threads)
+                                                         scale, window, threads)
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         gate = np.ascontiguousarray(gate, dtype=np.float32)
@@ -138,13 +149,14 @@ class CpuBackend:
         distinct = np.unique(ids)  # ascending
         window = getattr(experts, "window_size", None) or len(distinct)
         out = np.zeros(x.shape, np.float32)  # [T, D]
-        self.use_threads()
         for begin in range(0, len(distinct), window):
             batch = distinct[begin:begin + window]
             chosen = [experts[int(expert)] for expert in batch]  # referenced until the kernel returns
-            descriptors = np.concatenate([self._matrix(matrix).descriptor for w in chosen
-                                          for matrix in (w.gate, w.up, w.down)]).reshape(3 * len(batch), -1)
-            moe_kernels.expert_mixture(descriptors, batch, x, ids, weights, self.threads, out)
+            matrices = [self._matrix(matrix) for w in chosen for matrix in (w.gate, w.up, w.down)]
+            descriptors = np.concatenate([m.descriptor for m in matrices]).reshape(3 * len(batch), -1)
+            work = np.asarray(ids).shape[-1] * sum(m.shape[0] * m.shape[1] for m in matrices) * len(x) // len(batch)
+            threads = self.use_threads(work)
+            moe_kernels.expert_mixture(descriptors, batch, x, ids, weights, threads, out)
         return out
 
     def softmax(self, scores: np.ndarray) -> np.ndarray:
