@@ -323,7 +323,7 @@ class ExpertPredictor:
             return
         if len(before) == 1 and len(set(before[0].tolist())) == before.shape[1] and \
                 len(set(after[0].tolist())) == after.shape[1]:
-            counts[np.ix_(before[0], after[0])] += 1.0  # one token, distinct ids (a decode step): no repeats to add up
+            counts[before[0][:, None], after[0][None, :]] += 1.0  # one token, distinct ids (a decode step)
             return
         rows = np.broadcast_to(before[:, :, None], (len(before), before.shape[1], after.shape[1]))
         cols = np.broadcast_to(after[:, None, :], rows.shape)
@@ -337,10 +337,13 @@ class ExpertPredictor:
         for source, lookahead in looked_ahead.items():
             if len(lookahead) != len(actual):
                 continue  # made for another forward call
-            # the moving average over these tokens in order, in closed form: the newest weighs DRIFT_RATE
-            decay = (1.0 - DRIFT_RATE) ** np.arange(len(actual) - 1, -1, -1, dtype=np.float32)  # [T]
             drift = self.drift[(source, layer)]
             drift *= (1.0 - DRIFT_RATE) ** len(actual)
+            if len(actual) == 1:  # a decode step
+                drift += DRIFT_RATE * (actual[0] - lookahead[0])
+                continue
+            # the moving average over these tokens in order, in closed form: the newest weighs DRIFT_RATE
+            decay = (1.0 - DRIFT_RATE) ** np.arange(len(actual) - 1, -1, -1, dtype=np.float32)  # [T]
             drift += DRIFT_RATE * decay @ (actual - lookahead)
 
     def _score_forecasts(self, layer: int, ids: np.ndarray) -> None:
