@@ -18,9 +18,15 @@ Two forms of the same math, chosen by `ExportOptions.attention`:
   caller computes (causal order, valid length, sliding window), and the graph returns the new
   keys/values for the caller to write into the cache. Shapes may be fixed (static S, C, R).
 
+Mixture-of-Experts layers: a graph ends at a MoE layer's router (GraphShape.moe_out). Attention,
+norms, the router logits and any shared expert run in the graph; the routed experts run where the
+caller puts them (devices/npu runs them on the CPU backend, streamed from the expert source), and
+the block's output comes back as the next graph's `moe_in` (GraphShape.moe_in).
+
 The graph interface (names are the contract with devices/npu):
 
   inputs   input_ids int64 [1, S] (chunk with the embedding) | hidden_in f32 [1, S, D] (later chunks)
+           moe_in f32 [1, S, D]          after a MoE layer: its block's output, added to hidden_in
            past_key.{i}, past_value.{i} f32 [1, Hkv, C, Dh]       every layer i of the chunk (BNSH)
            contrib:  seqlens_k int32 [1] = P + S - 1, total_sequence_length int32 [] = P + S,
                      cos_cache, sin_cache f32 [C, Dh/2]
@@ -28,6 +34,11 @@ The graph interface (names are the contract with devices/npu):
            logits_rows int64 [R]                                  chunk with the LM head
   outputs  hidden_out f32 [1, S, D]     the residual stream after the chunk's last layer
            logits f32 [R, V]             chunk with the LM head
+           ffn_in f32 [1, S, D], router_logits f32 [1, S, E]   chunk ending at a MoE layer: its
+                                         block's input (after the norm) and router logits; the routed
+                                         experts run outside the graph, hidden_out is the residual
+                                         stream entering the block
+           shared_expert_out f32 [1, S, D]   the same, when the layer has a shared expert (gated)
            contrib:  present_key.{i}, present_value.{i} [1, Hkv, C, Dh]   (the past buffers)
            standard: new_key.{i}, new_value.{i} [1, Hkv, S, Dh]
 """
@@ -101,6 +112,8 @@ class GraphShape:
     tokens: int | None = None  # S
     capacity: int | None = None  # C
     logits_rows: int | None = None  # R
+    moe_in: bool = False  # the previous layer's MoE block ran outside: its output arrives as moe_in
+    moe_out: bool = False  # the last layer is a MoE layer: the graph stops at its router
 
     @property
     def key(self) -> str:
@@ -108,6 +121,7 @@ class GraphShape:
             return "dyn" if value is None else str(value)
 
         parts = [f"L{self.first_layer}-{self.end_layer}", "E" if self.embed else "", "H" if self.head else "",
+                 "MoEin" if self.moe_in else "", "MoEout" if self.moe_out else "",
                  f"S{dim(self.tokens)}", f"C{dim(self.capacity)}", f"R{dim(self.logits_rows)}" if self.head else ""]
         return "_".join(p for p in parts if p)
 
@@ -426,15 +440,25 @@ def uses_group_query_attention(spec, options: ExportOptions) -> bool:
 # --- layers and whole graphs ----------------------------------------------------------------------
 
 def decoder_layer(b: GraphBuilder, residual: Residual, index: int, layer, spec, scale: float,
-                  options: ExportOptions) -> None:
+                  options: ExportOptions) -> dict[str, str]:
+    """One layer onto the residual stream. A MoE layer stops at its router and returns the values its
+    routed experts need ({"ffn_in", "router_logits"}, plus "shared_expert_out"); a dense layer returns {}."""
     p, eps = f"layers.{index}", spec.rms_norm_eps
     x = residual.norm(b, layer.input_norm, eps, f"{p}.input_norm", options)
     q = linear(b, x, layer.q, layer.q_bias, f"{p}.q", options)
     k = linear(b, x, layer.k, layer.k_bias, f"{p}.k", options)
     v = linear(b, x, layer.v, layer.v_bias, f"{p}.v", options)
+    if spec.qk_norm_over_projection:  # OLMoE normalises the whole projection, not each head
+        q = rms_norm(b, q, layer.q_norm, eps, f"{p}.q_norm", options)
+        k = rms_norm(b, k, layer.k_norm, eps, f"{p}.k_norm", options)
+    if spec.clip_qkv is not None:  # OLMoE
+        low = b.constant(np.float32(-spec.clip_qkv), np.float32, f"clip_low_{spec.clip_qkv!r}")
+        high = b.constant(np.float32(spec.clip_qkv), np.float32, f"clip_high_{spec.clip_qkv!r}")
+        q, k, v = (b.op("Clip", [t, low, high], f"{p}.{name}/clip") for t, name in ((q, "q"), (k, "k"), (v, "v")))
+    per_head_norm = layer.q_norm is not None and not spec.qk_norm_over_projection  # Qwen3
     hq, hkv = spec.num_attention_heads, spec.num_key_value_heads
     if uses_group_query_attention(spec, options):
-        if layer.q_norm is not None:
+        if per_head_norm:
             q = _head_norm(b, q, layer.q_norm, hq, spec, f"{p}.q_norm", options)
             k = _head_norm(b, k, layer.k_norm, hkv, spec, f"{p}.k_norm", options)
         attended = attention_contrib(b, q, k, v, index, layer.sliding_window, spec, scale)
@@ -442,7 +466,7 @@ def decoder_layer(b: GraphBuilder, residual: Residual, index: int, layer, spec, 
         q4 = _split_heads(b, q, hq, spec.head_dim, f"{p}.q")
         k4 = _split_heads(b, k, hkv, spec.head_dim, f"{p}.k")
         v4 = _split_heads(b, v, hkv, spec.head_dim, f"{p}.v")
-        if layer.q_norm is not None:
+        if per_head_norm:
             q4 = rms_norm(b, q4, layer.q_norm, eps, f"{p}.q_norm", options)
             k4 = rms_norm(b, k4, layer.k_norm, eps, f"{p}.k_norm", options)
         q4 = rotate(b, q4, "cos_broadcast", "sin_broadcast", f"{p}.q_rope")
@@ -450,10 +474,36 @@ def decoder_layer(b: GraphBuilder, residual: Residual, index: int, layer, spec, 
         attended = attention_standard(b, q4, k4, v4, index, layer.sliding_window, spec, scale)
     residual.add(linear(b, attended, layer.o, layer.o_bias, f"{p}.o", options))
     x = residual.norm(b, layer.post_attention_norm, eps, f"{p}.post_attention_norm", options)
-    gate = linear(b, x, layer.gate, layer.gate_bias, f"{p}.gate", options)
-    up = linear(b, x, layer.up, layer.up_bias, f"{p}.up", options)
-    silu = b.op("Mul", [gate, b.op("Sigmoid", [gate], f"{p}/sigmoid")], f"{p}/silu")
-    residual.add(linear(b, b.op("Mul", [silu, up], f"{p}/swiglu"), layer.down, layer.down_bias, f"{p}.down", options))
+    if layer.moe is not None:
+        residual.settle(b, f"{p}/moe")
+        return moe_router(b, x, layer.moe, p, options)
+    residual.add(swiglu_ffn(b, x, layer.gate, layer.up, layer.down, layer.gate_bias, layer.up_bias,
+                            layer.down_bias, p, options))
+    return {}
+
+
+def swiglu_ffn(b: GraphBuilder, x: str, gate, up, down, gate_bias, up_bias, down_bias, key: str,
+               options: ExportOptions) -> str:
+    """down(silu(gate(x)) * up(x))."""
+    gated = linear(b, x, gate, gate_bias, f"{key}.gate", options)
+    upped = linear(b, x, up, up_bias, f"{key}.up", options)
+    silu = b.op("Mul", [gated, b.op("Sigmoid", [gated], f"{key}/sigmoid")], f"{key}/silu")
+    return linear(b, b.op("Mul", [silu, upped], f"{key}/swiglu"), down, down_bias, f"{key}.down", options)
+
+
+def moe_router(b: GraphBuilder, x: str, moe, p: str, options: ExportOptions) -> dict[str, str]:
+    """The parts of a MoE block that need no routed expert: router logits x @ router^T (+ bias), and
+    the shared expert, scaled per token by sigmoid(x @ g) where the family has that gate (Qwen2-MoE)."""
+    values = {"ffn_in": x, "router_logits": linear(b, x, moe.router, moe.router_bias, f"{p}.router", options)}
+    if moe.shared_gate is not None:
+        shared = swiglu_ffn(b, x, moe.shared_gate, moe.shared_up, moe.shared_down, None, None, None,
+                            f"{p}.shared_expert", options)
+        if moe.shared_expert_gate is not None:
+            gate = linear(b, x, moe.shared_expert_gate, None, f"{p}.shared_expert_gate", options)  # [1, S, 1]
+            shared = b.op("Mul", [shared, b.op("Sigmoid", [gate], f"{p}/shared_expert_sigmoid")],
+                          f"{p}/shared_expert_gated")
+        values["shared_expert_out"] = shared
+    return values
 
 
 def export_graph(model, shape: GraphShape, options: ExportOptions, weights) -> onnx.ModelProto:
@@ -466,6 +516,10 @@ def export_graph(model, shape: GraphShape, options: ExportOptions, weights) -> o
     if not 0 <= shape.first_layer <= shape.end_layer <= spec.num_hidden_layers:
         raise ValueError(f"layer range [{shape.first_layer}, {shape.end_layer}) is outside the model's "
                          f"{spec.num_hidden_layers} layers")
+    moe_layers = [i for i in range(shape.first_layer, shape.end_layer) if model.layers[i].moe is not None]
+    if moe_layers != ([shape.end_layer - 1] if shape.moe_out else []):
+        raise ValueError(f"graph {shape.key}: a graph ends at its one MoE layer, whose routed experts run outside "
+                         f"it (moe_out); it holds MoE layers {moe_layers}")
     b = GraphBuilder(weights)
     tokens = shape.tokens or "S"
     capacity = shape.capacity or "C"
@@ -488,10 +542,16 @@ def export_graph(model, shape: GraphShape, options: ExportOptions, weights) -> o
         b.add_input(f"past_key.{i}", FLOAT, cache_shape)
         b.add_input(f"past_value.{i}", FLOAT, cache_shape)
     residual = Residual(hidden)
+    if shape.moe_in:  # the MoE block of layer first_layer - 1 ran outside the graph
+        residual.add(b.add_input("moe_in", FLOAT, [1, tokens, spec.hidden_size]))
+    moe_values: dict[str, str] = {}
     for i in layers:
-        decoder_layer(b, residual, i, model.layers[i], spec, model.attention_scale, options)
+        moe_values = decoder_layer(b, residual, i, model.layers[i], spec, model.attention_scale, options)
     hidden = residual.settle(b, "final")
     b.add_output(hidden, "hidden_out", FLOAT, [1, tokens, spec.hidden_size])
+    for name, value in moe_values.items():
+        width = spec.moe_for_layer(shape.end_layer - 1).num_experts if name == "router_logits" else spec.hidden_size
+        b.add_output(value, name, FLOAT, [1, tokens, width])
     if shape.head:
         rows = b.add_input("logits_rows", TensorProto.INT64, [shape.logits_rows or "R"])
         selected = b.op("Gather", [hidden, rows], "head/select_rows", axis=1)  # [1, R, D]

@@ -65,6 +65,15 @@ class Backend(Protocol):
         `window_size` is read at most that many experts at a time (edge/moe.py ExpertSource).
         Without it, edge/moe.py `expert_mixture` composes linear and swiglu per expert."""
 
+    # Optional, for backends that run routed experts from their own memory (gpu):
+    # expert_backend: the object whose prepare_weight an ExpertSource prepares expert weights with
+    #                 (edge/api.py; the gpu hands the stored host views over unchanged)
+    def configure_expert_cache(self, layers: dict, capacity: int | float | None) -> None:
+        """Size the device's expert cache before the model is built: layers {MoE layer: (E, {projection:
+        (quant.Scheme, shape)})}, capacity in bytes, a share (0, 1] of every expert's bytes, or None for
+        the device's default; raises ValueError when it cannot hold one layer's experts at once.
+        `expert_stats()` then reports its counters (model.stats() includes them)."""
+
     def compile_forward(self, transformer) -> Callable | None:
         """A fused executor for the whole forward pass, or None to run edge's op-by-op composition.
 
@@ -73,7 +82,8 @@ class Backend(Protocol):
         NPU) return a callable with the signature of `edge.model.Transformer.forward_ops`:
         (ids, cache, all_logits, observer) -> logits. It must compute the same math as the
         composition (the parity tests compare them) and call `observer(layer, hidden)` after each
-        layer when one is given."""
+        layer when one is given. It may also have `next_token(ids, cache) -> int`: the argmax of the
+        last token's logits (ties to the lowest id), picked without returning the logits (greedy steps)."""
 
     def info(self) -> dict: ...
 
@@ -81,14 +91,6 @@ class Backend(Protocol):
 class DeviceUnavailableError(RuntimeError):
     """A backend cannot run on this machine (driver, runtime or hardware missing); the message
     says what is missing and how to get it. edge/ reports it as a typed error, never falls back."""
-
-
-class MoeUnsupportedError(DeviceUnavailableError):
-    """The device has no Mixture-of-Experts path (routing and expert streaming run elsewhere)."""
-
-    def __init__(self, device: str):
-        super().__init__(f"device {device!r} does not run Mixture-of-Experts models yet; "
-                         "use device 'cpu' or 'reference'")
 
 
 class AttentionUnsupportedError(DeviceUnavailableError):

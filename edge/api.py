@@ -8,7 +8,7 @@ import psutil
 
 from converters.checkpoint import open_checkpoint
 from devices.base import DeviceUnavailableError, create_backend
-from edge.errors import CheckpointError, SessionError, UnsupportedModelError, ZllmError
+from edge.errors import CheckpointError, ExpertCacheError, SessionError, UnsupportedModelError, ZllmError
 from edge.generation import Generation
 from edge.model import Transformer
 from edge.sampling import SamplingParams
@@ -27,7 +27,8 @@ class Model:
     def __init__(self, path: str, device: str = "reference", threads: int | None = None,
                  memory_budget: int | str | None = None, verify: bool = False, storage: str | None = None,
                  expert_strategy: str | None = None, expert_policy: str | None = None, prefetch_depth: int = 2,
-                 prefetch_threads: int = 2, kv_capacity: int | None = None, kv_cache: str = "f32"):
+                 prefetch_threads: int = 4, kv_capacity: int | None = None, kv_cache: str = "f32",
+                 gpu_expert_cache: int | str | None = None):
         self.path = os.fspath(path)
         self.checkpoint = open_checkpoint(self.path, verify=verify)
         self.spec = spec_from_dict(self.checkpoint.model_config)
@@ -59,6 +60,7 @@ class Model:
         self.device = device
         try:
             self.experts = self._expert_source(verify)
+            self._configure_device_expert_cache(gpu_expert_cache)
             self.transformer = Transformer(self.spec, self.checkpoint.tensors, self.backend, experts=self.experts,
                                            kv_format=kv_cache)
         except KeyError as exc:
@@ -87,8 +89,34 @@ class Model:
                                   "has no experts entry; convert the model again")
         from streaming import open_expert_source
 
-        return open_expert_source(self.checkpoint, self.spec, self.backend, self.expert_strategy,
+        # a device that runs experts on another backend (npu: the CPU backend) has them prepared for it
+        expert_backend = getattr(self.backend, "expert_backend", self.backend)
+        return open_expert_source(self.checkpoint, self.spec, expert_backend, self.expert_strategy,
                                   self.memory.expert_cache_bytes, verify=verify, **self.streaming_options)
+
+    def _configure_device_expert_cache(self, size: int | str | None) -> None:
+        """A device that keeps experts in its own memory (gpu) sizes that cache from the experts' shapes
+        and schemes: bytes, a size ("64MB") or "P%" of every expert's device bytes; None: its default."""
+        configure = getattr(self.backend, "configure_expert_cache", None)
+        if configure is None or self.experts is None:
+            if size is not None:
+                raise ZllmError(f"gpu_expert_cache applies to Mixture-of-Experts models on device 'gpu'; "
+                                f"{self.path} on device {self.device!r} has no GPU expert cache")
+            return
+        from streaming.budget import parse_budget
+
+        try:
+            size = parse_budget(size)
+        except ZllmError as exc:
+            raise ZllmError(f"gpu_expert_cache: {exc}") from None
+        capacity = None if size is None else (size.bytes if size.bytes is not None else size.expert_percent / 100)
+        layers = {layer: (len(experts.records), {name: (p.scheme, p.shape)
+                                                 for name, p in experts.layout.projections.items()})
+                  for layer, experts in self.checkpoint.experts.layers.items()}
+        try:
+            configure(layers, capacity)
+        except ValueError as exc:
+            raise ExpertCacheError(f"{self.path}: {exc}") from None
 
     # --- sessions -------------------------------------------------------------------------
     def session(self, capacity: int | None = None) -> Session:
@@ -151,6 +179,7 @@ class Model:
             "budget_bytes": self.memory_budget,
             "memory_plan": self.memory.to_dict(),
             **(self.experts.stats() if self.experts is not None else {}),
+            **(self.backend.expert_stats() if hasattr(self.backend, "expert_stats") else {}),
         }
 
     def load_session(self, path, capacity: int | None = None) -> Session:
@@ -175,7 +204,8 @@ class Model:
 def load(path, device: str = "reference", threads: int | None = None,
          memory_budget: int | str | None = None, verify: bool = False, storage: str | None = None,
          expert_strategy: str | None = None, expert_policy: str | None = None, prefetch_depth: int = 2,
-         prefetch_threads: int = 2, kv_capacity: int | None = None, kv_cache: str = "f32") -> Model:
+         prefetch_threads: int = 4, kv_capacity: int | None = None, kv_cache: str = "f32",
+         gpu_expert_cache: int | str | None = None) -> Model:
     """Open a zllm checkpoint (mmap, no copy of the weights) on a device.
 
     memory_budget: bytes, a size ("512MB"), or "P%" (everything that is not an expert plus a cache of
@@ -189,8 +219,13 @@ def load(path, device: str = "reference", threads: int | None = None,
     the expert whose layer comes last in the layer-by-layer cycle, ties by the predictor's need: the
     default with the predictive strategy; "lru", the default otherwise, evicts exactly what that cycle
     needs next).
+    gpu_expert_cache (device "gpu", MoE models): the bytes of uploaded experts the GPU keeps, keyed by
+    (layer, expert) and evicted least recently used: bytes, a size ("64MB") or "P%" of every expert's
+    device bytes. Default: every expert if they take at most half the adapter's memory (host RAM for a
+    CPU adapter such as lavapipe; 4 GiB assumed for a GPU, whose memory wgpu does not report), else
+    that half. Below one layer's experts it is refused (ExpertCacheError naming the minimum).
     """
     return Model(path, device=device, threads=threads, memory_budget=memory_budget, verify=verify,
                  storage=storage, expert_strategy=expert_strategy, expert_policy=expert_policy,
                  prefetch_depth=prefetch_depth, prefetch_threads=prefetch_threads, kv_capacity=kv_capacity,
-                 kv_cache=kv_cache)
+                 kv_cache=kv_cache, gpu_expert_cache=gpu_expert_cache)

@@ -7,10 +7,12 @@ allocations do not pollute another's). Workers load the model once, run one unti
 alternate between devices - device A, device B, device A, ... - so that drifts of a noisy
 machine (frequency, page cache, neighbours) hit every device alike; the table reports medians.
 
-A run is greedy: prefill the fixed prompt, take the argmax, then decode one token at a time
-through the session API (`session.prefill`, `session.decode`). Only those calls are timed;
-argmax and bookkeeping are not (time to first token does include the first argmax). The run
-does not stop at end-of-sequence tokens: every device does the same amount of work.
+A run is greedy, as `generate` is: prefill the fixed prompt, then decode one token at a time
+through the session API (`session.next_token`, which returns the argmax of the last logits: a
+device that picks it itself, such as gpu, reads back one id instead of the logits). Only those
+calls are timed, bookkeeping is not. The run does not stop at end-of-sequence tokens: every
+device does the same amount of work. A gpu's upload time and device memory (its buffers: weights,
+KV cache, scratch, expert cache) are reported beside the other rows.
 """
 from __future__ import annotations
 
@@ -117,18 +119,15 @@ def greedy_run(model, prompt_ids: list[int], new_tokens: int, after_prefill=None
     (the MoE benchmark snapshots the model's streaming counters there)."""
     with model.session(capacity=len(prompt_ids) + new_tokens) as session:
         started = time.perf_counter()
-        logits = session.prefill(prompt_ids)
-        prefill_seconds = time.perf_counter() - started
-        token = int(np.argmax(logits))
-        time_to_first_token = time.perf_counter() - started
+        token = session.next_token(prompt_ids)
+        prefill_seconds = time_to_first_token = time.perf_counter() - started
         if after_prefill is not None:
             after_prefill()
         tokens, decode_seconds = [token], 0.0
         for _ in range(new_tokens - 1):
             step_started = time.perf_counter()
-            logits = session.decode(token)
+            token = session.next_token([token])
             decode_seconds += time.perf_counter() - step_started
-            token = int(np.argmax(logits))
             tokens.append(token)
     return RunTimes(prefill_seconds, decode_seconds, time_to_first_token, len(prompt_ids), new_tokens - 1, tokens)
 
@@ -208,7 +207,8 @@ def _device_worker(connection, checkpoint_path: str, device: str, threads: int |
             if command.get("stats"):
                 snapshots["stats"] = model.stats()
             text = model.decode(run.tokens) if model.tokenizer else None
-            connection.send({"event": "ran", **run.as_dict(), "text": text, **snapshots})
+            connection.send({"event": "ran", **run.as_dict(), "text": text, "device_info": model.device_info(),
+                             **snapshots})
     except Exception as exc:  # forwarded whole to the parent, which raises it as a BenchError
         expected = isinstance(exc, ZllmError)  # errors zllm-edge raises on purpose carry their own wording
         connection.send({"event": "error", "message": str(exc) if expected else f"{type(exc).__name__}: {exc}"})
@@ -351,7 +351,18 @@ def _agreeing_prefix(a: list[int], b: list[int]) -> int:
 
 
 SUMMARY_METRICS = ("load_seconds", "cold_time_to_first_token_seconds", "prefill_tokens_per_second",
-                   "decode_tokens_per_second", "time_to_first_token_seconds", "peak_rss_bytes")
+                   "decode_tokens_per_second", "time_to_first_token_seconds", "peak_rss_bytes",
+                   "device_upload_seconds", "device_memory_bytes")
+
+
+def device_figures(device_info: dict) -> dict:
+    """A device's own memory and upload time, where it has them (gpu): seconds spent uploading weights
+    and experts, and the bytes of its buffers (peak over the runs, and held by weights and experts)."""
+    memory = device_info.get("memory_bytes")
+    if memory is None:
+        return {"device_upload_seconds": None, "device_memory_bytes": None, "device_memory": None}
+    return {"device_upload_seconds": device_info.get("upload_seconds"),
+            "device_memory_bytes": memory["peak_allocated"], "device_memory": memory}
 
 
 def run_bench(checkpoint_path: str, devices: list[str], threads: int | None = None, prompt_tokens: int = 128,
@@ -409,6 +420,9 @@ def run_bench(checkpoint_path: str, devices: list[str], threads: int | None = No
                     "prefill_seconds", "decode_seconds"):
             result[key] = _median(run[key] for run in runs)
         result["tokens"], result["text"] = runs[0]["tokens"], runs[0]["text"]
+        result.update(device_figures(runs[-1].pop("device_info")))
+        for run in runs[:-1]:
+            del run["device_info"]
         result["tokens_identical_across_repeats"] = all(run["tokens"] == runs[0]["tokens"] for run in runs)
     baseline = labels[0]
     for device in labels:
@@ -448,8 +462,10 @@ def machine_info() -> dict:
 def _format_value(key: str, value) -> str:
     if value is None:
         return "-"
-    if key == "peak_rss_bytes":
+    if key in ("peak_rss_bytes", "device_memory_bytes"):
         return f"{value / 1e6:.0f}"
+    if key == "device_upload_seconds":
+        return f"{value:.3f}"
     if key.endswith("_seconds"):
         return f"{value * 1000:.1f}" if "first_token" in key else f"{value:.2f}"
     return f"{value:.1f}"
@@ -462,6 +478,8 @@ ROW_LABELS = {
     "decode_tokens_per_second": "decode (tokens/s)",
     "time_to_first_token_seconds": "time to first token (ms)",
     "peak_rss_bytes": "peak RSS (MB)",
+    "device_upload_seconds": "upload to device (s)",
+    "device_memory_bytes": "device memory, peak (MB)",
 }
 
 

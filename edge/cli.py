@@ -182,7 +182,7 @@ def _memory_options(args) -> dict:
     """edge.load's memory budget and expert streaming options from the command line."""
     return {"memory_budget": args.memory_budget, "storage": args.storage, "expert_strategy": args.expert_strategy,
             "expert_policy": args.expert_policy, "prefetch_depth": args.prefetch_depth,
-            "prefetch_threads": args.prefetch_threads}
+            "prefetch_threads": args.prefetch_threads, "gpu_expert_cache": args.gpu_expert_cache}
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -201,7 +201,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="MoE: expert cache eviction (default: cycle, the layer visited last, with the "
                         "predictive strategy; else lru)")
     p.add_argument("--prefetch-depth", type=int, default=2, help="MoE: layers ahead the predictor prefetches")
-    p.add_argument("--prefetch-threads", type=int, default=2, help="MoE: expert loading threads")
+    p.add_argument("--prefetch-threads", type=int, default=4, help="MoE: expert loading threads (each keeps one read in flight)")
+    p.add_argument("--gpu-expert-cache", default=None,
+                   help="MoE on --device gpu: bytes of experts kept on the GPU: 64MB, bytes, or P%% of all experts "
+                        "(default: every expert if they take at most half the adapter's memory)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -19,3 +19,7 @@ class CheckpointError(ZllmError):
 
 class SessionError(ZllmError):
     """A session was asked for something its state does not allow (context or cache full)."""
+
+
+class ExpertCacheError(ZllmError):
+    """A device's expert cache cannot hold what the model needs at once (the message names the minimum)."""

@@ -89,14 +89,21 @@ class Generation:
         if self.max_new_tokens == 0:
             result.finish_reason = "length"
             return
+        # plain greedy decoding needs only each step's argmax, which a device may pick without
+        # returning the logits; sampling and the repetition penalty need the logits.
+        # `outcome` of a step: the next token (greedy) or the logits to sample it from
+        greedy = self.params.temperature == 0.0 and self.params.repetition_penalty == 1.0
         started = time.perf_counter()
-        logits = session.prefill(result.prompt_tokens)
+        outcome = session.next_token(result.prompt_tokens) if greedy else session.prefill(result.prompt_tokens)
         result.prefill_seconds = time.perf_counter() - started
         decode_started = None
         history = np.asarray(result.prompt_tokens, dtype=np.int64)
         while True:
-            seen = np.concatenate([history, np.asarray(result.tokens, dtype=np.int64)])
-            token = sample_token(logits, self.params, self.rng, seen)
+            if greedy:
+                token = outcome
+            else:
+                seen = np.concatenate([history, np.asarray(result.tokens, dtype=np.int64)])
+                token = sample_token(outcome, self.params, self.rng, seen)
             result.tokens.append(token)
             if token in model.eog_token_ids:
                 result.finish_reason = "eos"
@@ -118,7 +125,7 @@ class Generation:
                 break
             if decode_started is None:
                 decode_started = time.perf_counter()
-            logits = session.decode(token)
+            outcome = session.next_token([token]) if greedy else session.decode(token)
         if decode_started is not None:
             result.decode_seconds = time.perf_counter() - decode_started
         yield Step(None, result.text[emitted:])

@@ -11,7 +11,7 @@ import numpy as np
 
 from edge.attention import MlaWeights, cache_slots, gqa_attention, load_mla_weights, mla_attention
 from edge.kv_cache import KVCache, check_kv_format
-from edge.moe import ExpertSource, MoeLayerWeights, moe_block
+from edge.moe import ExpertSource, MoeLayerWeights, moe_block, route_and_fetch, routed_experts
 from edge.rope import RopeTable
 from edge.spec import LlamaSpec
 
@@ -122,6 +122,19 @@ class Transformer:
             shared_expert_gate=weight(prefix + "shared_expert_gate.weight") if moe.shared_expert_gate else None,
         )
 
+    def routed_experts(self, index: int, x: np.ndarray, residual: np.ndarray, router_logits: np.ndarray):
+        """MoE layer `index`'s routed experts for x [T, D] (after the layer's norm), its router logits
+        [T, E] computed elsewhere (a fused executor's graph), residual [T, D] entering the block:
+        -> (their mixture [T, D], expert ids [T, A], route weights [T, A]), on this model's backend and
+        expert source, with the same routing as the op-by-op composition."""
+        return routed_experts(self.backend, index, x, residual, router_logits, self.layers[index].moe, self.experts)
+
+    def route_moe_layer(self, index: int, router_logits: np.ndarray, residual: np.ndarray):
+        """MoE layer `index`'s route from router logits [T, E] a fused executor computed, residual [T, D]
+        entering the block, and the chosen experts from this model's ExpertSource:
+        -> (ids [T, A], route weights [T, A], {id: ExpertWeights}), routed as the op-by-op composition does."""
+        return route_and_fetch(index, router_logits, residual, self.layers[index].moe, self.experts)
+
     def new_cache(self, capacity: int) -> KVCache:
         ring_buffers = getattr(self.backend, "ring_buffers", False)
         return KVCache(self.backend, cache_slots(self.spec, self.kv_format, capacity, ring_buffers), capacity)
@@ -133,6 +146,16 @@ class Transformer:
         fused = self._fused_forward if cache.plain else None
         run = fused or self.forward_ops
         return run(ids, cache, all_logits, observer)
+
+    def forward_next_token(self, ids: np.ndarray, cache: KVCache) -> int:
+        """Run ids like `forward` and return the greedy next token: the argmax of the last token's logits,
+        ties to the lowest id. A fused executor with `next_token` picks it on the device and reads back
+        only the id; otherwise it is taken from the logits."""
+        fused = self._fused_forward if cache.plain else None
+        pick = getattr(fused, "next_token", None)
+        if pick is not None:
+            return pick(ids, cache)
+        return int(np.argmax(self.forward(ids, cache, all_logits=False)))
 
     def forward_ops(self, ids: np.ndarray, cache: KVCache, all_logits: bool, observer=None,
                     ffn_hook=None) -> np.ndarray:

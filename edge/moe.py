@@ -180,15 +180,32 @@ def expert_mixture(be, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
     return out
 
 
+def route_and_fetch(layer: int, router_logits: np.ndarray, residual: np.ndarray, weights: MoeLayerWeights,
+                    source: ExpertSource) -> tuple[np.ndarray, np.ndarray, Mapping[int, ExpertWeights]]:
+    """Route a MoE layer from its router logits [T, E] and take the chosen experts from `source`:
+    -> (expert ids [T, A], route weights [T, A], {id: ExpertWeights}). For executors that mix the
+    experts themselves (the gpu device, with its own expert cache)."""
+    ids, route_weights = route(router_logits, weights.config, weights.correction_bias)  # [T, A] each
+    return ids, route_weights, source.experts(layer, ids, residual, router_logits)
+
+
+def routed_experts(be, layer: int, x: np.ndarray, residual: np.ndarray, router_logits: np.ndarray,
+                   weights: MoeLayerWeights, source: ExpertSource) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The routed half of a MoE block, given its router logits [T, E] (computed here by moe_block, or
+    inside a device's graph): route, fetch the chosen experts from `source`, mix them.
+
+    x [T, D] -> (routed experts' output [T, D], expert ids [T, A], route weights [T, A])."""
+    ids, route_weights, chosen = route_and_fetch(layer, router_logits, residual, weights, source)
+    return expert_mixture(be, x, ids, route_weights, chosen), ids, route_weights
+
+
 def moe_block(be, layer: int, x: np.ndarray, residual: np.ndarray, weights: MoeLayerWeights,
               source: ExpertSource) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A MoE feed-forward block: routed experts (from `source`) plus shared experts.
 
     x [T, D] -> (output [T, D], the route: expert ids [T, A] and their weights [T, A])."""
     router_logits = be.linear(x, weights.router, weights.router_bias)  # [T, E]
-    ids, route_weights = route(router_logits, weights.config, weights.correction_bias)  # [T, A] each
-    chosen = source.experts(layer, ids, residual, router_logits)
-    out = expert_mixture(be, x, ids, route_weights, chosen)
+    out, ids, route_weights = routed_experts(be, layer, x, residual, router_logits, weights, source)
     if weights.shared_gate is not None:
         shared = be.linear(be.swiglu(be.linear(x, weights.shared_gate), be.linear(x, weights.shared_up)),
                            weights.shared_down)  # [T, D]

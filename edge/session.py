@@ -26,7 +26,7 @@ class Session:
     def capacity(self) -> int:
         return self.cache.capacity
 
-    def _run(self, ids, all_logits: bool, observer=None) -> np.ndarray:
+    def _run(self, ids, all_logits: bool, observer=None, next_token: bool = False) -> np.ndarray | int:
         ids = np.asarray(ids).reshape(-1)
         if ids.size and ids.dtype.kind not in "iu":
             raise SessionError(f"token ids must be integers, got {ids.dtype} values such as {ids[0]!r}")
@@ -40,9 +40,13 @@ class Session:
         self.cache.check_room(len(ids), self.model.spec.max_position_embeddings)
         if self.cache.length == 0:
             self._begin_request()
-        logits = self.model.transformer.forward(ids, self.cache, all_logits, observer)
+        transformer = self.model.transformer
+        if next_token:
+            result = transformer.forward_next_token(ids, self.cache)
+        else:
+            result = transformer.forward(ids, self.cache, all_logits, observer)
         self.tokens.extend(int(i) for i in ids)
-        return logits
+        return result
 
     def prefill(self, ids, all_logits: bool = False, observer=None) -> np.ndarray:
         """Run ids after the current history. Logits [V] for the last token, or [T, V] with all_logits."""
@@ -51,6 +55,12 @@ class Session:
     def decode(self, token_id: int) -> np.ndarray:
         """Run one token; logits [V]."""
         return self._run([int(token_id)], all_logits=False)
+
+    def next_token(self, ids) -> int:
+        """Run ids after the current history (a prefill, or one token: a decode round) and return the
+        greedy next token, the argmax of the last logits (ties to the lowest id). Devices that can pick
+        it themselves (gpu) read back one id instead of the logits."""
+        return self._run(ids, all_logits=False, next_token=True)
 
     def save(self, path) -> None:
         """Write the KV state, position and token history to `path` (edge/saved_session.py);

@@ -24,6 +24,7 @@ DEVICE_KEYS = {
     "cold_time_to_first_token_seconds", "runs", "peak_rss_bytes", "prefill_tokens_per_second",
     "decode_tokens_per_second", "time_to_first_token_seconds", "prefill_seconds", "decode_seconds", "tokens",
     "text", "tokens_identical_across_repeats",
+    "device_upload_seconds", "device_memory_bytes", "device_memory",  # None where the device has no memory of its own
 }
 RUN_KEYS = {"prefill_seconds", "decode_seconds", "time_to_first_token_seconds", "prompt_tokens", "decode_steps",
             "tokens", "text", "prefill_tokens_per_second", "decode_tokens_per_second"}

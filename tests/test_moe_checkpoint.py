@@ -157,20 +157,6 @@ def test_tensor_classes_of_moe_names():
     assert tensor_class("model.layers.3.mlp.gate_proj.weight") == "ffn"
 
 
-@pytest.mark.parametrize("device", ["npu", "gpu"])
-def test_devices_without_moe_refuse_the_model(tiny_zoo, device):
-    from devices.base import DeviceUnavailableError, create_backend
-
-    try:
-        create_backend(device)
-    except DeviceUnavailableError as exc:
-        pytest.skip(f"{device} backend unavailable here: {exc}")
-    with pytest.raises(UnsupportedModelError) as info:
-        edge.load(tiny_zoo.converted("qwen3_moe_raw", MIXED), device=device)
-    assert str(info.value) == (f"device {device!r} does not run Mixture-of-Experts models yet; "
-                               "use device 'cpu' or 'reference'")
-
-
 def test_cli_converts_with_compression_and_inspect_shows_experts(tiny_zoo, tmp_path, capsys):
     out = tmp_path / "cli"
     assert main(["convert", tiny_zoo.hf_folder("olmoe"), os.fspath(out), "--weights", "int8", "--experts", "int4",
@@ -192,24 +178,6 @@ def test_impossible_moe_configuration_is_refused(tmp_path):
         spec_tensor_names(spec)
     assert str(info.value) == ("unsupported Mixture-of-Experts configuration: "
                                "num_experts_per_tok 6 must be in [1, 4] (the experts)")
-
-
-def test_npu_executor_refuses_moe_layers_when_built_directly(tiny_zoo):
-    """Below edge.load, the backend itself refuses to compile a MoE model (never computes garbage)."""
-    from devices.base import DeviceUnavailableError, MoeUnsupportedError, create_backend
-    from edge.model import Transformer
-    from edge.spec import spec_from_dict
-    from streaming.resident import ResidentExperts
-
-    try:
-        backend = create_backend("npu")
-    except DeviceUnavailableError as exc:
-        pytest.skip(f"npu backend unavailable here: {exc}")
-    with open_checkpoint(tiny_zoo.converted("qwen3_moe_raw", MIXED)) as ckpt:
-        experts = ResidentExperts(ckpt.experts, backend.prepare_weight)
-        with pytest.raises(MoeUnsupportedError) as info:
-            Transformer(spec_from_dict(ckpt.model_config), ckpt.tensors, backend, experts=experts)
-    assert str(info.value) == "device 'npu' does not run Mixture-of-Experts models yet; use device 'cpu' or 'reference'"
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen2_moe_shared"])

@@ -5,8 +5,9 @@ import time
 
 import numpy as np
 
-from devices.base import MoeUnsupportedError, check_gqa_only, has_moe_layers
+from devices.base import check_gqa_only, has_moe_layers
 from devices.gpu.context import GpuContext, select_vulkan_adapter
+from devices.gpu.expert_cache import GpuExpertCache, HostExpertWeights
 from devices.gpu.forward import FusedForward
 from devices.gpu.launches import LaunchBuilder, Tuning
 from devices.gpu.ops import GpuOps
@@ -17,7 +18,10 @@ from quant import QuantizedTensor
 
 class GpuBackend:
     name = "gpu"
-    runs_moe = False
+    runs_moe = True
+    # what ExpertSources prepare experts with (edge/api.py): nothing, they hand the MoE block the experts'
+    # stored bytes as host views, and the GPU expert cache (configure_expert_cache) uploads them
+    expert_backend = HostExpertWeights()
 
     def __init__(self, threads: int | None = None, variant: str | None = None, *,
                  max_binding_bytes: int | None = None, tuning: Tuning | None = None):
@@ -35,6 +39,7 @@ class GpuBackend:
         self.ops = GpuOps(self.ctx, self.builder)
         self.upload_seconds = 0.0
         self.weight_bytes = 0
+        self.expert_cache: GpuExpertCache | None = None
 
     def prepare_weight(self, weight):
         """Upload a weight: a matrix (float [N, K] or QuantizedTensor) or a vector (norm gain, bias)."""
@@ -67,6 +72,24 @@ class GpuBackend:
     def swiglu(self, gate, up):
         return self.ops.swiglu(gate, up)
 
+    def expert_mixture(self, x, ids, weights, experts):
+        """The routed experts' mixture for edge's op-by-op composition (Transformer.forward_ops), which has
+        no layer to key a cache by: each expert's stored weights are uploaded for this call only and run
+        through this device's ops, in ascending id order and at most `window_size` at a time (edge/moe.py).
+        Generation uses the fused executor, which keeps experts in the GPU expert cache instead."""
+        x = np.asarray(x, dtype=np.float32)
+        out = np.zeros(x.shape, dtype=np.float32)  # [T, D]
+        for expert in np.unique(ids):  # ascending
+            rows, slots = np.nonzero(ids == expert)  # tokens routed to this expert, and in which of their A slots
+            stored = experts[int(expert)]
+            gate, up, down = (GpuMatrix(self.ctx, w) for w in (stored.gate, stored.up, stored.down))
+            xe = x[rows]  # [Te, D]
+            ye = self.linear(self.swiglu(self.linear(xe, gate), self.linear(xe, up)), down)  # [Te, D]
+            for matrix in (gate, up, down):  # each op has read its result back: the buffers are free
+                matrix.release()
+            out[rows] += weights[rows, slots][:, None] * ye
+        return out
+
     def softmax(self, x):
         return self.ops.softmax(x)
 
@@ -79,17 +102,43 @@ class GpuBackend:
     def allocate_kv(self, capacity: int, kv_heads: int, head_dim: int):
         return GpuKV(self.ctx, capacity, kv_heads, head_dim), GpuKV(self.ctx, capacity, kv_heads, head_dim)
 
+    def configure_expert_cache(self, layers: dict, capacity: int | float | None = None) -> None:
+        """Size the GPU expert cache of a MoE model: layers {MoE layer: (E, {projection: (quant.Scheme,
+        shape)})}; capacity in bytes, a share of every expert's device bytes (float in (0, 1]), or None
+        for the default (expert_cache.py). Raises ExpertCacheTooSmallError below one layer's experts."""
+        if self.expert_cache is not None:
+            self.expert_cache.close()
+        self.expert_cache = GpuExpertCache(self.ctx, layers, capacity)
+
     def compile_forward(self, transformer):
         check_gqa_only(transformer, "gpu")
-        if has_moe_layers(transformer):
-            raise MoeUnsupportedError("gpu")
+        if has_moe_layers(transformer) and self.expert_cache is None:
+            raise ValueError("device 'gpu' runs a Mixture-of-Experts model through its GPU expert cache: call "
+                             "backend.configure_expert_cache(...) before building the model (edge.load does)")
         return FusedForward(self, transformer)
 
+    def expert_stats(self) -> dict:
+        """The GPU expert cache's counters (empty for a dense model)."""
+        return self.expert_cache.stats() if self.expert_cache is not None else {}
+
+    def memory_bytes(self) -> dict:
+        """Bytes of this device's buffers: weights, the expert cache's experts, the rest (KV caches,
+        activations, uniforms), all of them now, and the peak since the backend started."""
+        experts = self.expert_cache.held_bytes if self.expert_cache is not None else 0
+        allocated = self.ctx.allocated_bytes
+        return {"weights": self.weight_bytes, "experts": experts,
+                "kv_and_scratch": allocated - self.weight_bytes - experts,
+                "allocated": allocated, "peak_allocated": self.ctx.peak_allocated_bytes}
+
     def info(self) -> dict:
+        expert_upload = self.expert_cache.upload_seconds if self.expert_cache is not None else 0.0
         return {
             "device": "gpu",
             **self.ctx.info(),
             "kernels": "cpu-shaped" if self.tuning.uniform_inputs else "gpu-shaped",
             "weight_bytes_on_device": self.weight_bytes,
-            "upload_seconds": round(self.upload_seconds, 3),
+            "memory_bytes": self.memory_bytes(),
+            "upload_seconds": round(self.upload_seconds + expert_upload, 3),  # weights at load, experts when used
+            **({"expert_cache": {**self.expert_stats(), "rule": self.expert_cache.capacity_rule}}
+               if self.expert_cache is not None else {}),
         }

@@ -252,3 +252,32 @@ class LaunchBuilder:
         launches = Launches()
         launches.add(bound, lambda n_tokens: row_grid(self.ctx, n_tokens))
         return launches
+
+    # --- Mixture-of-Experts blocks (devices/gpu/moe.py) -----------------------------------------
+    def _elementwise(self, name: str, step, shape: dict, buffers: dict, per_token: int, **constants) -> Launches:
+        bound = self.kernels.get(name, **constants).bind(step, shape, buffers)
+        launches = Launches()
+        launches.add(bound, lambda n_tokens: flat_grid(self.ctx, n_tokens * per_token))
+        return launches
+
+    def gather_rows(self, step, rows, x, out, *, dim, first) -> Launches:
+        """out[i] = x[rows[first + i]] for the step's tokens (one expert's tokens)."""
+        return self._elementwise("moe_gather", step, dict(dim=dim, first=first), dict(rows=rows, x=x, out=out), dim)
+
+    def scatter_add_rows(self, step, rows, route_weights, y, out, *, dim, first) -> Launches:
+        """out[rows[first + i]] += route_weights[first + i] * y[i] for the step's tokens."""
+        return self._elementwise("moe_scatter", step, dict(dim=dim, first=first),
+                                 dict(rows=rows, route_weights=route_weights, y=y, out=out), dim)
+
+    def moe_combine(self, step, routed, hidden, *, dim, shared=None, shared_gate=None) -> Launches:
+        """hidden += routed (+ shared, scaled by sigmoid(shared_gate) when gated)."""
+        return self._elementwise(
+            "moe_combine", step, dict(dim=dim),
+            dict(routed=routed, shared_out=shared if shared is not None else self.dummy,
+                 shared_gate=shared_gate if shared_gate is not None else self.dummy, hidden=hidden),
+            dim, HAS_SHARED=shared is not None, GATED=shared_gate is not None)
+
+    def clamp(self, step, x, y, *, per_token, limit, y_start_stride=0) -> Launches:
+        """y (at the step's start when y_start_stride) = x clamped to [-limit, limit]."""
+        return self._elementwise("clamp", step, dict(per_token=per_token, y_start_stride=y_start_stride,
+                                                     limit=float(limit)), dict(x=x, y=y), per_token)

@@ -28,6 +28,37 @@ class MatrixChunk:
     offsets: object  # buffer: f16 pairs (a placeholder unless affine)
 
 
+def _buffer_bytes(nbytes: int) -> int:
+    """What ctx.storage allocates for nbytes (rounded up to 16, never empty)."""
+    return max(16, (int(nbytes) + 15) // 16 * 16)
+
+
+def rows_per_chunk(ctx, n_rows: int, row_bytes: int) -> int:
+    """A chunk fits one storage binding, and its rows fit one dispatch's grid (a workgroup per row at most)."""
+    return max(1, min(n_rows, ctx.max_binding_bytes // row_bytes, ctx.max_workgroups))
+
+
+def matrix_device_bytes(ctx, scheme, shape: tuple[int, int]) -> int:
+    """The bytes a GpuMatrix of this quant.Scheme and shape [N, K] holds on the device (every chunk's
+    codes or floats, scales and offsets): what an expert costs in the GPU expert cache."""
+    n_rows, k = shape
+    if scheme.is_quantized:
+        n_groups = math.ceil(k / scheme.group_size)
+        row_bytes = n_groups * scheme.group_size * scheme.bits // 8
+        group_bytes = 2 * n_groups  # f16 per group
+    else:
+        row_bytes = math.ceil(k / UNIT) * UNIT * (2 if scheme.dtype == "f16" else 4)
+        group_bytes = 0
+    per_chunk = rows_per_chunk(ctx, n_rows, row_bytes)
+    total = 0
+    for first in range(0, n_rows, per_chunk):
+        rows = min(per_chunk, n_rows - first)
+        total += _buffer_bytes(rows * row_bytes)
+        total += _buffer_bytes(rows * group_bytes) if group_bytes else 16
+        total += _buffer_bytes(rows * group_bytes) if group_bytes and not scheme.symmetric else 16
+    return total
+
+
 class GpuMatrix:
     """A weight [N, K] resident on the device, as row chunks."""
 
@@ -55,17 +86,23 @@ class GpuMatrix:
         n_rows = self.shape[0]
         self.row_bytes = rows.shape[1] * rows.itemsize
         self.row_words = self.row_bytes // 4
-        # A chunk fits one storage binding, and its rows fit one dispatch's grid (a workgroup per row at most).
-        rows_per_chunk = max(1, min(n_rows, ctx.max_binding_bytes // self.row_bytes, ctx.max_workgroups))
+        per_chunk = rows_per_chunk(ctx, n_rows, self.row_bytes)
         self.nbytes = 0
         self.chunks: list[MatrixChunk] = []
-        for first in range(0, n_rows, rows_per_chunk):
-            part = slice(first, min(n_rows, first + rows_per_chunk))
+        for first in range(0, n_rows, per_chunk):
+            part = slice(first, min(n_rows, first + per_chunk))
             words = ctx.upload(rows[part], "weight")
             chunk_scales = ctx.upload(scales[part]) if scales is not None else ctx.storage(16)
             chunk_offsets = ctx.upload(offsets[part]) if offsets is not None else ctx.storage(16)
             self.nbytes += words.size + chunk_scales.size + chunk_offsets.size
             self.chunks.append(MatrixChunk(first, part.stop - first, words, chunk_scales, chunk_offsets))
+
+    def release(self) -> None:
+        """Free the matrix's device memory now (an evicted expert), not when Python collects it."""
+        for chunk in self.chunks:
+            for buffer in (chunk.words, chunk.scales, chunk.offsets):
+                self.ctx.release(buffer)
+        self.chunks = []
 
     @property
     def constants(self) -> dict:

@@ -22,6 +22,11 @@ Settings (anything else is passed to the provider as a provider option, e.g. npu
                          onnxruntime 1.32's CPU provider, measured on a 1536x576 int4 g32 weight)
     allow_cpu_nodes=0|1  let onnxruntime place nodes the provider rejects on its CPU provider
                          (placement is reported by device_info(); default 0: such a graph fails to load)
+
+Mixture-of-Experts models run split: attention, norms, dense FFN layers, router logits, shared
+experts and the LM head in the provider's graphs; each MoE layer's routed experts on the CPU
+backend (devices/cpu, Numba kernels, `threads` threads), fed by the model's expert source
+(resident or streamed under a memory budget). device_info()["parts"] says which part runs where.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from converters.onnx_export import ATTENTION_FORMS, ExportOptions
-from devices.base import MoeUnsupportedError, check_gqa_only, has_moe_layers
+from devices.base import check_gqa_only
 from devices.npu import ops
 from devices.npu.executor import NpuExecutor, allocate_kv
 from devices.npu.graph_cache import GraphCache
@@ -99,7 +104,7 @@ class NpuSettings:
 
 class NpuBackend:
     name = "npu"
-    runs_moe = False
+    runs_moe = True  # routed experts on the CPU backend (expert_backend), the rest in graphs
 
     def __init__(self, threads: int | None = None, variant: str | None = None):
         self.settings = NpuSettings.parse(variant, threads)
@@ -119,6 +124,25 @@ class NpuBackend:
         self.export_options = ExportOptions(settings.attention, settings.affine_int4, settings.accuracy_level)
         self.executors: list[NpuExecutor] = []
         self._ops = ops.OpRunner(self.runtime, settings)
+        self._expert_backend = None
+        self.moe_layers: list[int] = []  # of the compiled model: their routed experts run on expert_backend
+        self.dense_ffn_layers: list[int] = []
+        self.shared_experts = False  # the compiled model's MoE layers have shared experts (run in graphs)
+
+    # --- Mixture-of-Experts: routed experts on the CPU backend --------------------------------
+    @property
+    def expert_backend(self):
+        """The backend that runs routed experts (the CPU backend, with this device's thread count);
+        expert sources prepare expert weights for it. Created on first use: dense models never start it."""
+        if self._expert_backend is None:
+            from devices.cpu import CpuBackend
+
+            self._expert_backend = CpuBackend(threads=self.settings.threads)
+        return self._expert_backend
+
+    def expert_mixture(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts) -> np.ndarray:
+        """The routed experts' mixture of one MoE layer (devices/base.py), on the CPU backend."""
+        return self.expert_backend.expert_mixture(x, ids, weights, experts)
 
     # --- the fused path ---------------------------------------------------------------------
     def prepare_weight(self, weight):
@@ -126,8 +150,10 @@ class NpuBackend:
 
     def compile_forward(self, transformer):
         check_gqa_only(transformer, "npu")
-        if has_moe_layers(transformer):
-            raise MoeUnsupportedError("npu")
+        moe = [(i, layer.moe) for i, layer in enumerate(transformer.layers) if layer.moe is not None]
+        self.moe_layers = [i for i, _ in moe]
+        self.dense_ffn_layers = [i for i in range(len(transformer.layers)) if i not in self.moe_layers]
+        self.shared_experts = any(weights.shared_gate is not None for _, weights in moe)
         cache = GraphCache(transformer, self.export_options)
         executor = NpuExecutor(transformer, cache, self.runtime, self.settings)
         self.executors.append(executor)
@@ -180,9 +206,30 @@ class NpuBackend:
             info["graph_cache"] = executor.graph_cache.folder
             info["graphs_built"] = list(executor.graph_cache.built)
             info["placement"] = executor.placement()
+        info["parts"] = self._parts()
+        if self.moe_layers:
+            cpu = self.expert_backend.info()
+            info["expert_backend"] = {key: cpu[key] for key in ("device", "backend", "threads", "threading_layer")
+                                      if key in cpu}
+            info["intra_op_spinning"] = False  # graphs and expert kernels take turns on the same cores
         placement = info.get("placement", {})
         elsewhere = sorted({ep for graph in placement.values() for ep in graph if ep != runtime.name})
         if elsewhere:
             info["warnings"].append(f"nodes placed outside {runtime.name}: on {', '.join(elsewhere)} "
                                     "(see placement)")
         return info
+
+    def _parts(self) -> dict[str, str]:
+        """Which part of the model runs where."""
+        graphs = f"onnxruntime graphs on {self.runtime.name}"
+        parts = {part: graphs for part in ("embedding", "attention", "norms", "lm_head")}
+        if self.dense_ffn_layers:
+            parts["dense_ffn"] = graphs
+        if self.moe_layers:
+            parts["router_logits"] = graphs
+            if self.shared_experts:
+                parts["shared_experts"] = graphs
+            parts["routing"] = "host (edge's top-k and the family's scoring)"
+            parts["routed_experts"] = (f"cpu backend (Numba kernels, {self.expert_backend.threads} threads), "
+                                       f"layers {', '.join(map(str, self.moe_layers))}")
+        return parts

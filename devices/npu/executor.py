@@ -13,9 +13,17 @@ a call appends after them and advances cache.length, as in the op-by-op composit
   the new rows, the layer's sliding window) and return the new rows, which are copied in here.
 
 Granularity: the model is cut into graphs of `layers_per_graph` layers (0 = one graph for the
-whole model). `observer(layer, hidden)` is called after each graph with the index of its last layer
-and the residual stream [T, D] after that layer: with layers_per_graph=1 it sees every layer, as
-the op-by-op composition does; with coarser graphs only the chunk boundaries.
+whole model), and after every Mixture-of-Experts layer. `observer(layer, hidden)` is called after
+each graph with the index of its last layer and the residual stream [T, D] after that layer: with
+layers_per_graph=1 it sees every layer, as the op-by-op composition does; with coarser graphs only
+the chunk boundaries (every MoE layer is one).
+
+Mixture-of-Experts layers: a graph ends at a MoE layer's router (attention, norms, router logits
+and any shared expert run on the provider). Here the route is chosen (edge's routing, through the
+model), the routed experts come from the model's ExpertSource (resident or streamed) and run on
+the backend's expert backend (the CPU backend's expert_mixture); the block's output goes into the
+next graph as `moe_in`, which adds it to the residual stream. The observer also gets that layer's
+route as keywords expert_ids [T, A] and expert_weights [T, A], as in the op-by-op composition.
 
 Static shapes (providers that compile for fixed sizes): one token runs the decode graph (S=1);
 longer inputs run in prefill chunks of S=N tokens, the last one right-padded (padded rows are
@@ -76,8 +84,8 @@ class NpuExecutor:
         # how attention and the KV cache are handled: "contrib" = GroupQueryAttention writing in place
         self.attention = "contrib" if uses_group_query_attention(self.spec, cache.options) else "standard"
         n_layers = self.spec.num_hidden_layers
-        step = settings.layers_per_graph or n_layers
-        self.layer_ranges = [(first, min(first + step, n_layers)) for first in range(0, n_layers, step)]
+        self.moe_layers = {i for i, layer in enumerate(model.layers) if layer.moe is not None}
+        self.layer_ranges = graph_ranges(n_layers, settings.layers_per_graph or n_layers, self.moe_layers)
         self._chunks: dict[tuple, list[Chunk]] = {}
         self._rope_caches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.ort = runtime.ort
@@ -92,9 +100,11 @@ class NpuExecutor:
             for index, (first, end) in enumerate(self.layer_ranges):
                 last = index == len(self.layer_ranges) - 1
                 shape = GraphShape(first, end, embed=index == 0, head=last, tokens=tokens, capacity=capacity,
-                                   logits_rows=rows if last else None)
+                                   logits_rows=rows if last else None, moe_in=first - 1 in self.moe_layers,
+                                   moe_out=end > first and end - 1 in self.moe_layers)
                 path = self.graph_cache.path(shape)
-                session = create_session(self.runtime, path, self.settings.threads, self.settings.allow_cpu_nodes)
+                session = create_session(self.runtime, path, self.settings.threads, self.settings.allow_cpu_nodes,
+                                         spinning=not self.moe_layers)  # experts run between MoE graphs
                 chunks.append(Chunk(shape, path, session))
             self._chunks[key] = chunks
         return self._chunks[key]
@@ -114,20 +124,27 @@ class NpuExecutor:
         else:
             size = self.settings.prefill_chunk
             pieces = [(o, min(size, n_tokens - o), size) for o in range(0, n_tokens, size)]
-        logits, observed = [], {}
+        logits, observed, routes = [], {}, {}
         for offset, valid, tokens in pieces:
             is_last = offset + valid == n_tokens
             rows = np.arange(valid) if all_logits else np.array([valid - 1])
-            piece_logits, hidden = self._run_piece(ids[offset:offset + valid], start + offset, tokens, rows,
-                                                   buffers, cache.capacity, keep_hidden=observer is not None)
+            piece_logits, hidden, piece_routes = self._run_piece(ids[offset:offset + valid], start + offset, tokens,
+                                                                 rows, buffers, cache.capacity,
+                                                                 keep_hidden=observer is not None)
             if all_logits or is_last:
                 logits.append(piece_logits[: len(rows)])
             for layer, rows_hidden in hidden.items():
                 observed.setdefault(layer, []).append(rows_hidden)
+            for layer, route in piece_routes.items():
+                routes.setdefault(layer, []).append(route)
         cache.length = start + n_tokens
         if observer is not None:
             for layer in sorted(observed):
-                observer(layer, np.concatenate(observed[layer]))
+                route = {}
+                if layer in routes:
+                    expert_ids, expert_weights = zip(*routes[layer])
+                    route = {"expert_ids": np.concatenate(expert_ids), "expert_weights": np.concatenate(expert_weights)}
+                observer(layer, np.concatenate(observed[layer]), **route)
         result = np.concatenate(logits)
         return result if all_logits else result[-1]
 
@@ -144,6 +161,7 @@ class NpuExecutor:
         padded[0, :valid] = ids
         shared = self._attention_feeds(start, valid, tokens, capacity)
         hidden_value, hidden_rows, logits = None, {}, None
+        moe_block, routes = None, {}  # the last MoE block's output [1, S, D]; layer -> (ids, weights)
         for chunk in chunks:
             binding = chunk.session.io_binding()
             feeds = dict(shared)
@@ -156,6 +174,8 @@ class NpuExecutor:
                     binding.bind_cpu_input(name, array)
             if hidden_value is not None:
                 binding.bind_ortvalue_input("hidden_in", hidden_value)
+            if chunk.shape.moe_in:
+                binding.bind_cpu_input("moe_in", moe_block)
             for name in chunk.output_names:
                 if not name.startswith("present_"):
                     binding.bind_output(name)
@@ -170,7 +190,12 @@ class NpuExecutor:
             outputs = dict(zip([n for n in chunk.output_names if not n.startswith("present_")],
                                binding.get_outputs()))
             hidden_value = outputs["hidden_out"]
-            if keep_hidden:
+            if chunk.shape.moe_out:
+                layer = chunk.layers[-1]
+                moe_block, routes[layer] = self._moe_block(layer, outputs, valid, tokens)
+                if keep_hidden:  # the residual stream after the whole layer, as the next graph adds it
+                    hidden_rows[layer] = hidden_value.numpy()[0, :valid] + moe_block[0, :valid]
+            elif keep_hidden and chunk.layers:
                 hidden_rows[chunk.layers[-1]] = hidden_value.numpy()[0, :valid].copy()
             if self.attention == "standard":
                 for layer in chunk.layers:
@@ -179,7 +204,22 @@ class NpuExecutor:
                     values[0, :, start:start + valid] = outputs[f"new_value.{layer}"].numpy()[0, :, :valid]
             if chunk.shape.head:
                 logits = outputs["logits"].numpy()
-        return logits, hidden_rows
+        return logits, hidden_rows, routes
+
+    def _moe_block(self, layer: int, outputs: dict, valid: int, tokens: int):
+        """The MoE block of `layer` from its graph's outputs: route the valid rows, run their routed
+        experts outside the graph, add the shared expert the graph computed. Returns the block's
+        output [1, S, D] (padded rows 0) and the route (ids [T, A], weights [T, A])."""
+        def rows(name: str) -> np.ndarray:
+            return outputs[name].numpy()[0, :valid]
+
+        # residual: the stream entering the block (the expert predictor reads it), x: after its norm
+        out, ids, weights = self.model.routed_experts(layer, rows("ffn_in"), rows("hidden_out"), rows("router_logits"))
+        if "shared_expert_out" in outputs:
+            out = out + rows("shared_expert_out")  # [T, D], in the op-by-op composition's order
+        block = np.zeros((1, tokens, self.spec.hidden_size), np.float32)
+        block[0, :valid] = out
+        return block, (ids, weights)
 
     def _attention_feeds(self, start: int, valid: int, tokens: int, capacity: int) -> dict[str, np.ndarray]:
         if self.attention == "contrib":
@@ -197,6 +237,19 @@ class NpuExecutor:
         if capacity not in self._rope_caches:
             self._rope_caches[capacity] = self.model.rope.cos_sin(np.arange(capacity))
         return self._rope_caches[capacity]
+
+
+def graph_ranges(n_layers: int, step: int, moe_layers: set[int]) -> list[tuple[int, int]]:
+    """The layer range [first, end) of each graph: `step` layers each, cut after every MoE layer (its
+    routed experts run outside the graphs); after a last MoE layer, a graph of the head alone."""
+    ranges, first = [], 0
+    for end in range(1, n_layers + 1):
+        if end - first == step or end - 1 in moe_layers or end == n_layers:
+            ranges.append((first, end))
+            first = end
+    if n_layers - 1 in moe_layers:
+        ranges.append((n_layers, n_layers))
+    return ranges
 
 
 def attention_mask(start: int, valid: int, tokens: int, capacity: int, window: int | None) -> np.ndarray:

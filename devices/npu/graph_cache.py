@@ -6,7 +6,9 @@ variable):
     <digest>/v<exporter version>-<affine form>/
         weights.bin, weights.json      every weight array, written once, shared by all graphs
         <form>-acc<level>-<shape key>.onnx   one graph per attention form (which follows from the
-                                       provider), accuracy level, layer chunk and fixed shape
+                                       provider), accuracy level, layer chunk and fixed shape; the
+                                       key marks chunks that end at a MoE layer's router (MoEout) or
+                                       take the previous MoE block's output (MoEin)
 
 <digest> is the checkpoint's sha256: the sha256 of its zllm.json, which records the sha256 of every
 weight file (found through the memory-mapped weights, so nothing is hashed again at load); a model
@@ -20,6 +22,7 @@ atomically (written aside, then renamed).
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -45,17 +48,17 @@ def cache_root() -> str:
 def _model_arrays(model):
     """Every array the graphs read, in a fixed order."""
     def arrays(weight):
-        if weight is None:
-            return []
         if isinstance(weight, QuantizedTensor):
             return [a for a in (weight.qweight, weight.scales, weight.offsets) if a is not None]
-        return [weight]
+        if isinstance(weight, np.ndarray):
+            return [weight]
+        if dataclasses.is_dataclass(weight):  # a MoE layer's router and shared expert
+            return [a for field in vars(weight).values() for a in arrays(field)]
+        return []  # None, a window size, a MoE config's numbers
 
     yield from arrays(model.embed_tokens)
     for layer in model.layers:
-        for weight in vars(layer).values():
-            if not isinstance(weight, (int, type(None))):
-                yield from arrays(weight)
+        yield from arrays(layer)
     yield from arrays(model.final_norm)
     yield from arrays(model.lm_head)
 
