@@ -1,15 +1,18 @@
-"""The prefetcher: a small pool of threads that load predicted experts into the cache from one
-priority queue, and the demand path that loads a miss in the model's own thread.
+"""The prefetcher: a small pool of threads that load experts into the cache from one priority queue.
 
-Prefetches go by (layer distance, -predictor score). A miss (an expert the layer being computed
-needs and nobody is loading) is read at once by the thread that needs it, not queued: it never
-waits for a pool thread busy with a prefetch. Positions count layer visits across forward passes
-(`pass * num_layers + layer`), so "stale" is well defined across tokens: when the model moves
-past a layer, prefetches queued for that layer or an earlier one are dropped. A read already in
+Order: demand loads first (a miss: an expert the layer being computed needs and nobody is loading),
+then prefetches by (layer distance, -predictor score). The model's thread, which waits for its
+misses, reads queued demand loads too, beside the pool threads, so a layer's misses are read in
+parallel and none waits for a pool thread busy with a prefetch.
+
+Positions count layer visits across forward passes (`pass * num_layers + layer`), so "stale" is
+well defined across tokens: when the model moves past a layer, prefetches queued for that layer or
+an earlier one are dropped. A read already in
 flight completes into the cache. An error while loading is stored on the entry and raised by the
 call that needs that expert (see StreamingExperts), never in the thread and never swallowed.
 
-All shared state is guarded by the cache's lock (one Condition for the queue and the cache).
+All shared state is guarded by the cache's lock: the cache's condition tells demand loads that
+room may have been made; the pool threads wait on a second condition over the same lock for tasks.
 """
 from __future__ import annotations
 
@@ -159,6 +162,8 @@ class Prefetcher:
                 if not batch and (demanded := self._pop_demand()) is not None:
                     return [demanded.entry], False
                 if not self._queue or len(batch) == self.batch or self._queue[0].entry is not None:
+                    if not batch:
+                        continue  # only cancelled tasks were left: wait for more
                     self._in_flight += len(batch)
                     return batch, True
                 task = heapq.heappop(self._queue)

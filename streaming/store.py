@@ -161,6 +161,8 @@ class ExpertStore:
         (kernels/cpu/record_io.py) and are booked on the emulated device together, as a queue of
         commands issued at once. Compressed records are read one by one (`read`): each needs its
         own staging buffer and decompression."""
+        if not requests:
+            return []
         if self.index.compression is not None:
             results = []
             for layer, expert, out in requests:
