@@ -253,11 +253,25 @@ def rms_norm(b: GraphBuilder, x: str, gain, eps: float, key: str, options: Expor
     gamma = b.weight(f"{key}.weight", lambda: float_vector(gain))
     if options.attention == "contrib":
         return b.op("SimplifiedLayerNormalization", [x, gamma], f"{key}/rms_norm", axis=-1, epsilon=eps, stash_type=1)
-    variance = b.op("ReduceMean", [b.op("Mul", [x, x], f"{key}/square"), b.constant([-1], np.int64, "axes_last")],
-                    f"{key}/mean_square", keepdims=1)
-    eps_value = b.constant(np.float32(eps), np.float32, f"eps_{eps!r}")
-    root = b.op("Sqrt", [b.op("Add", [variance, eps_value], f"{key}/add_eps")], f"{key}/sqrt")
-    return b.op("Mul", [b.op("Div", [x, root], f"{key}/normalize"), gamma], f"{key}/scale")
+    # The row is scaled by its largest |x| first: x^2 overflows float16 beyond |x| = 256, and providers
+    # that run float graphs at float16 (QNN's HTP) saturate the mean square (SmolLM2's residual stream
+    # reaches |x| ~ 22,700: the norm's output came out 60x too large). With u = x / m for any m > 0,
+    # x / sqrt(mean(x^2) + eps) = u / sqrt(mean(u^2) + (sqrt(eps) / m)^2). m = max|x| / 4 keeps
+    # |u| <= 4 (the sum of u^2 stays below float16's 65504 up to 4094 columns) and 1/m a float16
+    # normal number for every |x| <= 65504 (HTP divides by multiplying with the reciprocal and flushes
+    # subnormals: m = max|x| turned rows with |x| > 16384 into zeros); m >= sqrt(eps) keeps the eps
+    # term <= 1, and it underflows to 0 where it is negligible.
+    axes = b.constant([-1], np.int64, "axes_last")
+    sqrt_eps = b.constant(np.float32(np.sqrt(eps)), np.float32, f"sqrt_eps_{eps!r}")
+    peak = b.op("ReduceMax", [b.op("Abs", [x], f"{key}/abs"), axes], f"{key}/peak_abs", keepdims=1)
+    quarter = b.constant(np.float32(0.25), np.float32, "quarter")
+    peak = b.op("Max", [b.op("Mul", [peak, quarter], f"{key}/quarter_peak"), sqrt_eps], f"{key}/scale_divisor")
+    unit = b.op("Div", [x, peak], f"{key}/unit")
+    variance = b.op("ReduceMean", [b.op("Mul", [unit, unit], f"{key}/square"), axes], f"{key}/mean_square", keepdims=1)
+    eps_ratio = b.op("Div", [sqrt_eps, peak], f"{key}/eps_ratio")
+    scaled_eps = b.op("Mul", [eps_ratio, eps_ratio], f"{key}/scaled_eps")
+    root = b.op("Sqrt", [b.op("Add", [variance, scaled_eps], f"{key}/add_eps")], f"{key}/sqrt")
+    return b.op("Mul", [b.op("Div", [unit, root], f"{key}/normalize"), gamma], f"{key}/scale")
 
 
 class Residual:
@@ -306,7 +320,10 @@ def embed(b: GraphBuilder, ids: str, table, key: str) -> str:
         return rows
     scheme = table.scheme
     codes = b.op("Gather", [role("qweight"), ids], f"{key}/gather_codes", axis=0)  # [1, S, G, bytes]
-    codes = b.op("Cast", [codes], f"{key}/codes_f32", to=FLOAT)
+    # uint8 -> int32 -> float32: QNN's HTP casts uint8 straight to float as a truth value (any nonzero
+    # code became 1.0, measured on onnxruntime-qnn 2.7.0's HTP simulator); through int32 it is exact.
+    codes = b.op("Cast", [b.op("Cast", [codes], f"{key}/codes_i32", to=TensorProto.INT32)], f"{key}/codes_f32",
+                 to=FLOAT)
     if scheme.bits == 4:
         # nibbles in float arithmetic, exact for 0..255 (bitwise ops are not taken by every provider)
         high = b.op("Floor", [b.op("Div", [codes, b.constant(np.float32(16), np.float32, "f32_16")],

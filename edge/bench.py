@@ -13,6 +13,15 @@ device that picks it itself, such as gpu, reads back one id instead of the logit
 calls are timed, bookkeeping is not. The run does not stop at end-of-sequence tokens: every
 device does the same amount of work. A gpu's upload time and device memory (its buffers: weights,
 KV cache, scratch, expert cache) are reported beside the other rows.
+
+NPU execution providers that cannot share this Python environment (onnxruntime-openvino replaces
+onnxruntime; onnxruntime-qnn pins its own range) run in virtualenvs of their own
+(devices/npu/provider_envs.py): `--device cpu,npu:cpu,npu:openvino,npu:qnn` measures each provider in
+one run, the worker of `npu:openvino` spawned with the OpenVINO environment's python when this
+environment's onnxruntime lacks OpenVINO (the environment is built on first use). A worker checks that
+its graphs run on the provider it was asked for. A device that is unavailable here (its environment
+cannot be built, its runtime is missing) gets a column saying why instead of numbers; the first
+device, the baseline, must run.
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import psutil
 
+from devices.base import DeviceUnavailableError
 from edge.errors import ZllmError
 
 PROMPT_TOPIC = "execmodel"  # pydoc_data.topics entry the text prompt is cut from: plain English prose
@@ -40,8 +50,18 @@ WARMUP_NEW_TOKENS = 2  # one prefill plus one decode step: enough to compile eve
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
+def load_threads(device: str, threads: int | None) -> int | None:
+    """The `threads` edge.load takes for `device`: the gpu schedules its own work (it refuses a count),
+    so there --threads only caps the host's thread pools (THREAD_ENV_VARS)."""
+    return None if device.partition(":")[0] == "gpu" else threads
+
+
 class BenchError(ZllmError):
     """A benchmark cannot run as asked (bad counts, a device that fails to load or run)."""
+
+
+class BenchDeviceUnavailable(BenchError):
+    """A device cannot load here (DeviceUnavailableError in its worker); the message says why."""
 
 
 # ---------------------------------------------------------------------------------- prompt
@@ -185,9 +205,11 @@ def _device_worker(connection, checkpoint_path: str, device: str, threads: int |
         sampler = PeakRSSSampler() if peak_rss_bytes() is None else None
         rss_before_load = psutil.Process().memory_info().rss
         started = time.perf_counter()
-        model = edge.load(checkpoint_path, device=device, threads=threads, **(load_options or {}))
+        model = edge.load(checkpoint_path, device=device, threads=load_threads(device, threads),
+                          **(load_options or {}))
         load_seconds = time.perf_counter() - started
         memory = getattr(model, "memory", None)
+        _verify_device(device, model)
         connection.send({"event": "loaded", "load_seconds": load_seconds, "device_info": model.device_info(),
                          "weight_bytes": model.weight_bytes, "rss_before_load_bytes": rss_before_load,
                          "rss_after_load_bytes": psutil.Process().memory_info().rss,
@@ -207,11 +229,21 @@ def _device_worker(connection, checkpoint_path: str, device: str, threads: int |
             if command.get("stats"):
                 snapshots["stats"] = model.stats()
             text = model.decode(run.tokens) if model.tokenizer else None
+            _verify_device(device, model)  # graphs of new shapes (static prefill chunks) exist now
             connection.send({"event": "ran", **run.as_dict(), "text": text, "device_info": model.device_info(),
                              **snapshots})
     except Exception as exc:  # forwarded whole to the parent, which raises it as a BenchError
         expected = isinstance(exc, ZllmError)  # errors zllm-edge raises on purpose carry their own wording
-        connection.send({"event": "error", "message": str(exc) if expected else f"{type(exc).__name__}: {exc}"})
+        connection.send({"event": "error", "message": str(exc) if expected else f"{type(exc).__name__}: {exc}",
+                         "unavailable": isinstance(exc, DeviceUnavailableError)})
+
+
+def _verify_device(device: str, model) -> None:
+    """An `npu:<provider>` model must run on that provider (no node elsewhere unless allowed)."""
+    if device.partition(":")[0] == "npu":
+        from devices.npu.provider_envs import verify_provider
+
+        verify_provider(device, model.device_info())
 
 
 def _reset_peak_rss() -> bool:
@@ -235,7 +267,7 @@ def _warm_up_runtime(checkpoint_path: str, device: str, threads: int | None, loa
 
     import edge
 
-    with edge.load(checkpoint_path, device=device, threads=threads, **load_options) as model:
+    with edge.load(checkpoint_path, device=device, threads=load_threads(device, threads), **load_options) as model:
         vocab = model.spec.vocab_size
         greedy_run(model, [i % vocab for i in range(1, 9)], WARMUP_NEW_TOKENS)
     del model
@@ -275,17 +307,68 @@ def thread_limits(threads: int | None):
                 os.environ[name] = value
 
 
-class DeviceWorker:
-    """A spawned process holding one model on one device."""
+def worker_python(device: str, progress=None) -> str | None:
+    """The interpreter a device's worker runs in: None for this one. `npu:<provider>` whose provider
+    this environment's onnxruntime lacks, but which has a virtualenv of its own
+    (devices/npu/provider_envs.py), runs in that environment (built on first use; raises
+    ProviderEnvUnavailable when it cannot be)."""
+    kind, _, variant = device.partition(":")
+    provider = variant.split(",")[0]
+    if kind != "npu":
+        return None
+    from devices.npu.provider_envs import PROVIDER_REQUIREMENTS, provider_env_python
 
-    def __init__(self, checkpoint_path: str, device: str, threads: int | None, load_options: dict | None = None):
+    if provider not in PROVIDER_REQUIREMENTS or _provider_in_this_environment(provider):
+        return None
+    return str(provider_env_python(provider, progress))
+
+
+def _provider_in_this_environment(provider: str) -> bool:
+    from devices.npu.providers import BY_KEY, available_providers
+
+    try:
+        import onnxruntime
+    except ImportError:
+        return False
+    return BY_KEY[provider].ep_name in available_providers(onnxruntime)
+
+
+@contextmanager
+def worker_interpreter(python: str | None):
+    """Processes spawned inside this block run `python` (None: this interpreter) with its own module
+    search path. A spawned child replaces its sys.path with the parent's; the other environment's
+    own site-packages must come first there, ahead of this environment's onnxruntime."""
+    if python is None:
+        yield
+        return
+    from multiprocessing import spawn
+
+    from devices.npu.provider_envs import env_sys_path
+
+    child_path = env_sys_path(python)
+    child_path += [entry for entry in sys.path if entry not in child_path]  # this project, when not installed
+    saved_executable, saved_path = spawn.get_executable(), sys.path[:]
+    spawn.set_executable(python)
+    sys.path[:] = child_path
+    try:
+        yield
+    finally:
+        spawn.set_executable(saved_executable)
+        sys.path[:] = saved_path
+
+
+class DeviceWorker:
+    """A spawned process holding one model on one device (run by `python`; None: this interpreter)."""
+
+    def __init__(self, checkpoint_path: str, device: str, threads: int | None, load_options: dict | None = None,
+                 python: str | None = None):
         self.device = device
         context = multiprocessing.get_context("spawn")
         self._connection, child_end = context.Pipe()
         self._process = context.Process(target=_device_worker,
                                         args=(child_end, checkpoint_path, device, threads, load_options),
                                         name=f"zllm-bench-{device}", daemon=True)
-        with thread_limits(threads):
+        with thread_limits(threads), worker_interpreter(python):
             self._process.start()
         child_end.close()
         self.loaded = self._receive("loaded")
@@ -299,7 +382,8 @@ class DeviceWorker:
                              "before answering; run with a single device to see its output") from None
         if message["event"] == "error":
             self.close()
-            raise BenchError(f"device {self.device}: {message['message']}")
+            error = BenchDeviceUnavailable if message.get("unavailable") else BenchError
+            raise error(f"device {self.device}: {message['message']}")
         if message["event"] != expected:
             raise BenchError(f"device {self.device}: worker answered {message['event']!r}, expected {expected!r}")
         return message
@@ -391,15 +475,27 @@ def run_bench(checkpoint_path: str, devices: list[str], threads: int | None = No
     try:
         for device, label in zip(devices, labels):
             progress(f"loading {checkpoint_path} on {device}")
-            worker = workers[label] = DeviceWorker(checkpoint_path, device, threads)
-            progress(f"{label}: loaded in {worker.loaded['load_seconds']:.2f} s; warm-up run")
-            warmup = worker.run(prompt_ids, min(new_tokens, WARMUP_NEW_TOKENS))
+            try:  # graphs may compile at the first run: a device that cannot run the warm-up is unavailable too
+                python = worker_python(device, progress)
+                worker = workers[label] = DeviceWorker(checkpoint_path, device, threads, python=python)
+                progress(f"{label}: loaded in {worker.loaded['load_seconds']:.2f} s; warm-up run")
+                warmup = worker.run(prompt_ids, min(new_tokens, WARMUP_NEW_TOKENS))
+            except (DeviceUnavailableError, BenchDeviceUnavailable) as exc:
+                workers.pop(label, None)
+                reason = str(exc) if isinstance(exc, BenchError) else f"device {device}: {exc}"
+                if label == labels[0]:  # the baseline of every ratio must run
+                    raise BenchError(reason) from None
+                progress(f"{label}: unavailable: {reason}")
+                results[label] = {"device": device, "unavailable": reason}
+                continue
             results[label] = {"device": device, "device_info": worker.loaded["device_info"],
                                "load_seconds": worker.loaded["load_seconds"],
                                "weight_bytes": worker.loaded["weight_bytes"],
                                "rss_after_load_bytes": worker.loaded["rss_after_load_bytes"],
                                "cold_time_to_first_token_seconds": warmup["time_to_first_token_seconds"],
                                "runs": []}
+            if python is not None:  # a provider's own environment
+                results[label]["python"] = python
         for repeat in range(repeats):
             for device, worker in workers.items():  # alternate: every repeat visits every device
                 run = worker.run(prompt_ids, new_tokens)
@@ -414,22 +510,26 @@ def run_bench(checkpoint_path: str, devices: list[str], threads: int | None = No
         for worker in workers.values():
             worker.close()
 
-    for result in results.values():
+    measured = [label for label in labels if "unavailable" not in results[label]]
+    for result in (results[label] for label in measured):
         runs = result["runs"]
         for key in ("prefill_tokens_per_second", "decode_tokens_per_second", "time_to_first_token_seconds",
                     "prefill_seconds", "decode_seconds"):
             result[key] = _median(run[key] for run in runs)
         result["tokens"], result["text"] = runs[0]["tokens"], runs[0]["text"]
-        result.update(device_figures(runs[-1].pop("device_info")))
+        last_info = runs[-1].pop("device_info")
+        if "placement" in last_info:  # npu: graphs of every shape the runs used, and where their nodes ran
+            result["placement"] = last_info["placement"]
+        result.update(device_figures(last_info))
         for run in runs[:-1]:
             del run["device_info"]
         result["tokens_identical_across_repeats"] = all(run["tokens"] == runs[0]["tokens"] for run in runs)
     baseline = labels[0]
-    for device in labels:
+    for device in measured:
         results[device]["greedy_tokens_agreeing_with_" + baseline] = _agreeing_prefix(
             results[device]["tokens"], results[baseline]["tokens"])
     ratios = {}
-    for device in labels[1:]:
+    for device in measured[1:]:
         ratios[f"{device}/{baseline}"] = {
             key: (results[device][key] / results[baseline][key]
                   if results[device].get(key) and results[baseline].get(key) else None)
@@ -497,7 +597,8 @@ def format_table(report: dict) -> str:
         rows.append(row)
     agree_key = "greedy_tokens_agreeing_with_" + baseline
     rows.append([f"greedy tokens agreeing with {baseline}",
-                 *(f"{report['devices'][d][agree_key]}/{report['new_tokens']}" for d in devices),
+                 *(f"{report['devices'][d][agree_key]}/{report['new_tokens']}" if agree_key in report["devices"][d]
+                   else "-" for d in devices),
                  *([""] * len(ratio_names))])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [f"zllm-edge bench {report['model']} ({report['model_type']})",
@@ -508,7 +609,30 @@ def format_table(report: dict) -> str:
         lines.append("  ".join(cell.ljust(widths[j]) if j == 0 else cell.rjust(widths[j]) for j, cell in enumerate(row)))
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(lines + _device_notes(report))
+
+
+def _device_notes(report: dict) -> list[str]:
+    """Under the table: what each npu column ran on (provider, onnxruntime, environment, the
+    provider's warnings, e.g. the automatic choice of the CPU provider) and why a column has no numbers."""
+    notes, main_python = [], sys.executable
+    for label, result in report["devices"].items():
+        if "unavailable" in result:
+            notes.append(f"{label}: unavailable: {result['unavailable']}")
+            continue
+        info = result["device_info"]
+        if "provider" in info:
+            environment = "" if result.get("python", main_python) == main_python else f", python {result['python']}"
+            nodes = {}
+            for graph in (result.get("placement") or {}).values():
+                for provider, entry in graph.items():
+                    nodes[provider] = nodes.get(provider, 0) + entry["nodes"]
+            elsewhere = {provider: n for provider, n in nodes.items() if provider != info["provider"]}
+            placed = (f"; graph nodes: {', '.join(f'{n} on {provider}' for provider, n in nodes.items())}"
+                      if elsewhere else "")
+            notes.append(f"{label}: {info['provider']} ({info['backend']}){environment}{placed}")
+            notes.extend(f"  {warning}" for warning in info.get("warnings", []))
+    return notes
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -518,8 +642,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("model", nargs="?", default=None, help="checkpoint (default: the built-in default model)")
     parser.add_argument("--device", default="reference",
                         help="device, or several separated by commas to compare side by side: reference,cpu "
-                             "(the first is the baseline of the ratios; naming one twice measures the noise floor)")
-    parser.add_argument("--threads", type=int, default=None, help="threads for every device (caps BLAS/Numba pools)")
+                             "(the first is the baseline of the ratios; naming one twice measures the noise floor). "
+                             "npu picks the best provider this environment has; to compare providers in one run "
+                             "name them: cpu,npu:cpu,npu:openvino,npu:qnn (openvino and qnn run in virtualenvs "
+                             "of their own, built on first use; one that cannot be built is reported as unavailable)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for every device (caps BLAS/Numba pools; the gpu's host side only)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens to generate (the first from prefill)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per device, alternating; median reported")
@@ -546,12 +674,26 @@ def cmd_bench(args) -> int:
 
         return cmd_bench_moe(args)
     path = args.model or default_model_checkpoint(progress=not args.quiet)
-    devices = [d.strip() for d in args.device.split(",") if d.strip()]
+    devices = split_devices(args.device)
     progress = None if args.quiet else (lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))
     report = run_bench(path, devices, threads=args.threads, prompt_tokens=args.prompt_tokens,
                        new_tokens=args.new_tokens, repeats=args.repeats, progress=progress)
     emit_report(format_table(report), report, args.json)
     return 0
+
+
+def split_devices(text: str) -> list[str]:
+    """`--device` into device strings: commas separate devices, except before a key=value setting,
+    which belongs to the device before it (cpu,npu:qnn,allow_cpu_nodes=1 -> cpu, npu:qnn,allow_cpu_nodes=1)."""
+    devices: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        if devices and "=" in piece and ":" not in piece.partition("=")[0]:
+            devices[-1] += "," + piece
+        else:
+            devices.append(piece)
+    return devices
 
 
 def emit_report(table: str, report: dict, json_target: str | None) -> None:

@@ -212,7 +212,8 @@ def test_bench_reports_gpu_upload_time_and_memory_beside_cpu(gpu_available, tiny
     from edge.bench import format_table, run_bench
 
     path = tiny_zoo.converted("qwen2_moe_shared", MIXED)
-    report = run_bench(path, ["cpu", "gpu"], prompt_tokens=8, new_tokens=4, repeats=1)
+    # --threads reaches the cpu; the gpu, which takes no thread count, runs beside it
+    report = run_bench(path, ["cpu", "gpu"], threads=1, prompt_tokens=8, new_tokens=4, repeats=1)
     cpu, gpu = report["devices"]["cpu"], report["devices"]["gpu"]
     assert cpu["device_upload_seconds"] is None and cpu["device_memory_bytes"] is None
     memory = gpu["device_memory"]
