@@ -123,6 +123,20 @@ BACKENDS: dict[str, str] = {
 DEVICES = tuple(BACKENDS)
 
 
+def split_device_list(text: str) -> list[str]:
+    """A comma-separated list of devices (`--device` / `--devices`) into device strings: a key=value
+    setting belongs to the device before it (cpu,npu:qnn,allow_cpu_nodes=1 -> cpu, npu:qnn,allow_cpu_nodes=1)."""
+    devices: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        if devices and "=" in piece and ":" not in piece.partition("=")[0]:
+            devices[-1] += "," + piece
+        else:
+            devices.append(piece)
+    return devices
+
+
 def create_backend(device: str, threads: int | None = None) -> Backend:
     """The backend for a device name such as "reference", "cpu" or "npu:openvino"."""
     kind, _, variant = device.partition(":")

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import psutil
 
-from devices.base import DeviceUnavailableError
+from devices.base import DeviceUnavailableError, split_device_list
 from edge.errors import ZllmError
 
 PROMPT_TOPIC = "execmodel"  # pydoc_data.topics entry the text prompt is cut from: plain English prose
@@ -674,26 +674,12 @@ def cmd_bench(args) -> int:
 
         return cmd_bench_moe(args)
     path = args.model or default_model_checkpoint(progress=not args.quiet)
-    devices = split_devices(args.device)
+    devices = split_device_list(args.device)
     progress = None if args.quiet else (lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))
     report = run_bench(path, devices, threads=args.threads, prompt_tokens=args.prompt_tokens,
                        new_tokens=args.new_tokens, repeats=args.repeats, progress=progress)
     emit_report(format_table(report), report, args.json)
     return 0
-
-
-def split_devices(text: str) -> list[str]:
-    """`--device` into device strings: commas separate devices, except before a key=value setting,
-    which belongs to the device before it (cpu,npu:qnn,allow_cpu_nodes=1 -> cpu, npu:qnn,allow_cpu_nodes=1)."""
-    devices: list[str] = []
-    for piece in (p.strip() for p in text.split(",")):
-        if not piece:
-            continue
-        if devices and "=" in piece and ":" not in piece.partition("=")[0]:
-            devices[-1] += "," + piece
-        else:
-            devices.append(piece)
-    return devices
 
 
 def emit_report(table: str, report: dict, json_target: str | None) -> None:

@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from devices.base import split_device_list
 from edge.errors import ZllmError
 
 SAFETY = 2.0
@@ -462,7 +463,7 @@ def cmd_diff(args) -> int:
             if checkpoint.tokenizer_path is None:
                 raise TokenizerError(f"{path} has no tokenizer; pass token ids with --ids 1,2,3")
             prompt_ids = Tokenizer(checkpoint.tokenizer_path, checkpoint.tokenizer_config).encode(prompt)
-    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    devices = split_device_list(args.devices)
     report = run_diff(path, prompt_ids, devices, decode_steps=args.decode_steps, threads=args.threads)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     sys.stdout.flush()

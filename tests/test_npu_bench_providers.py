@@ -20,7 +20,8 @@ pytest.importorskip("onnx")
 import edge  # noqa: E402
 from converters.convert import QuantPlan  # noqa: E402
 from devices.npu import provider_envs  # noqa: E402
-from edge.bench import format_table, run_bench, split_devices  # noqa: E402
+from devices.base import split_device_list  # noqa: E402
+from edge.bench import format_table, run_bench  # noqa: E402
 
 PROMPT = [5, 17, 33, 9, 60, 101, 7, 44]
 NEW_TOKENS = 4
@@ -82,7 +83,7 @@ def test_bench_runs_each_provider_in_its_own_environment(tiny_zoo, tmp_path, mon
 
 
 def test_device_settings_stay_with_their_device():
-    assert split_devices("cpu,npu:qnn,allow_cpu_nodes=1,static=0, npu:openvino,npu") == [
+    assert split_device_list("cpu,npu:qnn,allow_cpu_nodes=1,static=0, npu:openvino,npu") == [
         "cpu", "npu:qnn,allow_cpu_nodes=1,static=0", "npu:openvino", "npu"]
 
 
