@@ -61,6 +61,18 @@ def child_peak_rss(code: str) -> int:
     return int(done.stdout.strip().splitlines()[-1]) * 1024
 
 
+def measure_conversion(src: str, out: str, weights: str) -> dict:
+    """`zllm-edge convert SRC OUT --weights W` in a child process: its time, its peak RSS, and the peak
+    RSS of a child that only imports what conversion imports (the interpreter's baseline)."""
+    started = time.perf_counter()
+    peak = child_peak_rss(f"from edge.cli import main; status = main(['convert', {src!r}, {out!r}, "
+                          f"'--weights', {weights!r}, '--quiet'])\nassert status == 0, status")
+    seconds = time.perf_counter() - started
+    baseline = child_peak_rss("import edge.cli, converters.convert, converters.hf_source, converters.gguf_source")
+    return {"weights": weights, "convert_seconds": round(seconds, 2), "peak_rss_bytes": peak,
+            "import_baseline_rss_bytes": baseline}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=20)
@@ -76,13 +88,9 @@ def main() -> None:
         os.makedirs(src)
         print(f"writing a random {args.layers}-layer Llama ...", file=sys.stderr)
         model = write_random_llama(src, args.layers, args.hidden, args.intermediate, args.vocab, args.shards)
-        started = time.perf_counter()
-        peak = child_peak_rss(f"from edge.cli import main; main(['convert', {src!r}, {out!r}, "
-                              f"'--weights', {args.weights!r}, '--quiet'])")
-        seconds = time.perf_counter() - started
-        baseline = child_peak_rss("import edge.cli, converters.convert, converters.hf_source, converters.gguf_source")
-    result = {**model, "weights": args.weights, "convert_seconds": round(seconds, 2), "peak_rss_bytes": peak,
-              "import_baseline_rss_bytes": baseline, "model_over_largest": round(model["total_bytes"] / model["largest_tensor_bytes"], 1),
+        measured = measure_conversion(src, out, args.weights)
+    seconds, peak, baseline = (measured[k] for k in ("convert_seconds", "peak_rss_bytes", "import_baseline_rss_bytes"))
+    result = {**model, **measured, "model_over_largest": round(model["total_bytes"] / model["largest_tensor_bytes"], 1),
               "peak_over_largest": round(peak / model["largest_tensor_bytes"], 2),
               "peak_above_baseline_over_largest": round((peak - baseline) / model["largest_tensor_bytes"], 2)}
     print(f"{'model total':32s} {model['total_bytes'] / 1e6:10.1f} MB")

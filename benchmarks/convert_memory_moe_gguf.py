@@ -16,13 +16,12 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import gguf
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from convert_memory import child_peak_rss  # noqa: E402
+from convert_memory import measure_conversion  # noqa: E402
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
@@ -92,13 +91,9 @@ def main() -> None:
         print(f"writing a random {args.layers}-layer, {args.experts}-expert Qwen3-MoE GGUF ...", file=sys.stderr)
         model = write_random_moe_gguf(src, args.layers, args.experts, args.hidden, args.expert_intermediate,
                                       args.vocab)
-        started = time.perf_counter()
-        peak = child_peak_rss(f"from edge.cli import main; status = main(['convert', {src!r}, {out!r}, "
-                              f"'--weights', {args.weights!r}, '--quiet'])\nassert status == 0, status")
-        seconds = time.perf_counter() - started
-        baseline = child_peak_rss("import edge.cli, converters.convert, converters.hf_source, converters.gguf_source")
-    result = {**model, "weights": args.weights, "convert_seconds": round(seconds, 2), "peak_rss_bytes": peak,
-              "import_baseline_rss_bytes": baseline,
+        measured = measure_conversion(src, out, args.weights)
+    seconds, peak, baseline = (measured[k] for k in ("convert_seconds", "peak_rss_bytes", "import_baseline_rss_bytes"))
+    result = {**model, **measured,
               "peak_above_baseline_over_largest_stack": round((peak - baseline) / model["largest_stack_bytes"], 2)}
     print(f"{'model total':32s} {model['total_bytes'] / 1e6:10.1f} MB")
     print(f"{'largest expert stack':32s} {model['largest_stack_bytes'] / 1e6:10.1f} MB")

@@ -91,11 +91,6 @@ class CyclePolicy:
         self._order: list[int] = []
         self._order_state: tuple | None = None
 
-    def rank(self, entry: Entry, frequency: int) -> tuple:
-        layer, expert = entry.key
-        need = float(self.need_vector(layer)[expert]) if self.need_vector is not None else 0.0
-        return (-self.layers_until(layer), need, entry.last_use)
-
     def victim(self, by_layer: dict[int, dict[int, Entry]], evictable: Callable[[Entry], bool]) -> Entry | None:
         if not by_layer:
             return None
@@ -190,6 +185,7 @@ class ExpertCache:
         self._ranking = None
 
     def _victim(self, for_prefetch: bool, position: int) -> Entry | None:
+        # A policy either finds its victim itself (cycle) or ranks entries, sorted here once per step.
         if hasattr(self.policy, "victim"):
             return self.policy.victim(self.by_layer, lambda e: self._evictable(e, for_prefetch, position))
         for rebuilt in (False, True):

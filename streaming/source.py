@@ -122,7 +122,7 @@ class StreamingExperts:
             self.cache.new_step()
         self._current = StreamedLayer(self, layer, ids, room)
         if self.predictor is not None:
-            with self.cache.lock:  # the predictor's need_score is read by eviction under this lock
+            with self.cache.lock:  # eviction reads the predictor's need vectors under this lock
                 self.predictor.observe(layer, expert_ids, residual, router_logits=router_logits)
                 forecast = self.predictor.forecast(layer, residual)
                 self.cache.new_step()

@@ -174,6 +174,17 @@ def _source(index, cache_entries, predictor=None, **kwargs):
                             predictor=predictor, **kwargs)
 
 
+def _replay(index, routes, **kwargs) -> dict:
+    """Stats after a source built with kwargs served one token's route [(layer, ids)] per call."""
+    source = _source(index, **kwargs)
+    try:
+        for layer, ids in routes:
+            source.experts(layer, np.array([ids]), np.zeros((1, 64), np.float32))
+        return source.stats()
+    finally:
+        source.close()
+
+
 def _expected_weights(index, layer, expert):
     layout = index.layout(layer)
     return layout.decode(np.frombuffer(raw_bytes(index, layer, expert), np.uint8).copy())
@@ -196,24 +207,12 @@ def test_streamed_weights_equal_the_stored_ones(expert_file):
 
 def test_ondemand_hits_and_misses_follow_lru(expert_file):
     routes = [(0, [0, 1]), (1, [2, 3]), (2, [0, 1]), (0, [0, 2]), (1, [2, 3]), (2, [4, 5]), (0, [0, 1])]
-    source = _source(expert_file, cache_entries=4)
-    try:
-        for layer, ids in routes:
-            source.experts(layer, np.array([ids]), np.zeros((1, 64), np.float32))
-        stats = source.stats()
-    finally:
-        source.close()
+    stats = _replay(expert_file, routes, cache_entries=4)
     # LRU over 4 entries, simulated by hand: (0,0)(0,1) miss, (1,2)(1,3) miss, (2,0)(2,1) miss evicting (0,0)(0,1),
     # (0,0)(0,2) miss evicting (1,2)(1,3), (1,2)(1,3) miss evicting (2,0)(2,1), (2,4)(2,5) miss, (0,0) miss + (0,1) miss
     assert (stats["expert_hits"], stats["expert_misses"]) == (0, 14)
     assert stats["expert_cache_peak_bytes"] <= stats["expert_cache_bytes"]
-    source = _source(expert_file, cache_entries=6)
-    try:
-        for layer, ids in routes:
-            source.experts(layer, np.array([ids]), np.zeros((1, 64), np.float32))
-        stats = source.stats()
-    finally:
-        source.close()
+    stats = _replay(expert_file, routes, cache_entries=6)
     # 6 entries: (0,0)(0,1)(1,2)(1,3)(2,0)(2,1) miss; (0,0) hit, (0,2) miss evicting (0,1); (1,2)(1,3) hit;
     # (2,4)(2,5) miss evicting (2,0)(2,1); (0,0) hit, (0,1) miss evicting (0,2)
     assert (stats["expert_hits"], stats["expert_misses"]) == (4, 10)

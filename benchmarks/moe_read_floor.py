@@ -1,0 +1,158 @@
+"""How many expert reads a streamed MoE decode cannot avoid, and how fast this machine's disk serves them.
+
+    python benchmarks/moe_read_floor.py MOE_CKPT [--budget 50%] [--tokens 200] [--json FILE]
+
+1. Records the real routes of --tokens greedy decode steps (all experts resident), then replays them
+   through an expert cache holding the budget's share of experts (one entry per expert), loading on
+   demand, under: Belady's policy (it knows the future: the floor no policy beats), LRU, and
+   "cycle" (evict the expert whose layer comes last; what the predictive strategy uses). Prints the
+   reads per token each needs.
+2. Reads random records of the checkpoint's experts.bin with O_DIRECT from 1, 2, 4 and 8 threads
+   (no storage emulation): the real disk's reads/s and GB/s at each queue depth, and so the time the
+   floor's reads take per token.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import mmap
+import os
+import random
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import edge  # noqa: E402
+from edge.bench import text_prompt  # noqa: E402
+from streaming.budget import parse_budget  # noqa: E402
+
+
+def record_routes(path: str, tokens: int) -> list[dict[int, list[int]]]:
+    """Per decode step: MoE layer -> the distinct experts its route used."""
+    steps = []
+    with edge.load(path, device="cpu", threads=1, expert_strategy="resident") as model:
+        prompt = text_prompt(model.tokenizer, 64)
+
+        def observe(layer, hidden, expert_ids=None, expert_weights=None):
+            if expert_ids is not None:
+                steps[-1][layer] = sorted(set(np.asarray(expert_ids).ravel().tolist()))
+
+        with model.session(capacity=len(prompt) + tokens + 1) as session:
+            token = int(session.prefill(prompt).argmax())
+            for _ in range(tokens):
+                steps.append({})
+                token = int(session.prefill([token], observer=observe).argmax())
+    return steps
+
+
+def replay(uses: list[tuple[int, int]], layers: list[int], per_token: int, capacity: int, policy: str) -> int:
+    """Demand reads of the expert uses [(layer, expert)] in order through a cache of `capacity` entries."""
+    if policy == "belady":
+        next_use, seen = [0] * len(uses), {}
+        for i in range(len(uses) - 1, -1, -1):
+            next_use[i], seen[uses[i]] = seen.get(uses[i], len(uses)), i
+        cached, heap, reads = {}, [], 0
+        for i, key in enumerate(uses):
+            if key not in cached:
+                reads += 1
+                while len(cached) >= capacity:  # evict the entry needed furthest ahead
+                    when, victim = heapq.heappop(heap)
+                    if cached.get(victim) == -when:
+                        del cached[victim]
+            cached[key] = next_use[i]
+            heapq.heappush(heap, (-next_use[i], key))
+        return reads
+    order = {layer: i for i, layer in enumerate(layers)}
+    cached, reads = {}, 0  # key -> last use
+    for i, key in enumerate(uses):
+        if key not in cached:
+            reads += 1
+            if len(cached) >= capacity:
+                here = order[key[0]]
+                in_use = {k for k in uses[i - (i % per_token): i] if k[0] == key[0]}
+                candidates = [k for k in cached if k not in in_use]
+                if policy == "lru":
+                    victim = min(candidates, key=cached.__getitem__)
+                else:  # cycle: the layer the model reaches last, then least recently used
+                    victim = min(candidates, key=lambda k: (-((order[k[0]] - here) % len(order) or len(order)),
+                                                           cached[k]))
+                del cached[victim]
+        cached[key] = i
+    return reads
+
+
+def disk_throughput(experts_file: str, record_bytes: int, depth: int, reads: int = 800) -> dict:
+    size = os.path.getsize(experts_file)
+
+    def worker():
+        fd = os.open(experts_file, os.O_RDONLY | os.O_DIRECT)
+        buffer = mmap.mmap(-1, record_bytes)  # page aligned, as O_DIRECT needs
+        rng = random.Random(threading.get_ident())
+        try:
+            for _ in range(reads // depth):
+                os.preadv(fd, [buffer], rng.randrange(0, size // record_bytes - 1) * record_bytes)
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=worker) for _ in range(depth)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    done = reads // depth * depth
+    return {"queue_depth": depth, "reads_per_second": done / seconds, "gb_per_second": done * record_bytes / seconds / 1e9}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("--budget", default="50%", help="share of the expert bytes the cache holds")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    share = parse_budget(args.budget).expert_percent
+    if share is None:
+        parser.error("--budget must be a share of the experts, such as 50%")
+    print(f"recording the routes of {args.tokens} decode steps ...", file=sys.stderr)
+    steps = record_routes(args.model, args.tokens)
+    layers = sorted(steps[0])
+    uses = [(layer, expert) for step in steps for layer in layers for expert in step[layer]]
+    per_token = len(uses) // len(steps)
+    with edge.load(args.model) as model:
+        index = model.checkpoint.experts
+        n_experts = sum(len(index.layers[layer].records) for layer in layers)
+        record_bytes = -(-max(index.layout(layer).raw_length for layer in layers) // 4096) * 4096
+        experts_file = index.path
+    capacity = int(n_experts * share / 100)
+    reads = {policy: replay(uses, layers, per_token, capacity, policy) / len(steps)
+             for policy in ("belady", "cycle", "lru")}
+    disk = [disk_throughput(experts_file, record_bytes, depth) for depth in (1, 2, 4, 8)]
+    best = max(disk, key=lambda d: d["reads_per_second"])
+    report = {"model": args.model, "budget": args.budget, "tokens": len(steps), "expert_uses_per_token": per_token,
+              "experts": n_experts, "cache_entries": capacity, "record_bytes": record_bytes,
+              "demand_reads_per_token": reads, "disk": disk,
+              "floor_read_ms_per_token": 1e3 * reads["belady"] / best["reads_per_second"]}
+    print(f"{per_token} expert uses per token; cache of {capacity} of {n_experts} experts ({args.budget}); "
+          f"records of {record_bytes // 1024} KB")
+    for policy, value in reads.items():
+        print(f"  demand reads per token, {policy:6s} {value:7.1f}")
+    for row in disk:
+        print(f"  O_DIRECT queue depth {row['queue_depth']}: {row['reads_per_second']:7.0f} reads/s "
+              f"{row['gb_per_second']:5.2f} GB/s")
+    print(f"  the Belady floor's reads take {report['floor_read_ms_per_token']:.1f} ms per token at the best depth")
+    print(json.dumps(report, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
