@@ -35,8 +35,10 @@ from streaming.store import ExpertStore
 # expert back until its last one has been read.
 LOAD_BATCH = 4
 DEMAND = (0, 0.0)  # ahead of every prefetch, whose priority is (distance >= 1, -score)
-# Loading threads by default: each keeps one read in flight, and the real disks measured (an SSD
-# behind virtio) deliver 1.2x the reads per second at a queue depth of 4 than at 2 (benchmarks/streaming_io.py).
+# Loading threads by default: each keeps one read in flight. The disk measured here serves 0.9 GB/s
+# to one reader and 1.3-1.5 GB/s at 2-8 (benchmarks/moe_read_floor.py); on the MoEfied SmolLM2 at a
+# 50% budget, 4 threads decoded 17.4-18.2 tok/s against 16.0-17.9 with 2 (benchmarks/moe_stream_cpu.py
+# --prefetch-threads).
 DEFAULT_THREADS = 4
 
 
