@@ -29,9 +29,10 @@ SHAPES = [(1, 40), (7, 100), (50, 256), (130, 70)]  # (N, K): N = 1, K off the g
 
 @pytest.fixture(scope="module")
 def backend():
+    """f32 activations: decode computes W x up to f32 rounding, the bounds below."""
     from devices.cpu import CpuBackend
 
-    return CpuBackend(threads=2)
+    return CpuBackend(threads=2, variant="f32")
 
 
 def make_weight(scheme, shape, seed):
@@ -69,6 +70,62 @@ def test_linear_matches_reference(backend, scheme, n_tokens):
         bound = (k + 2) * EPS * (np.abs(x) @ term_magnitudes(weight).T + np.abs(bias))
         assert ours.shape == expected.shape == (n_tokens, n)
         assert np.all(np.abs(ours - expected) <= bound), f"{scheme} N={n} K={k} T={n_tokens}"
+
+
+def quantized_input(x: np.ndarray) -> np.ndarray:
+    """x [T, K] as int8 activations take it: per block of 32 values d = max|x| / 127, x^ = d * round(x / d)."""
+    t, k = x.shape
+    padded = np.zeros((t, -(-k // 32) * 32), np.float32)
+    padded[:, :k] = x
+    blocks = padded.reshape(t, -1, 32)
+    peak = np.abs(blocks).max(axis=2, keepdims=True)
+    inverse = np.divide(np.float32(127.0), peak, out=np.zeros_like(peak), where=peak > 0)
+    codes = np.rint(blocks * inverse)
+    return (codes * (peak / np.float32(127.0))).reshape(t, -1)[:, :k].astype(np.float32)
+
+
+INT8_SHAPES = SHAPES + [(9, 32), (5, 96), (11, 160), (64, 576), (6, 1536)]  # 1, 3, 5, 18, 48 blocks of 32
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED, ids=str)
+@pytest.mark.parametrize("int8_dot", ["generic", "vnni"])
+def test_decode_with_int8_activations_multiplies_the_quantized_input(scheme, int8_dot):
+    """Decode in an int8 variant computes W x^ (x^: the input rounded to int8 per block of 32) up to
+    f32 rounding, by generic integer IR or by VNNI, and W x within x^'s rounding: |W (x^ - x)|."""
+    from devices.cpu import CpuBackend
+    from devices.cpu.weights import prepare_weight
+    from kernels.cpu.cpu_probe import runs_vnni
+    from kernels.cpu.llvm_ir import ACT_INT8, ACT_INT8_VNNI
+
+    if int8_dot == "vnni" and not runs_vnni():
+        pytest.skip("this CPU does not run AVX-512 VNNI")
+    backend = CpuBackend(threads=2, variant="int8")
+    style = ACT_INT8_VNNI if int8_dot == "vnni" else ACT_INT8
+    for index, (n, k) in enumerate(INT8_SHAPES):
+        weight = make_weight(scheme, (n, k), seed=index)
+        rng = np.random.default_rng(300 + index)
+        x = (rng.standard_normal((1, k)) * rng.uniform(0.01, 10.0, k)).astype(np.float32)  # uneven magnitudes
+        bias = rng.standard_normal(n).astype(np.float32)
+        ours = backend.linear(x, prepare_weight(weight, style), bias)
+        x_hat = quantized_input(x)
+        expected = reference.linear(x_hat, weight, bias)
+        magnitudes = np.abs(x_hat) @ term_magnitudes(weight).T + np.abs(bias)
+        assert np.all(np.abs(ours - expected) <= (k + 2) * EPS * magnitudes), f"{scheme} N={n} K={k}"
+        rounding = np.abs(x_hat - x) @ np.abs(weight.dequantize()).T
+        exact = reference.linear(x, weight, bias)
+        assert np.all(np.abs(ours - exact) <= rounding + 2 * (k + 2) * EPS * magnitudes), f"{scheme} N={n} K={k}"
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED, ids=str)
+def test_int8_variant_keeps_f32_activations_for_prefill(scheme):
+    """Only decode quantizes its input: several tokens go through the f32 tiles, exact as in f32."""
+    from devices.cpu import CpuBackend
+
+    backend = CpuBackend(threads=2, variant="int8")
+    weight = make_weight(scheme, (20, 70), seed=5)
+    eye = np.eye(70, dtype=np.float32)[:3] * np.float32(0.37)  # 0.37 is no multiple of any int8 step
+    np.testing.assert_array_equal(backend.linear(eye, backend.prepare_weight(weight)),
+                                  np.float32(0.37) * weight.dequantize()[:, :3].T)
 
 
 @pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=str)

@@ -53,14 +53,15 @@ def random_route(rng, n_tokens: int, n_experts: int, top_k: int) -> tuple[np.nda
     return ids, weights
 
 
-def mixtures(scheme_name, n_tokens, top_k, d_model, intermediate, threads=2, seed=0):
+def mixtures(scheme_name, n_tokens, top_k, d_model, intermediate, threads=2, seed=0, activations="f32"):
+    """(the CPU backend's mixture, the numpy oracle's) on random experts and routes."""
     rng = np.random.default_rng(seed)
     n_experts = 6
     experts = random_experts(rng, n_experts, d_model, intermediate, scheme_name)
     x = rng.standard_normal((n_tokens, d_model)).astype(np.float32)
     ids, weights = random_route(rng, n_tokens, n_experts, top_k)
     reference = ReferenceBackend()
-    cpu = CpuBackend(threads=threads)
+    cpu = CpuBackend(threads=threads, variant=activations)
     expected = expert_mixture(reference, x, ids, weights, prepared(reference, experts))
     ours = cpu.expert_mixture(x, ids, weights, prepared(cpu, experts))
     return ours, expected
@@ -76,6 +77,20 @@ def test_mixture_matches_the_numpy_oracle(scheme_name, n_tokens, top_k):
     # (each output is a sum over A experts of I-long dots of D-long dots)
     scale = np.abs(expected).max()
     np.testing.assert_allclose(ours, expected, rtol=0, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("scheme_name", ["int4_sym_g32", "int4_affine_g64", "int8_sym_g32", "int8_affine_g128"])
+def test_int8_decode_mixture_stays_within_the_input_rounding(scheme_name):
+    """One token in the int8 variant: gate/up and then down round their inputs to int8 per block of
+    32, each adding at most INT8_ACTIVATION_UNIT of relative error (the budget of `zllm-edge
+    diff`, edge/diff.py), two matmuls in series; and it is that path, not the f32 one."""
+    from edge.diff import INT8_ACTIVATION_UNIT, SAFETY
+
+    ours, expected = mixtures(scheme_name, 1, top_k=3, d_model=96, intermediate=70, activations="int8")
+    f32, _ = mixtures(scheme_name, 1, top_k=3, d_model=96, intermediate=70, activations="f32")
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=SAFETY * 2 * INT8_ACTIVATION_UNIT * scale)
+    assert not np.array_equal(ours, f32)
 
 
 @pytest.mark.parametrize("n_tokens", [1, 3])

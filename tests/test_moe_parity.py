@@ -119,7 +119,7 @@ def test_cpu_backend_matches_reference_on_quantized_experts(tiny_zoo, case):
     """int8 attention and shared experts, int4 routed experts: the CPU kernels run the MoE block op by op."""
     path = tiny_zoo.converted(case, MIXED)
     runs = {}
-    for device in ("reference", "cpu"):
+    for device in ("reference", "cpu:f32"):
         model = edge.load(path, device=device)
         assert model.transformer._fused_forward is None  # MoE models run edge's op-by-op composition
         routes = record_routes(model).routes
@@ -128,7 +128,7 @@ def test_cpu_backend_matches_reference_on_quantized_experts(tiny_zoo, case):
         for _ in range(N_DECODE):
             logits.append(session.decode(int(logits[-1].reshape(-1, logits[-1].shape[-1])[-1].argmax())))
         runs[device] = (logits, routes)
-    (ref_logits, ref_routes), (cpu_logits, cpu_routes) = runs["reference"], runs["cpu"]
+    (ref_logits, ref_routes), (cpu_logits, cpu_routes) = runs["reference"], runs["cpu:f32"]
     assert len(cpu_routes) == len(ref_routes)
     for (layer, ids), (_, expected) in zip(cpu_routes, ref_routes):
         np.testing.assert_array_equal(ids, expected, err_msg=f"layer {layer}")

@@ -24,6 +24,8 @@ try:
     from kernels.cpu import attention_stored as stored_attention_kernels
     from kernels.cpu import elementwise, kv_quant, linear as linear_kernels
     from kernels.cpu import moe as moe_kernels
+    from kernels.cpu.cpu_probe import runs_vnni
+    from kernels.cpu.llvm_ir import ACT_F32, ACT_INT8, ACT_INT8_VNNI
     from kernels.cpu.runtime import threading_info
 except ImportError as exc:  # pragma: no cover - numba is a declared dependency
     raise DeviceUnavailableError(f"device 'cpu' needs numba and llvmlite ({exc}); pip install numba") from None
@@ -50,6 +52,13 @@ def _thread_count(threads: int | None) -> int:
     return threads
 
 
+# How decode multiplies quantized weights, by device variant ("cpu" alone: the default).
+ACTIVATION_VARIANTS = ("int8", "f32")
+DEFAULT_ACTIVATIONS = "int8"
+ACTIVATION_HELP = ("int8 quantizes each matmul input to int8 per block of 32 values and sums integer products, "
+                   "as llama.cpp does, an input error of at most 1/254 of the block's largest value; f32 keeps the "
+                   "inputs in f32")
+
 NUMBA_KV_CODEC = KvCodec(kv_quant.quantize_int8, kv_quant.dequantize_int8, kv_quant.widen_halves)
 
 
@@ -60,8 +69,15 @@ class CpuBackend:
     runs_moe = True
 
     def __init__(self, threads: int | None = None, variant: str | None = None):
-        if variant is not None:
-            raise ValueError(f"device 'cpu' has no variants, got 'cpu:{variant}'")
+        activations = variant or DEFAULT_ACTIVATIONS
+        if activations not in ACTIVATION_VARIANTS:
+            raise ValueError(f"device 'cpu' has the variants {', '.join(f'cpu:{v}' for v in ACTIVATION_VARIANTS)} "
+                             f"(how decode multiplies quantized weights: {ACTIVATION_HELP}); got 'cpu:{variant}'")
+        self.activations = activations
+        if activations == "f32":
+            self.activation_style = ACT_F32
+        else:
+            self.activation_style = ACT_INT8_VNNI if runs_vnni() else ACT_INT8
         self.threads = _thread_count(threads)
         numba.set_num_threads(self.threads)
         _launching.threads = self.threads
@@ -79,12 +95,12 @@ class CpuBackend:
         return threads
 
     # --- weights -------------------------------------------------------------------------------
-    prepare_weight = staticmethod(prepare_weight)
+    def prepare_weight(self, weight):
+        return prepare_weight(weight, self.activation_style)
 
-    @staticmethod
-    def _matrix(weight) -> CpuWeight:
+    def _matrix(self, weight) -> CpuWeight:
         if not isinstance(weight, CpuWeight):
-            weight = prepare_weight(weight)
+            weight = self.prepare_weight(weight)
             if not isinstance(weight, CpuWeight):
                 raise ValueError("expected a 2-D weight [N, K], got a vector")
         return weight
@@ -210,10 +226,14 @@ class CpuBackend:
             "cpu": llvm.get_host_cpu_name(),
             "machine": platform.machine(),
             "cores": os.cpu_count(),
-            "activations": "float32",
-            # for `zllm-edge diff`: f32 sums, f32 activations, weights dequantized exactly into f32
+            "activations": self.activations,
+            "int8_dot": {ACT_F32: None, ACT_INT8: "generic LLVM IR", ACT_INT8_VNNI: "avx512 vnni"}[
+                self.activation_style],
+            # for `zllm-edge diff`: f32 sums, weights dequantized exactly into f32; the inputs of
+            # decode's quantized matmuls rounded to int8 per block of 32 (half a step of 127) or kept
             "arithmetic": {"accumulation": 2.0 ** -24,
-                           "activations": {"f32": 0.0, "f16": 0.0, "quantized": 0.0},
+                           "activations": {"f32": 0.0, "f16": 0.0,
+                                           "quantized": 0.0 if self.activation_style == ACT_F32 else 1.0 / 254.0},
                            "weights": {"f32": 0.0, "f16": 0.0, "quantized": 0.0}},
             "numba": numba.__version__,
             "llvm": ".".join(map(str, llvm.llvm_version_info)),

@@ -16,7 +16,7 @@ from devices.cpu.weights import CpuWeight, MissingKernelError, as_vector
 from kernels.cpu import formats as wf
 from kernels.cpu import forward as fk
 from kernels.cpu.attention import scratch_floats
-from kernels.cpu.linear import TILE_M, TILE_ROWS, TILE_T, padded_tokens, sums_length
+from kernels.cpu.linear import TILE_M, TILE_ROWS, TILE_T, padded_tokens, pairs_length, sums_length
 
 
 class _ModelTables:
@@ -93,7 +93,7 @@ class _Scratch:
         self.capacity = 0
         k_padded = tables.max_cols_padded
         self.x_natural = np.zeros(k_padded, np.float32)
-        self.x_pairs = np.zeros(k_padded, np.float32)
+        self.x_pairs = np.zeros(pairs_length(k_padded), np.float32)
         self.x_sums = np.zeros(sums_length(k_padded), np.float32)
         self.blocks = np.zeros((n_threads, TILE_M * TILE_T), np.float32)
         self.row_scratch = np.zeros(tables.max_rows, np.float32)

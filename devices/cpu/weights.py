@@ -13,6 +13,7 @@ import numpy as np
 from devices.base import DeviceUnavailableError
 from kernels.cpu import formats as wf
 from kernels.cpu.linear import attach_kernels
+from kernels.cpu.llvm_ir import ACT_F32
 from quant import QuantizedTensor
 
 
@@ -49,8 +50,9 @@ def _contiguous(array: np.ndarray) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
-def prepare_weight(weight):
-    """QuantizedTensor or float matrix -> CpuWeight; a float vector (norm gain, bias) -> float32 array."""
+def prepare_weight(weight, activations: int = ACT_F32):
+    """QuantizedTensor or float matrix -> CpuWeight whose decode input is prepared in activation
+    style `activations` (kernels/cpu/llvm_ir.py ACT_*); a float vector (norm gain, bias) -> float32 array."""
     if isinstance(weight, QuantizedTensor):
         scheme = weight.scheme
         kind = wf.QUANTIZED_KINDS.get((scheme.dtype, scheme.symmetric))
@@ -63,14 +65,14 @@ def prepare_weight(weight):
         scales = _contiguous(weight.scales).view(np.uint16)  # Numba has no float16: kernels read the bits
         offsets = None if weight.offsets is None else _contiguous(weight.offsets).view(np.uint16)
         descriptor = wf.describe_quantized(kind, weight.shape, scheme.group_size, codes, scales, offsets)
-        attach_kernels(descriptor)
+        attach_kernels(descriptor, activations)
         return CpuWeight(descriptor, (codes, scales, offsets), str(scheme), weight.shape)
     if isinstance(weight, np.ndarray) and weight.ndim == 1 and weight.dtype.kind == "f":
         return np.ascontiguousarray(weight, dtype=np.float32)  # a few KB; kernels read f32 vectors
     if isinstance(weight, np.ndarray) and weight.ndim == 2 and weight.dtype in wf.FLOAT_KINDS:
         matrix = _contiguous(weight)
         view = matrix.view(np.uint16) if matrix.dtype == np.float16 else matrix
-        descriptor = attach_kernels(wf.describe_float(matrix))
+        descriptor = attach_kernels(wf.describe_float(matrix), activations)
         return CpuWeight(descriptor, (matrix, view), wf.KIND_NAMES[wf.FLOAT_KINDS[matrix.dtype]], matrix.shape)
     what = f"{weight.dtype} array of shape {weight.shape}" if isinstance(weight, np.ndarray) else type(weight).__name__
     raise MissingKernelError(

@@ -132,12 +132,14 @@ class NpuBackend:
     # --- Mixture-of-Experts: routed experts on the CPU backend --------------------------------
     @property
     def expert_backend(self):
-        """The backend that runs routed experts (the CPU backend, with this device's thread count);
+        """The backend that runs routed experts (the CPU backend, with this device's thread count, and
+        int8 activations exactly when the graphs' MatMulNBits take them: accuracy_level 4);
         expert sources prepare expert weights for it. Created on first use: dense models never start it."""
         if self._expert_backend is None:
             from devices.cpu import CpuBackend
 
-            self._expert_backend = CpuBackend(threads=self.settings.threads)
+            activations = "int8" if self.settings.accuracy_level == 4 else "f32"
+            self._expert_backend = CpuBackend(threads=self.settings.threads, variant=activations)
         return self._expert_backend
 
     def expert_mixture(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts) -> np.ndarray:

@@ -44,7 +44,8 @@ W_CHUNKS_PER_GROUP = 9  # group size / 32
 W_MATVEC_FN = 10  # addresses of the kind's compiled kernels (kernels/cpu/linear.py attach_kernels)
 W_GEMM_FN = 11
 W_DEQUANTIZE_FN = 12
-W_FIELDS = 13
+W_ACTIVATIONS = 13  # how decode prepares this weight's input: llvm_ir.ACT_F32, ACT_INT8 or ACT_INT8_VNNI
+W_FIELDS = 14
 
 
 def padded_cols(cols: int) -> int:

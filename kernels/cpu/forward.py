@@ -32,7 +32,7 @@ from numba import prange, types
 
 from kernels.cpu.attention import attention_item, merge_partials
 from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_times
-from kernels.cpu.formats import W_COLS_PADDED, W_ROWS
+from kernels.cpu.formats import W_ACTIVATIONS, W_COLS_PADDED, W_ROWS
 from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_ROWS, gemm_rows, matvec_rows, prepare_vector,
                                 transpose_tokens)
 from kernels.cpu.llvm_ir import (atomic_add, atomic_load, float32_pointer, monotonic_seconds, sleep_microseconds,
@@ -155,10 +155,11 @@ def rows_per_task(rows, n_tokens, n_threads):
 
 
 @helper
-def prepare_input(x, n_tokens, k_fill, x_natural, x_pairs, x_sums):
-    """Decode: the zero-padded, paired and chunk-summed forms of the one input vector."""
+def prepare_input(x, n_tokens, k_fill, w, x_natural, x_pairs, x_sums):
+    """Decode: the forms of the one input vector that the dot products of weight w (and of the
+    weights that share its input) read, zero-padded to k_fill values (linear.prepare_vector)."""
     if n_tokens == 1:
-        prepare_vector(x[0], x_natural[:k_fill], x_pairs[:k_fill], x_sums)
+        prepare_vector(x[0], x_natural[:k_fill], x_pairs, x_sums, w[W_ACTIVATIONS])
 
 
 @helper
@@ -193,7 +194,8 @@ def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, fir
                          weights[spec[L_V], W_COLS_PADDED])
         else:
             k_fill = max(weights[spec[L_GATE], W_COLS_PADDED], weights[spec[L_UP], W_COLS_PADDED])
-        prepare_input(normed, n_tokens, k_fill, x_natural, x_pairs, x_sums)
+        prepare_input(normed, n_tokens, k_fill, weights[spec[L_Q if step == S_INPUT_NORM else L_GATE]], x_natural,
+                      x_pairs, x_sums)
     elif step == S_ROPE:  # per-head q/k norm (Qwen3), rotary embedding, cache write
         for t in range(n_tokens):
             row = qkv[t]
@@ -216,15 +218,18 @@ def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, fir
                 at = (t * n_heads + h) * n_splits
                 merge_partials(peaks[at:at + n_splits], totals[at:at + n_splits], accs[at:at + n_splits],
                                attn[t, h * head_dim:(h + 1) * head_dim])
-        prepare_input(attn, n_tokens, weights[spec[L_O], W_COLS_PADDED], x_natural, x_pairs, x_sums)
+        prepare_input(attn, n_tokens, weights[spec[L_O], W_COLS_PADDED], weights[spec[L_O]], x_natural, x_pairs,
+                      x_sums)
     elif step == S_DOWN_INPUT:
-        prepare_input(gate, n_tokens, weights[spec[L_DOWN], W_COLS_PADDED], x_natural, x_pairs, x_sums)
+        prepare_input(gate, n_tokens, weights[spec[L_DOWN], W_COLS_PADDED], weights[spec[L_DOWN]], x_natural,
+                      x_pairs, x_sums)
     elif step == S_FINAL_NORM:
         n_out = n_tokens - first_token
         norm = param(params, dims[M_FINAL_NORM], d_model)
         for t in range(n_out):
             rms_norm_row(hidden[first_token + t], norm, eps, normed[t])
-        prepare_input(normed, n_out, weights[dims[M_LM_HEAD], W_COLS_PADDED], x_natural, x_pairs, x_sums)
+        prepare_input(normed, n_out, weights[dims[M_LM_HEAD], W_COLS_PADDED], weights[dims[M_LM_HEAD]], x_natural,
+                      x_pairs, x_sums)
 
 
 @helper

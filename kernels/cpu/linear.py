@@ -24,7 +24,9 @@ import numpy as np
 from numba import prange, types
 
 from kernels.cpu import formats as wf
-from kernels.cpu.llvm_ir import (CHUNK, LANES, call_dequantize, call_gemm, call_matvec, float32_pointer, int64_pointer,
+from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, Q8_INT4_ORDER, Q8_INT4_ZERO_LANES, Q8_INT8_ZERO_LANES,
+                                 Q8_SCALES, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS, call_dequantize, call_gemm,
+                                 call_matvec, float32_pointer, int8_pointer, int32_pointer, int64_pointer,
                                  make_dequantize_rows, make_dot_rows, make_tile_times_tokens)
 from kernels.cpu.runtime import FASTMATH, helper, kernel, mutable, readonly, use_cache_dir
 
@@ -39,6 +41,7 @@ W_KIND, W_ROWS, W_COLS, W_COLS_PADDED = wf.W_KIND, wf.W_ROWS, wf.W_COLS, wf.W_CO
 W_DATA, W_ROW_BYTES, W_SCALES, W_OFFSETS = wf.W_DATA, wf.W_ROW_BYTES, wf.W_SCALES, wf.W_OFFSETS
 W_GROUPS, W_CHUNKS_PER_GROUP, W_FIELDS = wf.W_GROUPS, wf.W_CHUNKS_PER_GROUP, wf.W_FIELDS
 W_MATVEC_FN, W_GEMM_FN, W_DEQUANTIZE_FN = wf.W_MATVEC_FN, wf.W_GEMM_FN, wf.W_DEQUANTIZE_FN
+W_ACTIVATIONS = wf.W_ACTIVATIONS
 
 # Rows each decode row-dot reads together. More rows share each load of x, but each row is one
 # more memory stream. Measured on Zen 4 (single thread, matrices past the L3 cache): int4 with
@@ -48,19 +51,10 @@ W_MATVEC_FN, W_GEMM_FN, W_DEQUANTIZE_FN = wf.W_MATVEC_FN, wf.W_GEMM_FN, wf.W_DEQ
 BLOCK_BYTES = 2048
 
 
-def _dot_kernels(kind: int):
-    fmt = wf.IR_FORMATS[kind]
-    return make_dot_rows(fmt, 4), make_dot_rows(fmt, 2), make_dot_rows(fmt, 1)
-
-
-# The IR kernels of every kind, as module globals so that the per-kind callbacks below find them
-# by name (Numba resolves globals as compile-time constants).
-dot4_f32, dot2_f32, dot1_f32 = _dot_kernels(K_F32)
-dot4_f16, dot2_f16, dot1_f16 = _dot_kernels(K_F16)
-dot4_int4_sym, dot2_int4_sym, dot1_int4_sym = _dot_kernels(K_INT4_SYM)
-dot4_int4_affine, dot2_int4_affine, dot1_int4_affine = _dot_kernels(K_INT4_AFFINE)
-dot4_int8_sym, dot2_int8_sym, dot1_int8_sym = _dot_kernels(K_INT8_SYM)
-dot4_int8_affine, dot2_int8_affine, dot1_int8_affine = _dot_kernels(K_INT8_AFFINE)
+# Row dot products of every kind and activation style, as module globals so that the per-kind
+# callbacks below find them by name (Numba resolves globals as compile-time constants); the kind
+# and style are literals of each callback, so each call compiles one format's loop.
+dot_rows_4, dot_rows_2, dot_rows_1 = (make_dot_rows(n, wf.IR_FORMATS) for n in (4, 2, 1))
 dequantize_f32, dequantize_f16 = make_dequantize_rows(wf.IR_FORMATS[K_F32]), make_dequantize_rows(wf.IR_FORMATS[K_F16])
 dequantize_int4_sym = make_dequantize_rows(wf.IR_FORMATS[K_INT4_SYM])
 dequantize_int4_affine = make_dequantize_rows(wf.IR_FORMATS[K_INT4_AFFINE])
@@ -79,8 +73,8 @@ _DEQUANTIZE_SIGNATURE = types.void(*([types.int64] * 5))
 _GEMM_SIGNATURE = types.void(*([types.int64] * 14))
 
 
-def _matvec_for(kind: int):
-    """out[r] = dot(W[r], x) for r in [row_begin, row_end)."""
+def _matvec_for(kind: int, style: int):
+    """out[r] = dot(W[r], x) for r in [row_begin, row_end), x prepared in activation style `style`."""
 
     def matvec(descriptor, row_begin, row_end, x, xp, xsum, out):
         w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
@@ -88,74 +82,16 @@ def _matvec_for(kind: int):
         n_groups, chunks, cols = w[W_GROUPS], w[W_CHUNKS_PER_GROUP], w[W_COLS]
         rows = 4 if 4 * row_bytes <= BLOCK_BYTES else (2 if 2 * row_bytes <= BLOCK_BYTES else 1)
         n_blocks = (row_end - row_begin) // rows
-        tail = row_begin + n_blocks * rows
-        # `kind` is a constant of this closure: Numba prunes every branch but one before typing.
-        if kind == K_INT4_AFFINE:
-            for b in range(n_blocks):
-                r = row_begin + rows * b
-                if rows == 4:
-                    dot4_int4_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-                elif rows == 2:
-                    dot2_int4_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-                else:
-                    dot1_int4_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-            for r in range(tail, row_end):
-                dot1_int4_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-        elif kind == K_INT4_SYM:
-            for b in range(n_blocks):
-                r = row_begin + rows * b
-                if rows == 4:
-                    dot4_int4_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-                elif rows == 2:
-                    dot2_int4_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-                else:
-                    dot1_int4_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-            for r in range(tail, row_end):
-                dot1_int4_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-        elif kind == K_INT8_SYM:
-            for b in range(n_blocks):
-                r = row_begin + rows * b
-                if rows == 4:
-                    dot4_int8_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-                elif rows == 2:
-                    dot2_int8_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-                else:
-                    dot1_int8_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-            for r in range(tail, row_end):
-                dot1_int8_sym(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-        elif kind == K_INT8_AFFINE:
-            for b in range(n_blocks):
-                r = row_begin + rows * b
-                if rows == 4:
-                    dot4_int8_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-                elif rows == 2:
-                    dot2_int8_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-                else:
-                    dot1_int8_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-            for r in range(tail, row_end):
-                dot1_int8_affine(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-        elif kind == K_F16:
-            for b in range(n_blocks):
-                r = row_begin + rows * b
-                if rows == 4:
-                    dot4_f16(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-                elif rows == 2:
-                    dot2_f16(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-                else:
-                    dot1_f16(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-            for r in range(tail, row_end):
-                dot1_f16(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-        else:
-            for b in range(n_blocks):
-                r = row_begin + rows * b
-                if rows == 4:
-                    dot4_f32(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-                elif rows == 2:
-                    dot2_f32(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-                else:
-                    dot1_f32(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
-            for r in range(tail, row_end):
-                dot1_f32(data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+        for b in range(n_blocks):
+            r = row_begin + rows * b
+            if rows == 4:
+                dot_rows_4(kind, style, data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+            elif rows == 2:
+                dot_rows_2(kind, style, data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+            else:
+                dot_rows_1(kind, style, data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
+        for r in range(row_begin + n_blocks * rows, row_end):
+            dot_rows_1(kind, style, data, row_bytes, scales, offsets, n_groups, chunks, cols, r, x, xp, xsum, out)
 
     return matvec
 
@@ -251,34 +187,41 @@ class _KindKernels:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._callbacks: dict[int, tuple] = {}  # kind -> (matvec, dequantize) cfunc objects
+        self._matvecs: dict[tuple[int, int], object] = {}  # (kind, activation style) -> cfunc
+        self._dequantizers: dict[int, object] = {}  # kind -> cfunc
         self._gemm = None
 
-    def addresses(self, kind: int) -> tuple[int, int, int]:
-        """(matvec, gemm, dequantize) addresses for a kind; the cfunc objects stay referenced here."""
+    def addresses(self, kind: int, style: int) -> tuple[int, int, int]:
+        """(matvec, gemm, dequantize) addresses for a kind whose decode input is prepared in activation
+        style `style`; the cfunc objects stay referenced here."""
         options = dict(cache=True, fastmath=set(FASTMATH), error_model="numpy")
         with self._lock:
-            if kind not in self._callbacks or self._gemm is None:
+            if (kind, style) not in self._matvecs or kind not in self._dequantizers or self._gemm is None:
                 use_cache_dir()
-            if kind not in self._callbacks:
-                self._callbacks[kind] = (numba.cfunc(_MATVEC_SIGNATURE, **options)(_matvec_for(kind)),
-                                         numba.cfunc(_DEQUANTIZE_SIGNATURE, **options)(_dequantize_for(kind)))
+            if (kind, style) not in self._matvecs:
+                self._matvecs[kind, style] = numba.cfunc(_MATVEC_SIGNATURE, **options)(_matvec_for(kind, style))
+            if kind not in self._dequantizers:
+                self._dequantizers[kind] = numba.cfunc(_DEQUANTIZE_SIGNATURE, **options)(_dequantize_for(kind))
             if self._gemm is None:
                 self._gemm = numba.cfunc(_GEMM_SIGNATURE, **options)(gemm)
-            matvec, dequantize = self._callbacks[kind]
-            return matvec.address, self._gemm.address, dequantize.address
+            return self._matvecs[kind, style].address, self._gemm.address, self._dequantizers[kind].address
 
     def compiled_kinds(self) -> list[str]:
-        return [wf.KIND_NAMES[kind] for kind in sorted(self._callbacks)]
+        return [wf.KIND_NAMES[kind] for kind in sorted(self._dequantizers)]
 
 
 KIND_KERNELS = _KindKernels()
 
 
-def attach_kernels(descriptor: np.ndarray) -> np.ndarray:
-    """Fill a descriptor's kernel addresses (compiling its kind's kernels if needed)."""
+def attach_kernels(descriptor: np.ndarray, style: int = ACT_F32) -> np.ndarray:
+    """Fill a descriptor's activation style and kernel addresses (compiling its kind's kernels if
+    needed). Float kinds read x as it is whatever the style; it still marks how the inputs of the
+    model's decode steps are prepared (kernels/cpu/forward.py prepares one vector for q, k and v)."""
     kind = int(descriptor[W_KIND])
-    descriptor[W_MATVEC_FN], descriptor[W_GEMM_FN], descriptor[W_DEQUANTIZE_FN] = KIND_KERNELS.addresses(kind)
+    descriptor[W_ACTIVATIONS] = style
+    matvec_style = style if kind in wf.QUANTIZED_KINDS.values() else ACT_F32
+    descriptor[W_MATVEC_FN], descriptor[W_GEMM_FN], descriptor[W_DEQUANTIZE_FN] = KIND_KERNELS.addresses(
+        kind, matvec_style)
     return descriptor
 
 
@@ -287,10 +230,14 @@ def attach_kernels(descriptor: np.ndarray) -> np.ndarray:
 
 
 @helper
-def prepare_vector(x, x_natural, x_pairs, x_sums):
-    """x [K] -> x_natural (zero-padded), x_pairs (per chunk of 32: evens then odds, the order of
-    int4 nibbles) and x_sums: three regions of x_sums.shape[0] // 3 values holding the sums of x
-    over groups of 32, of 64 and of 128 (group_sums picks one). x_natural's length fixes the padding."""
+def prepare_vector(x, x_natural, x_pairs, x_sums, style):
+    """x [K] -> the forms a decode dot product reads, for weights of activation style `style`
+    (a descriptor's W_ACTIVATIONS):
+        x_natural  x, zero-padded (its length fixes the padding: a multiple of 32)
+        x_pairs    ACT_F32: per chunk of 32, the evens then the odds (the order of int4 nibbles);
+                   int8 styles: x quantized to int8 per chunk, in llvm_ir's Q8 layout (its bytes)
+        x_sums     three regions of x_sums.shape[0] // 3 values: the sums of x (int8 styles: of the
+                   quantized x) over groups of 32, of 64 and of 128 (group_sums picks one)."""
     k = x.shape[0]
     padded = x_natural.shape[0]
     n_chunks = padded // CHUNK
@@ -299,20 +246,72 @@ def prepare_vector(x, x_natural, x_pairs, x_sums):
         x_natural[i] = x[i]
     for i in range(padded - k):
         x_natural[k + i] = 0.0
-    for chunk in range(n_chunks):
-        base = chunk * CHUNK
-        total = np.float32(0.0)
-        for j in range(CHUNK // 2):
-            even = x_natural[base + 2 * j]
-            odd = x_natural[base + 2 * j + 1]
-            x_pairs[base + j] = even
-            x_pairs[base + CHUNK // 2 + j] = odd
-            total += even + odd
-        x_sums[chunk] = total
+    if style == ACT_F32:
+        for chunk in range(n_chunks):
+            base = chunk * CHUNK
+            total = np.float32(0.0)
+            for j in range(CHUNK // 2):
+                even = x_natural[base + 2 * j]
+                odd = x_natural[base + 2 * j + 1]
+                x_pairs[base + j] = even
+                x_pairs[base + CHUNK // 2 + j] = odd
+                total += even + odd
+            x_sums[chunk] = total
+    else:
+        quantize_activations(x_natural, x_pairs, x_sums)
     for pair in range(n_chunks // 2):
         x_sums[region + pair] = x_sums[2 * pair] + x_sums[2 * pair + 1]
     for quad in range(n_chunks // 4):
         x_sums[2 * region + quad] = x_sums[region + 2 * quad] + x_sums[region + 2 * quad + 1]
+
+
+Q8_SUPERBLOCK_FLOATS = Q8_SUPERBLOCK_BYTES // 4
+INT4_ZERO_POINT = wf.IR_FORMATS[wf.INT4_SYM].zero_point
+INT8_ZERO_POINT = wf.IR_FORMATS[wf.INT8_SYM].zero_point
+
+
+@helper
+def quantize_activations(x_natural, q8, chunk_sums):
+    """x_natural [K_padded] -> q8 (f32 storage of llvm_ir's Q8 layout: int8 q per chunk of 32 with
+    d = max|x| / 127, q = round(x / d)) and chunk_sums[c] = d * sum(q over chunk c)."""
+    n_chunks = x_natural.shape[0] // CHUNK
+    q = numba.carray(int8_pointer(q8.ctypes.data), (4 * q8.shape[0],))
+    codes = np.empty(CHUNK, np.int32)
+    for chunk in range(n_chunks):
+        values = x_natural[chunk * CHUNK:(chunk + 1) * CHUNK]
+        peak = np.float32(0.0)
+        for i in range(CHUNK):
+            peak = max(peak, abs(values[i]))
+        inverse = np.float32(127.0) / peak if peak > 0 else np.float32(0.0)
+        total = 0
+        for i in range(CHUNK):
+            codes[i] = np.int32(np.rint(values[i] * inverse))
+            total += codes[i]
+        superblock, place = chunk // Q8_SUPERBLOCK_CHUNKS, chunk % Q8_SUPERBLOCK_CHUNKS
+        block = superblock * Q8_SUPERBLOCK_BYTES
+        natural = block + place * CHUNK
+        even = block + Q8_INT4_ORDER + place * (CHUNK // 2)
+        for j in range(CHUNK // 2):
+            q[natural + 2 * j] = codes[2 * j]
+            q[natural + 2 * j + 1] = codes[2 * j + 1]
+            q[even + j] = codes[2 * j]
+            q[even + 64 + j] = codes[2 * j + 1]
+        # zero-point lanes (llvm_ir's Q8 layout): int4 lanes of 8 natural values, int8 lanes of 4
+        int4_lanes = numba.carray(int32_pointer(q8.ctypes.data + block + Q8_INT4_ZERO_LANES + 16 * place), (4,))
+        int8_lanes = numba.carray(int32_pointer(q8.ctypes.data + block + Q8_INT8_ZERO_LANES + 32 * place), (8,))
+        for lane in range(4):
+            int4_lanes[lane] = -INT4_ZERO_POINT * (codes[8 * lane:8 * lane + 8].sum())
+        for lane in range(8):
+            int8_lanes[lane] = -INT8_ZERO_POINT * (codes[4 * lane:4 * lane + 4].sum())
+        scale = peak / np.float32(127.0)
+        q8[superblock * Q8_SUPERBLOCK_FLOATS + Q8_SCALES // 4 + place] = scale
+        chunk_sums[chunk] = scale * np.float32(total)
+
+
+def pairs_length(padded_cols: int) -> int:
+    """Length of prepare_vector's x_pairs for vectors of up to padded_cols values (either style)."""
+    superblocks = -(-(padded_cols // CHUNK) // Q8_SUPERBLOCK_CHUNKS)
+    return max(padded_cols, superblocks * Q8_SUPERBLOCK_FLOATS)
 
 
 def sums_length(padded_cols: int) -> int:
@@ -410,7 +409,7 @@ def linear_kernel(w, x, bias, has_bias, out, n_threads, tiles, blocks, x_natural
     n_tokens = x.shape[0]
     n_rows = w[W_ROWS]
     if n_tokens == 1:
-        prepare_vector(x[0], x_natural, x_pairs, x_sums)
+        prepare_vector(x[0], x_natural, x_pairs, x_sums, w[W_ACTIVATIONS])
     for stage in range(1 if n_tokens == 1 else 2):
         for part in prange(n_threads):
             if n_tokens == 1:
@@ -444,6 +443,6 @@ def linear(descriptor: np.ndarray, x: np.ndarray, bias: np.ndarray | None, n_thr
     xt = np.empty((k_padded, padded_tokens(n_tokens)) if prefill else (1, 1), np.float32)
     bias_array = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
     linear_kernel(descriptor, x, bias_array, bias is not None, out, n_threads, tiles, blocks,
-                  np.empty(vector_len, np.float32), np.empty(vector_len, np.float32),
+                  np.empty(vector_len, np.float32), np.empty(pairs_length(vector_len), np.float32),
                   np.empty(sums_length(vector_len), np.float32), xt, np.empty(n_rows, np.float32))
     return out

@@ -31,13 +31,16 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
+from numba.core import cgutils, errors
 from numba.extending import intrinsic
 
 from kernels.cpu.runtime import IR_FASTMATH
 
 LANES = 16  # f32 lanes per vector: one zmm on AVX-512, two ymm elsewhere (LLVM splits it)
 CHUNK = 32  # weights per chunk: the smallest group size
+# How a decode dot product takes its input vector (make_dot_rows): as f32 values, or quantized to
+# int8 per chunk with integer dot products in generic IR, or with x86's VNNI instruction.
+ACT_F32, ACT_INT8, ACT_INT8_VNNI = 0, 1, 2
 
 F32, F16 = ir.FloatType(), ir.HalfType()
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -213,8 +216,21 @@ def _emit_quantized_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
             partial = _quantized_chunk_dot(e, fmt, row_data[r], chunk, x, xp)
             e.b.store(e.fma(partial, scale, e.b.load(accumulators[r])), accumulators[r])
 
-    # the zero point / offset term: sum over groups of (o or s)[g] * sum(x over group g), as a
-    # vector dot product over 16 groups at a time (group_sums: this group size's sums of x)
+    _store_row_totals(e, fmt, n_rows, rows, accumulators, row_scales, row_offsets, n_groups, group_sums, out)
+
+
+def _store_row_totals(e: Emitter, fmt: IrFormat, n_rows: int, rows, accumulators, row_scales, row_offsets, n_groups,
+                      group_sums, out, zero_point_applied: bool = False):
+    """out[row] = hsum(accumulator) + the zero point / offset term of each row (unless the
+    accumulators already subtracted a symmetric zero point).
+
+    That term is sum over groups of (o or s)[g] * sum(x over group g), as a vector dot product over
+    16 groups at a time (group_sums: the sums of x over groups of this weight's size)."""
+    if zero_point_applied and not fmt.affine:
+        for r in range(n_rows):
+            e.store(e.hsum(e.b.load(accumulators[r])), e.address(out, (rows[r], 4)), 4)
+        return
+    zero = ir.Constant(V16F, [0.0] * LANES)
     weights_of_sums = row_offsets if fmt.affine else row_scales
     corrections = [e.variable(zero) for _ in range(n_rows)]
     n_vectors = e.b.udiv(n_groups, e.i64(LANES))
@@ -224,21 +240,182 @@ def _emit_quantized_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
         for r in range(n_rows):
             w = e.b.fpext(e.b.bitcast(e.load(V16I16, e.address(weights_of_sums[r], (v, 2 * LANES)), 2), V16H), V16F)
             e.b.store(e.fma(w, sums, e.b.load(corrections[r])), corrections[r])
-    tails = [e.variable(ir.Constant(F32, 0.0)) for _ in range(n_rows)]
+    group_tails = [e.variable(ir.Constant(F32, 0.0)) for _ in range(n_rows)]
     first_tail = e.b.mul(n_vectors, e.i64(LANES))
     with e.loop(e.b.sub(n_groups, first_tail)) as tail_loop:
         g = e.b.add(first_tail, tail_loop.index)
         total = e.load(F32, e.address(group_sums, (g, 4)), 4)
         for r in range(n_rows):
             w = e.half(e.address(weights_of_sums[r], (g, 2)))
-            e.b.store(e.fma(w, total, e.b.load(tails[r])), tails[r])
+            e.b.store(e.fma(w, total, e.b.load(group_tails[r])), group_tails[r])
 
     for r in range(n_rows):
-        correction = e.fadd(e.hsum(e.b.load(corrections[r])), e.b.load(tails[r]))
+        correction = e.fadd(e.hsum(e.b.load(corrections[r])), e.b.load(group_tails[r]))
         if not fmt.affine:
             correction = e.fmul(correction, ir.Constant(F32, -float(fmt.zero_point)))
         total = e.fadd(e.hsum(e.b.load(accumulators[r])), correction)
         e.store(total, e.address(out, (rows[r], 4)), 4)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode with int8 activations: integer dot products, as llama.cpp's q8 path does
+#
+# The input vector is quantized per chunk of 32 values (kernels/cpu/linear.py quantize_activations):
+# d = max|x| / 127 and q = round(x / d) in [-127, 127], so x is taken as x^ = d * q and the error
+# is at most d / 2 per value. A row's dot product is then exactly (up to f32 rounding) W . x^:
+#     sum over chunks c of  s[group(c)] * d[c] * sum(codes * q)   + the zero point / offset term
+# with the integer sums computed 64 byte products at a time (unsigned codes x signed q, summed in
+# fours into 32-bit lanes: x86's vpdpbusd, where the CPU really runs it; generic IR elsewhere).
+#
+# Q8 layout (bytes from xp), per superblock of 4 chunks (128 values), Q8_SUPERBLOCK_BYTES apart:
+#     [0, 128)    q in natural order (the int8 weights' order)
+#     [128, 256)  q in int4 order: the 16 even values of each of the 4 chunks (64 bytes), then
+#                 their 16 odd values (64 bytes); a chunk the vector does not have is left unset
+#     [256, 272)  d of the 4 chunks (f32)
+#     [272, 336)  int4 zero-point lanes: 16 i32, lane i = -8 * the sum of the q that lane i of a byte
+#                 dot over [128, 256) meets (q at natural positions 8i .. 8i + 7)
+#     [336, 464)  int8 zero-point lanes: 2 x 16 i32, lane i of half h = -128 * the sum of natural
+#                 q at 64h + 4i .. 64h + 4i + 3
+# Every address depends on the chunk index only, so weights of different group sizes (different
+# padded K) read one prepared vector. The zero-point lanes start the integer sums of symmetric
+# weights, which then come out as sums of (code - zero point) * q: no correction term per row.
+
+Q8_SUPERBLOCK_CHUNKS = 4
+Q8_SUPERBLOCK_BYTES = 464
+Q8_INT4_ORDER, Q8_SCALES, Q8_INT4_ZERO_LANES, Q8_INT8_ZERO_LANES = 128, 256, 272, 336
+V64I8, V64I16, V64I32 = ir.VectorType(I8, 64), ir.VectorType(I16, 64), ir.VectorType(I32, 64)
+
+
+def byte_dot(e: Emitter, acc, unsigned_bytes, signed_bytes, native: bool):
+    """acc (<n/4 x i32>) + the sums of each 4 consecutive products unsigned_bytes[i] * signed_bytes[i]."""
+    if native:
+        dpbusd = cgutils.get_or_insert_function(e.b.module, ir.FunctionType(V16I32, [V16I32] * 3),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+        return e.b.call(dpbusd, [acc, e.b.bitcast(unsigned_bytes, V16I32), e.b.bitcast(signed_bytes, V16I32)])
+    n = unsigned_bytes.type.count
+    i16s, i32s = ir.VectorType(I16, n), ir.VectorType(I32, n // 2)
+    # 255 * 127 < 2^15: each product is exact in 16 bits; pairs are summed in 32 (the vpmaddwd idiom)
+    products = e.b.mul(e.b.zext(unsigned_bytes, i16s), e.b.sext(signed_bytes, i16s))
+
+    def every_other(vector, first):
+        count = vector.type.count // 2
+        return e.b.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(I32, count),
+                                                              list(range(first, 2 * count, 2))))
+
+    pairs = e.b.add(e.b.sext(every_other(products, 0), i32s), e.b.sext(every_other(products, 1), i32s))
+    return e.b.add(acc, e.b.add(every_other(pairs, 0), every_other(pairs, 1)))
+
+
+def _chunk_scales(e: Emitter, row_scales, first_chunk, n_chunks: int, shift: int):
+    """<n_chunks x float>: the weight scale of each of n_chunks consecutive chunks (groups of
+    32 << shift values; first_chunk is a multiple of n_chunks, so whole groups are read)."""
+    n_groups = max(1, n_chunks >> shift)
+    first_group = e.b.lshr(first_chunk, e.i64(shift))
+    if n_groups == 1:
+        return e.b.fpext(e.splat(e.load(F16, e.address(row_scales, (first_group, 2)), 2), n_chunks),
+                         ir.VectorType(F32, n_chunks))
+    halves = e.load(ir.VectorType(F16, n_groups), e.address(row_scales, (first_group, 2)), 2)
+    spread = e.b.shuffle_vector(halves, halves, ir.Constant(ir.VectorType(I32, n_chunks),
+                                                            [j >> shift for j in range(n_chunks)]))
+    return e.b.fpext(spread, ir.VectorType(F32, n_chunks))
+
+
+def _lanes_per_chunk(e: Emitter, per_chunk):
+    """<c x float> -> <16 x float> holding each chunk's value in its 16 / c lanes of a byte dot."""
+    count = per_chunk.type.count
+    return e.b.shuffle_vector(per_chunk, per_chunk,
+                              ir.Constant(ir.VectorType(I32, LANES), [lane * count // LANES for lane in range(LANES)]))
+
+
+def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, native: bool):
+    data, row_bytes, scales, offsets, n_groups, chunks_per_group, _cols, row0, _x, xq, group_sums, out = args
+    group_bytes = e.b.mul(n_groups, e.i64(2))
+    _prefetch_rows_ahead(e, n_rows, row0, row_bytes,
+                         [(data, row_bytes), (scales, group_bytes)] + ([(offsets, group_bytes)] if fmt.affine else []))
+    rows = [e.b.add(row0, e.i64(r)) for r in range(n_rows)]
+    row_data = [e.address(data, (row, row_bytes)) for row in rows]
+    row_scales = [e.address(scales, (row, group_bytes)) for row in rows]
+    row_offsets = [e.address(offsets, (row, group_bytes)) for row in rows]
+    accumulators = [e.variable(ir.Constant(V16F, [0.0] * LANES)) for _ in range(n_rows)]
+    cttz = cgutils.get_or_insert_function(e.b.module, ir.FunctionType(I64, [I64, ir.IntType(1)]), "llvm.cttz.i64")
+    shift = e.b.call(cttz, [chunks_per_group, ir.Constant(ir.IntType(1), 1)])  # group size 32 << shift
+    n_chunks = e.b.shl(n_groups, shift)
+    # chunks per 64-byte step: 4 of int4 (64 bytes of codes, 128 values), 2 of int8
+    step = 4 if fmt.bits == 4 else 2
+    n_steps = e.b.udiv(n_chunks, e.i64(step))
+
+    def chunk_base(chunk):  # the superblock of a chunk and the chunk's place in it
+        superblock = e.b.udiv(chunk, e.i64(Q8_SUPERBLOCK_CHUNKS))
+        return (e.address(xq, (superblock, Q8_SUPERBLOCK_BYTES)),
+                e.b.urem(chunk, e.i64(Q8_SUPERBLOCK_CHUNKS)))
+
+    def step_codes(address, mask=None):
+        if mask is None:
+            return e.load(V64I8, address, 1)
+        masked_load = cgutils.get_or_insert_function(
+            e.b.module, ir.FunctionType(V64I8, [I8.as_pointer(), I32, ir.VectorType(ir.IntType(1), 64), V64I8]),
+            "llvm.masked.load.v64i8.p0")
+        return e.b.call(masked_load, [e.b.inttoptr(address, I8.as_pointer()), ir.Constant(I32, 1), mask,
+                                      ir.Constant(V64I8, [0] * 64)])
+
+    def accumulate_step(first_chunk, step_index, row_factors, mask=None):
+        """Every row's integer sums over the step's 64 bytes of codes, scaled into its accumulator."""
+        block, place = chunk_base(first_chunk)
+        if fmt.bits == 4:
+            q_even = e.load(V64I8, e.address(block, e.i64(Q8_INT4_ORDER)), 1)
+            q_odd = e.load(V64I8, e.address(block, e.i64(Q8_INT4_ORDER + 64)), 1)
+            zero_lanes = e.address(block, e.i64(Q8_INT4_ZERO_LANES))
+        else:
+            q = e.load(V64I8, e.address(block, (place, CHUNK)), 1)
+            zero_lanes = e.address(block, e.i64(Q8_INT8_ZERO_LANES), (place, 32))
+        # symmetric codes: start from -zero point * q, so that the sums are of (code - z) * q
+        zero_dot = ir.Constant(V16I32, [0] * LANES) if fmt.affine else e.load(V16I32, zero_lanes, 4)
+        for r in range(n_rows):
+            codes = step_codes(e.address(row_data[r], (step_index, 64)), mask)
+            if fmt.bits == 4:
+                low = e.b.and_(codes, ir.Constant(V64I8, [0x0F] * 64))
+                high = e.b.lshr(codes, ir.Constant(V64I8, [4] * 64))
+                dot = byte_dot(e, byte_dot(e, zero_dot, low, q_even, native), high, q_odd, native)
+            else:
+                dot = byte_dot(e, zero_dot, codes, q, native)
+            factors = _lanes_per_chunk(e, row_factors(r, block, place))
+            e.b.store(e.fma(e.b.sitofp(dot, V16F), factors, e.b.load(accumulators[r])), accumulators[r])
+
+    for group_shift in range(3):  # one loop per group size, chosen once (scales are read per step)
+        with e.b.if_then(e.b.icmp_unsigned("==", shift, e.i64(group_shift))):
+            with e.loop(n_steps) as step_loop:
+                first_chunk = e.b.mul(step_loop.index, e.i64(step))
+
+                def whole_step_factors(r, block, place, first_chunk=first_chunk, group_shift=group_shift):
+                    d = e.load(ir.VectorType(F32, step), e.address(block, e.i64(Q8_SCALES), (place, 4)), 4)
+                    return e.fmul(_chunk_scales(e, row_scales[r], first_chunk, step, group_shift), d)
+
+                accumulate_step(first_chunk, step_loop.index, whole_step_factors)
+
+    # the chunks past the last whole step (at most 3 of int4, 1 of int8): one more step whose codes
+    # are loaded under a mask (zeros past the row) and whose missing chunks get a factor of 0 (their
+    # Q8 scales are unset, and their weight scales may lie past the array)
+    first_tail = e.b.mul(n_steps, e.i64(step))
+    n_tail = e.b.sub(n_chunks, first_tail)
+    with e.b.if_then(e.b.icmp_unsigned(">", n_tail, e.i64(0))):
+        valid_bytes = e.b.trunc(e.b.mul(n_tail, e.i64(64 // step)), I8)
+        mask = e.b.icmp_unsigned("<", ir.Constant(V64I8, list(range(64))), e.splat(valid_bytes, 64))
+
+        def tail_factors(r, block, place):
+            factors = ir.Constant(ir.VectorType(F32, step), [0.0] * step)
+            for j in range(step):
+                present = e.b.icmp_unsigned("<", e.i64(j), n_tail)
+                chunk = e.b.select(present, e.b.add(first_tail, e.i64(j)), first_tail)
+                scale = e.half(e.address(row_scales[r], (e.b.lshr(chunk, shift), 2)))
+                d = e.load(F32, e.address(block, e.i64(Q8_SCALES), (e.b.add(place, e.i64(j)), 4)), 4)
+                factor = e.b.select(present, e.fmul(scale, d), ir.Constant(F32, 0.0))
+                factors = e.b.insert_element(factors, factor, ir.Constant(I32, j))
+            return factors
+
+        accumulate_step(first_tail, n_steps, tail_factors, mask)
+
+    _store_row_totals(e, fmt, n_rows, rows, accumulators, row_scales, row_offsets, n_groups, group_sums, out,
+                      zero_point_applied=True)
 
 
 def _load_float_weights(e: Emitter, fmt: IrFormat, address):
@@ -279,29 +456,40 @@ def _emit_float_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
         e.store(total, e.address(out, (rows[r], 4)), 4)
 
 
-def make_dot_rows(fmt: IrFormat, n_rows: int):
+def make_dot_rows(n_rows: int, formats: dict[int, IrFormat]):
     """Intrinsic: out[row0 + r] = dot(weight row row0 + r, x) for r < n_rows (no bias).
 
-    Arguments (all int64): data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols,
-    row0, x, xp, xsum (sums of x per group of this weight's size), out. Reading n_rows rows
-    together shares each load of x between them."""
+    Arguments: kind (a key of `formats`) and activation style (ACT_*), both compile-time constants
+    (Numba passes a closure's integer constants as literals), then the int64 data, row_bytes,
+    scales, offsets, n_groups, chunks_per_group, cols, row0, x, xp, xsum, out. Reading n_rows rows
+    together shares each load of x between them.
+
+    ACT_F32: xp holds x in int4 order and xsum the group sums of x. ACT_INT8 / ACT_INT8_VNNI
+    (quantized kinds only): xp holds x quantized to int8 per chunk of 32 (the Q8 layout below) and
+    xsum the group sums of that quantized x."""
 
     @intrinsic
-    def dot_rows(typingctx, data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
+    def dot_rows(typingctx, kind, style, data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
                  x, xp, xsum, out):
-        signature = types.void(*([INT64_ARGS] * 12))
+        for name, literal in (("kind", kind), ("style", style)):
+            if not isinstance(literal, types.IntegerLiteral):
+                raise errors.TypingError(f"dot_rows: {name} must be a compile-time integer constant, got {literal}")
+        fmt, activation_style = formats[kind.literal_value], style.literal_value
+        signature = types.void(kind, style, *([INT64_ARGS] * 12))
 
         def codegen(context, builder, sig, args):
             e = Emitter(builder)
             if fmt.is_float:
-                _emit_float_dot_rows(e, fmt, n_rows, args)
+                _emit_float_dot_rows(e, fmt, n_rows, args[2:])
+            elif activation_style == ACT_F32:
+                _emit_quantized_dot_rows(e, fmt, n_rows, args[2:])
             else:
-                _emit_quantized_dot_rows(e, fmt, n_rows, args)
+                _emit_int8_dot_rows(e, fmt, n_rows, args[2:], native=activation_style == ACT_INT8_VNNI)
             return context.get_dummy_value()
 
         return signature, codegen
 
-    dot_rows.__name__ = f"dot_rows_{fmt.name}_{n_rows}"
+    dot_rows.__name__ = f"dot_rows_{n_rows}"
     return dot_rows
 
 
@@ -448,6 +636,28 @@ def float32_pointer(typingctx, address):
 
     def codegen(context, builder, sig, args):
         return builder.inttoptr(args[0], F32.as_pointer())
+
+    return signature, codegen
+
+
+@intrinsic
+def int8_pointer(typingctx, address):
+    """An int8 pointer at an int64 address (the Q8 bytes of a prepared vector)."""
+    signature = types.CPointer(types.int8)(types.int64)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], I8.as_pointer())
+
+    return signature, codegen
+
+
+@intrinsic
+def int32_pointer(typingctx, address):
+    """An int32 pointer at an int64 address (the zero-point lanes of a prepared vector)."""
+    signature = types.CPointer(types.int32)(types.int64)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], I32.as_pointer())
 
     return signature, codegen
 

@@ -25,9 +25,9 @@ import numpy as np
 from numba import prange, types
 
 from kernels.cpu.elementwise import silu_times
-from kernels.cpu.formats import W_COLS, W_COLS_PADDED, W_FIELDS, W_ROWS
+from kernels.cpu.formats import W_ACTIVATIONS, W_COLS, W_COLS_PADDED, W_FIELDS, W_ROWS
 from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_M, TILE_ROWS, TILE_T, gemm_rows, matvec_rows,
-                                padded_tokens, prepare_vector, split, sums_length, transpose_tokens)
+                                pairs_length, padded_tokens, prepare_vector, split, sums_length, transpose_tokens)
 from kernels.cpu.runtime import kernel, mutable, readonly
 
 GATE, UP, DOWN = 0, 1, 2  # a distinct expert's rows in the descriptor table: 3 * e + GATE, ...
@@ -49,7 +49,7 @@ def mixture_decode_kernel(weights, x, coeffs, n_threads, out, x_natural, x_pairs
     Scratch: x_* prepared x; gate_rows / up_rows / hidden [Ed, I_max]; h_* [Ed, ...] each expert's
     prepared hidden vector; down_rows [D]."""
     n_experts = coeffs.shape[0]
-    prepare_vector(x[0], x_natural, x_pairs, x_sums)
+    prepare_vector(x[0], x_natural, x_pairs, x_sums, weights[GATE, W_ACTIVATIONS])
     for part in prange(n_threads):  # every expert's gate and up rows of this part, then silu * up
         for e in range(n_experts):
             gate, up = weights[3 * e + GATE], weights[3 * e + UP]
@@ -60,14 +60,14 @@ def mixture_decode_kernel(weights, x, coeffs, n_threads, out, x_natural, x_pairs
     for e in prange(n_experts):  # each expert's hidden vector as the down projection takes it
         down = weights[3 * e + DOWN]
         k_padded = down[W_COLS_PADDED]
-        prepare_vector(hidden[e, :down[W_COLS]], h_natural[e, :k_padded], h_pairs[e, :k_padded], h_sums[e])
+        prepare_vector(hidden[e, :down[W_COLS]], h_natural[e, :k_padded], h_pairs[e], h_sums[e], down[W_ACTIVATIONS])
     d_model = out.shape[1]
     for part in prange(n_threads):  # this part's output rows, expert after expert (ascending id)
         begin, end = split(d_model, n_threads, part, MATVEC_BLOCK)
         for e in range(n_experts):
             down = weights[3 * e + DOWN]
             k_padded = down[W_COLS_PADDED]
-            matvec_rows(down, begin, end, h_natural[e, :k_padded], h_pairs[e, :k_padded], h_sums[e], down_rows)
+            matvec_rows(down, begin, end, h_natural[e, :k_padded], h_pairs[e], h_sums[e], down_rows)
             coeff = coeffs[e]
             for r in range(begin, end):
                 out[0, r] += coeff * down_rows[r]
@@ -168,10 +168,12 @@ def expert_mixture(descriptors: np.ndarray, experts: np.ndarray, x: np.ndarray, 
         h_padded = int(descriptors[DOWN::3, W_COLS_PADDED].max())
         mixture_decode_kernel(
             descriptors, x, coeffs, n_threads, out,
-            np.empty(k_max, np.float32), np.empty(k_max, np.float32), np.empty(sums_length(k_max), np.float32),
+            np.empty(k_max, np.float32), np.empty(pairs_length(k_max), np.float32),
+            np.empty(sums_length(k_max), np.float32),
             np.empty((n_experts, i_max), np.float32), np.empty((n_experts, i_max), np.float32),
             np.empty((n_experts, i_max), np.float32), np.empty((n_experts, h_padded), np.float32),
-            np.empty((n_experts, h_padded), np.float32), np.empty((n_experts, sums_length(h_padded)), np.float32),
+            np.empty((n_experts, pairs_length(h_padded)), np.float32),
+            np.empty((n_experts, sums_length(h_padded)), np.float32),
             np.empty(d_model, np.float32))
         return
     # the batch's routed (token, weight) pairs grouped by expert, ascending tokens within each
