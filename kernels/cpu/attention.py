@@ -18,7 +18,13 @@ import numpy as np
 from numba import prange, types
 
 from kernels.cpu.elementwise import exp_approx
+from kernels.cpu.formats import F32 as K_F32, IR_FORMATS
+from kernels.cpu.llvm_ir import ACT_F32, make_dot_rows, weighted_row_sum
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
+
+
+# Dot products of a query with cached keys (in cache after their first use: no software prefetch).
+key_dots_4, key_dots_1 = make_dot_rows(4, IR_FORMATS, prefetch=False), make_dot_rows(1, IR_FORMATS, prefetch=False)
 
 
 @helper
@@ -63,7 +69,10 @@ def exponentiate_scores(scores, peaks, totals, n):
 def partial_attention(q, keys, values, kv_head, s_begin, s_end, k_positions, q_position, window, scale, work):
     """Partial softmax of the query heads q [G, Dh] (one KV head's group) over keys[s_begin:s_end,
     kv_head]. Returns (peaks [G] = m, totals [G] = l, accs [G, Dh]), all views of `work` (per-thread
-    scratch, >= scratch_floats(G, n, Dh)): contiguous, so the loops over Dh vectorise."""
+    scratch, >= scratch_floats(G, n, Dh)).
+
+    The dot products with the keys and the weighted sum of the values run in hand-written vector
+    loops (llvm_ir.py) straight over the cache rows, one KV head's rows Hkv * Dh floats apart."""
     group, head_dim = q.shape
     n = s_end - s_begin
     scores = work[:group * n]
@@ -73,30 +82,32 @@ def partial_attention(q, keys, values, kv_head, s_begin, s_end, k_positions, q_p
     accs[:] = 0.0
     peaks[:] = -np.inf
     totals[:] = 0.0
-    for s in range(n):
-        key_index = s_begin + s
-        p = k_positions[key_index]
-        if p <= q_position and (window == 0 or q_position - p < window):
-            key = keys[key_index, kv_head]
-            for g in range(group):
-                dot = np.float32(0.0)
-                for d in range(head_dim):
-                    dot += q[g, d] * key[d]
-                score = dot * scale
-                scores[g * n + s] = score
-                peaks[g] = max(peaks[g], score)
-        else:
-            for g in range(group):
-                scores[g * n + s] = -np.inf
+    row_bytes = 4 * keys.shape[1] * head_dim
+    first_row = 4 * (s_begin * keys.shape[1] + kv_head) * head_dim
+    first_key, first_value = keys.ctypes.data + first_row, values.ctypes.data + first_row
+    blocked = n - n % 4
+    for g in range(group):
+        query, row_scores = q[g].ctypes.data, scores[g * n:(g + 1) * n].ctypes.data
+        for s in range(0, blocked, 4):  # four keys per call share each load of the query
+            key_dots_4(K_F32, ACT_F32, first_key, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, row_scores)
+        for s in range(blocked, n):
+            key_dots_1(K_F32, ACT_F32, first_key, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, row_scores)
+    positions = k_positions[s_begin:s_end]
+    for g in range(group):  # scale, mask, and each head's peak (vectorised: no branch per key)
+        row = scores[g * n:(g + 1) * n]
+        peak = np.float32(-np.inf)
+        for s in range(n):
+            p = positions[s]
+            visible = p <= q_position and (window == 0 or q_position - p < window)
+            score = row[s] * scale if visible else np.float32(-np.inf)
+            row[s] = score
+            peak = max(peak, score)
+        peaks[g] = peak
     exponentiate_scores(scores, peaks, totals, n)
-    for s in range(n):
-        value = values[s_begin + s, kv_head]
-        for g in range(group):
-            weight = scores[g * n + s]
-            if weight != 0.0:
-                acc = accs[g]
-                for d in range(head_dim):
-                    acc[d] += weight * value[d]
+    for g in range(group):
+        if peaks[g] != -np.inf:
+            weighted_row_sum(first_value, row_bytes, n, scores[g * n:(g + 1) * n].ctypes.data, head_dim,
+                             accs[g].ctypes.data)
     return peaks, totals, accs
 
 

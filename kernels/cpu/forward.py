@@ -63,11 +63,15 @@ HEAD_STEPS = 3  # S_FINAL_NORM, S_HEAD_T, S_HEAD
 # Step kinds.
 SERIAL, TRANSPOSE, PROJECT, ATTEND = range(4)
 
-# Task sizes. Decode: at least 64 rows (of a 576-wide int4 matrix, ~4 us of work), and no more
-# than TASKS_PER_THREAD tasks per thread in a step: enough to balance threads that the OS slows
-# down, few enough that the two atomic updates per task (on lines every thread touches) stay
-# negligible (the LM head in 64-row tasks would be 768 of them). Prefill: one tile per task.
+# Task sizes. Prefill: one tile of rows per projection task, and no more than TASKS_PER_THREAD
+# attention tasks per thread (causal rows differ in length; many tasks balance them). Decode: one
+# projection task per thread (DECODE_TASKS_PER_THREAD), of at least 64 rows. Tasks are still taken
+# from a counter, so a thread the OS delays before it starts leaves its task to the others; but
+# smaller tasks cost more than they balance: on SmolLM2-135M int4 (Zen 4, quiet machine,
+# benchmarks/cpu_profile.py), decode took 6.29 ms per token at 2 threads with 8 tasks per thread,
+# 5.46 with 2 and 4.98 with 1 (1 thread: 7.48 with 8 tasks, 6.72 with 1).
 DECODE_MIN_ROWS_PER_TASK = 64
+DECODE_TASKS_PER_THREAD = 1
 TASKS_PER_THREAD = 8
 PREFILL_ROWS_PER_TASK = TILE_ROWS
 # Counters of a step: the next task to take and the tasks finished, each on its own cache line
@@ -150,7 +154,7 @@ def plan(step, spec, weights, dims, n_tokens, n_out, n_threads, run_head):
 def rows_per_task(rows, n_tokens, n_threads):
     if n_tokens > 1:
         return PREFILL_ROWS_PER_TASK
-    per_task = max(DECODE_MIN_ROWS_PER_TASK, ceil_div(rows, TASKS_PER_THREAD * n_threads))
+    per_task = max(DECODE_MIN_ROWS_PER_TASK, ceil_div(rows, DECODE_TASKS_PER_THREAD * n_threads))
     return ceil_div(per_task, MATVEC_BLOCK) * MATVEC_BLOCK
 
 

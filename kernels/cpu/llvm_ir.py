@@ -428,9 +428,10 @@ def _load_float_weight(e: Emitter, fmt: IrFormat, address):
     return e.load(F32, address, 4) if fmt.bits == 32 else e.half(address)
 
 
-def _emit_float_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
+def _emit_float_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, prefetch: bool = True):
     data, row_bytes, _scales, _offsets, _n_groups, _cpg, cols, row0, x, _xp, _xsum, out = args
-    _prefetch_rows_ahead(e, n_rows, row0, row_bytes, [(data, row_bytes)])
+    if prefetch:
+        _prefetch_rows_ahead(e, n_rows, row0, row_bytes, [(data, row_bytes)])
     width = fmt.bits // 8
     zero = ir.Constant(V16F, [0.0] * LANES)
     accumulators = [e.variable(zero) for _ in range(n_rows)]
@@ -456,7 +457,7 @@ def _emit_float_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
         e.store(total, e.address(out, (rows[r], 4)), 4)
 
 
-def make_dot_rows(n_rows: int, formats: dict[int, IrFormat]):
+def make_dot_rows(n_rows: int, formats: dict[int, IrFormat], prefetch: bool = True):
     """Intrinsic: out[row0 + r] = dot(weight row row0 + r, x) for r < n_rows (no bias).
 
     Arguments: kind (a key of `formats`) and activation style (ACT_*), both compile-time constants
@@ -466,7 +467,10 @@ def make_dot_rows(n_rows: int, formats: dict[int, IrFormat]):
 
     ACT_F32: xp holds x in int4 order and xsum the group sums of x. ACT_INT8 / ACT_INT8_VNNI
     (quantized kinds only): xp holds x quantized to int8 per chunk of 32 (the Q8 layout below) and
-    xsum the group sums of that quantized x."""
+    xsum the group sums of that quantized x.
+
+    Without `prefetch`, float rows are read without software prefetches: for rows already in cache
+    (attention over the KV cache), where the prefetch instructions cost more than they save."""
 
     @intrinsic
     def dot_rows(typingctx, kind, style, data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
@@ -480,7 +484,7 @@ def make_dot_rows(n_rows: int, formats: dict[int, IrFormat]):
         def codegen(context, builder, sig, args):
             e = Emitter(builder)
             if fmt.is_float:
-                _emit_float_dot_rows(e, fmt, n_rows, args[2:])
+                _emit_float_dot_rows(e, fmt, n_rows, args[2:], prefetch)
             elif activation_style == ACT_F32:
                 _emit_quantized_dot_rows(e, fmt, n_rows, args[2:])
             else:
@@ -489,7 +493,7 @@ def make_dot_rows(n_rows: int, formats: dict[int, IrFormat]):
 
         return signature, codegen
 
-    dot_rows.__name__ = f"dot_rows_{n_rows}"
+    dot_rows.__name__ = f"dot_rows_{n_rows}" + ("" if prefetch else "_cached")
     return dot_rows
 
 
@@ -612,6 +616,72 @@ def make_tile_times_tokens(rows: int, token_vectors: int):
 
     tile_times_tokens.__name__ = f"tile_times_tokens_{rows}x{16 * token_vectors}"
     return tile_times_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# Attention: the softmax-weighted sum of value rows
+
+PANEL_VECTORS = 4  # columns per pass over the rows: 64 floats, one cache line per vector
+ROW_STREAMS = 2  # rows per step, each into its own accumulators: two multiply-adds in flight per column
+
+
+@intrinsic
+def weighted_row_sum(typingctx, rows, row_bytes, n_rows, weights, width, out):
+    """out[d] = sum over i < n_rows of weights[i] * rows[i][d] for d < width (f32; rows row_bytes
+    apart, e.g. one KV head's value rows in the cache). Arguments are int64 addresses and sizes.
+
+    Columns are taken in panels of PANEL_VECTORS vectors of 16 (whole cache lines of each row), then
+    one vector at a time, then one column at a time; each pass reads the rows in order,
+    ROW_STREAMS rows per step into separate accumulators, so that consecutive multiply-adds do not
+    wait on each other."""
+    signature = types.void(*([INT64_ARGS] * 6))
+
+    def codegen(context, builder, sig, args):
+        rows, row_bytes, n_rows, weights, width, out = args
+        e = Emitter(builder)
+        n_steps = e.b.udiv(n_rows, e.i64(ROW_STREAMS))
+        last_row = e.b.mul(n_steps, e.i64(ROW_STREAMS))
+
+        def column_pass(first_column, vector_type, n_vectors: int):
+            """out[first_column + 16 v] for v < n_vectors (vector_type: <16 x float> or float)."""
+            zero = ir.Constant(vector_type, [0.0] * LANES if vector_type is V16F else 0.0)
+            width_bytes = 4 * LANES if vector_type is V16F else 4
+            sums = [[e.variable(zero) for _ in range(n_vectors)] for _ in range(ROW_STREAMS)]
+
+            def add_row(row, stream):
+                weight = e.load(F32, e.address(weights, (row, 4)), 4)
+                if vector_type is V16F:
+                    weight = e.splat(weight)
+                row_start = e.address(rows, (row, row_bytes), (first_column, 4))
+                for v in range(n_vectors):
+                    value = e.load(vector_type, e.address(row_start, e.i64(width_bytes * v)), 4)
+                    e.b.store(e.fma(weight, value, e.b.load(sums[stream][v])), sums[stream][v])
+
+            with e.loop(n_steps) as step_loop:
+                for stream in range(ROW_STREAMS):
+                    add_row(e.b.add(e.b.mul(step_loop.index, e.i64(ROW_STREAMS)), e.i64(stream)), stream)
+            with e.loop(e.b.sub(n_rows, last_row)) as tail_loop:
+                add_row(e.b.add(last_row, tail_loop.index), 0)
+            for v in range(n_vectors):
+                total = e.b.load(sums[0][v])
+                for stream in range(1, ROW_STREAMS):
+                    total = e.fadd(total, e.b.load(sums[stream][v]))
+                e.store(total, e.address(out, (first_column, 4), e.i64(width_bytes * v)), 4)
+
+        panel = PANEL_VECTORS * LANES
+        n_panels = e.b.udiv(width, e.i64(panel))
+        with e.loop(n_panels) as panel_loop:
+            column_pass(e.b.mul(panel_loop.index, e.i64(panel)), V16F, PANEL_VECTORS)
+        after_panels = e.b.mul(n_panels, e.i64(panel))
+        n_vectors = e.b.udiv(e.b.sub(width, after_panels), e.i64(LANES))
+        with e.loop(n_vectors) as vector_loop:
+            column_pass(e.b.add(after_panels, e.b.mul(vector_loop.index, e.i64(LANES))), V16F, 1)
+        after_vectors = e.b.add(after_panels, e.b.mul(n_vectors, e.i64(LANES)))
+        with e.loop(e.b.sub(width, after_vectors)) as column_loop:
+            column_pass(e.b.add(after_vectors, column_loop.index), F32, 1)
+        return context.get_dummy_value()
+
+    return signature, codegen
 
 
 # --------------------------------------------------------------------------------------------
