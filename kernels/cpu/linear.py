@@ -1,7 +1,9 @@
 """y = x W^T (+ bias) for every weight kind, dequantizing on the fly.
 
 Decode (one token): a kind's `matvec` runs the hand-written row dot products of llvm_ir.py over
-a range of rows, DOT_ROWS rows at a time so that each load of x serves several rows.
+a range of rows, up to 4 rows at a time so that each load of x serves several rows. The input is
+prepared once per vector (prepare_vector) in the weight's activation style: f32, or quantized to
+int8 per block of 32 for integer dot products (the `cpu:int8` device variant, llvm_ir.ACT_INT8*).
 
 Prefill (T tokens): a kind's `gemm` dequantizes TILE_ROWS weight rows once into a small f32 tile
 and multiplies that tile by every token through a register-blocked micro-kernel (TILE_M rows x
@@ -33,7 +35,7 @@ from kernels.cpu.runtime import FASTMATH, helper, kernel, mutable, readonly, use
 TILE_M = 6  # weight rows per micro-kernel call
 TILE_T = 32  # tokens per micro-kernel call (two vectors of 16)
 TILE_ROWS = 48  # weight rows dequantized per tile: TILE_M * 8
-MATVEC_BLOCK = 4  # decode row ranges are cut at multiples of this (a multiple of every DOT_ROWS)
+MATVEC_BLOCK = 4  # decode row ranges are cut at multiples of this (a multiple of every row-dot block)
 
 K_F32, K_F16 = wf.F32, wf.F16
 K_INT4_SYM, K_INT4_AFFINE, K_INT8_SYM, K_INT8_AFFINE = wf.INT4_SYM, wf.INT4_AFFINE, wf.INT8_SYM, wf.INT8_AFFINE

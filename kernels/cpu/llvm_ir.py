@@ -2,11 +2,13 @@
 
 Each function here is a Numba `@intrinsic`: its IR is emitted into the calling kernel, so it is
 compiled, optimised and cached together with that kernel. The arithmetic uses LLVM's generic
-vector types (<16 x float>, <16 x i8>) and generic intrinsics (llvm.vector.reduce.fadd,
-llvm.prefetch, llvm.cttz) only, so LLVM lowers it to whatever the host has: AVX-512 zmm registers
-on this machine, pairs of ymm on an AVX2 machine, NEON quads on ARM. Nothing selects instructions
-by CPU feature flags (this machine advertises features it cannot run); the one target-specific
-instruction is the spin-wait hint of `spin_pause`, chosen by the architecture, not by flags.
+vector types (<16 x float>, <64 x i8>) and generic intrinsics (llvm.vector.reduce.fadd,
+llvm.prefetch, llvm.masked.load, llvm.cttz), so LLVM lowers it to whatever the host has: AVX-512
+zmm registers on this machine, pairs of ymm on an AVX2 machine, NEON quads on ARM. Two
+instructions are target-specific: the spin-wait hint of `spin_pause`, chosen by the architecture,
+and AVX-512 VNNI's vpdpbusd for int8 dot products, emitted only into the ACT_INT8_VNNI kernels,
+which the CPU backend picks only after a child process has run the instruction (cpu_probe.py):
+feature flags alone are not trusted (a CPU can advertise extensions it cannot run).
 
 Arguments are int64 byte addresses and sizes; the calling kernel owns the arrays (and their
 lifetime) and passes `array.ctypes.data`. Layouts (quant/formats.py):
@@ -18,6 +20,7 @@ lifetime) and passes `array.ctypes.data`. Layouts (quant/formats.py):
 Dot products with x use x prepared once per input vector (kernels/cpu/linear.py):
     x     f32 [K_pad]   natural order, zero beyond K
     xp    f32 [K_pad]   int4 order: per chunk of 32, the 16 even elements then the 16 odd ones
+                        (int8 activations: the Q8 layout below instead)
     xsum  f32 [K_pad/group size]  sum of x over each group (of the weight's group size)
 
 so that a row's dot product is, per group g with scale s and offset o,
@@ -193,20 +196,32 @@ def _prefetch_rows_ahead(e: Emitter, n_rows: int, row0, row_bytes, arrays_and_ro
         e.prefetch_range(e.address(base, (ahead, bytes_per_row)), e.b.mul(bytes_per_row, e.i64(n_rows)))
 
 
-def _emit_quantized_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
-    data, row_bytes, scales, offsets, n_groups, chunks_per_group, _cols, row0, x, xp, group_sums, out = args
+def _quantized_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
+    """Prefetch the rows PREFETCH_BLOCKS blocks ahead; (row indices, and the addresses of each row's
+    codes, scales and offsets)."""
+    data, row_bytes, scales, offsets, n_groups, _cpg, _cols, row0, _x, _xp, _xsum, _out = args
     group_bytes = e.b.mul(n_groups, e.i64(2))
     _prefetch_rows_ahead(e, n_rows, row0, row_bytes,
                          [(data, row_bytes), (scales, group_bytes)] + ([(offsets, group_bytes)] if fmt.affine else []))
     rows = [e.b.add(row0, e.i64(r)) for r in range(n_rows)]
-    row_data = [e.address(data, (row, row_bytes)) for row in rows]
-    row_scales = [e.address(scales, (row, group_bytes)) for row in rows]
-    row_offsets = [e.address(offsets, (row, group_bytes)) for row in rows]
+    return (rows, [e.address(data, (row, row_bytes)) for row in rows],
+            [e.address(scales, (row, group_bytes)) for row in rows],
+            [e.address(offsets, (row, group_bytes)) for row in rows])
+
+
+def _group_shift(e: Emitter, chunks_per_group):
+    """log2(chunks per group): a group is 32 << shift values."""
+    cttz = cgutils.get_or_insert_function(e.b.module, ir.FunctionType(I64, [I64, ir.IntType(1)]), "llvm.cttz.i64")
+    return e.b.call(cttz, [chunks_per_group, ir.Constant(ir.IntType(1), 1)])
+
+
+def _emit_quantized_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
+    _data, _row_bytes, _scales, _offsets, n_groups, chunks_per_group, _cols, _row0, x, xp, group_sums, out = args
+    rows, row_data, row_scales, row_offsets = _quantized_rows(e, fmt, n_rows, args)
     zero = ir.Constant(V16F, [0.0] * LANES)
 
     # sum over chunks c of s[group(c)] * sum(q * x) over the chunk; one flat loop, group = c >> shift
-    cttz = cgutils.get_or_insert_function(e.b.module, ir.FunctionType(I64, [I64, ir.IntType(1)]), "llvm.cttz.i64")
-    shift = e.b.call(cttz, [chunks_per_group, ir.Constant(ir.IntType(1), 1)])  # group size 32 << shift
+    shift = _group_shift(e, chunks_per_group)
     accumulators = [e.variable(zero) for _ in range(n_rows)]
     with e.loop(e.b.shl(n_groups, shift)) as chunk_loop:
         chunk = chunk_loop.index
@@ -328,17 +343,10 @@ def _lanes_per_chunk(e: Emitter, per_chunk):
 
 
 def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, native: bool):
-    data, row_bytes, scales, offsets, n_groups, chunks_per_group, _cols, row0, _x, xq, group_sums, out = args
-    group_bytes = e.b.mul(n_groups, e.i64(2))
-    _prefetch_rows_ahead(e, n_rows, row0, row_bytes,
-                         [(data, row_bytes), (scales, group_bytes)] + ([(offsets, group_bytes)] if fmt.affine else []))
-    rows = [e.b.add(row0, e.i64(r)) for r in range(n_rows)]
-    row_data = [e.address(data, (row, row_bytes)) for row in rows]
-    row_scales = [e.address(scales, (row, group_bytes)) for row in rows]
-    row_offsets = [e.address(offsets, (row, group_bytes)) for row in rows]
+    _data, _row_bytes, _scales, _offsets, n_groups, chunks_per_group, _cols, _row0, _x, xq, group_sums, out = args
+    rows, row_data, row_scales, row_offsets = _quantized_rows(e, fmt, n_rows, args)
     accumulators = [e.variable(ir.Constant(V16F, [0.0] * LANES)) for _ in range(n_rows)]
-    cttz = cgutils.get_or_insert_function(e.b.module, ir.FunctionType(I64, [I64, ir.IntType(1)]), "llvm.cttz.i64")
-    shift = e.b.call(cttz, [chunks_per_group, ir.Constant(ir.IntType(1), 1)])  # group size 32 << shift
+    shift = _group_shift(e, chunks_per_group)
     n_chunks = e.b.shl(n_groups, shift)
     # chunks per 64-byte step: 4 of int4 (64 bytes of codes, 128 values), 2 of int8
     step = 4 if fmt.bits == 4 else 2
@@ -699,48 +707,27 @@ def half_to_float(typingctx, bits):
     return signature, codegen
 
 
-@intrinsic
-def float32_pointer(typingctx, address):
-    """A float32 pointer at an int64 address, for numba.carray views of buffers the caller owns."""
-    signature = types.CPointer(types.float32)(types.int64)
+def _pointer_intrinsic(numba_type, llvm_type, purpose: str):
+    """Intrinsic: a typed pointer at an int64 address, for numba.carray views of buffers the caller owns."""
 
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], F32.as_pointer())
+    @intrinsic
+    def pointer(typingctx, address):
+        signature = types.CPointer(numba_type)(types.int64)
 
-    return signature, codegen
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], llvm_type.as_pointer())
 
+        return signature, codegen
 
-@intrinsic
-def int8_pointer(typingctx, address):
-    """An int8 pointer at an int64 address (the Q8 bytes of a prepared vector)."""
-    signature = types.CPointer(types.int8)(types.int64)
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], I8.as_pointer())
-
-    return signature, codegen
+    pointer.__name__ = f"{numba_type}_pointer"
+    pointer.__doc__ = f"A {numba_type} pointer at an int64 address ({purpose})."
+    return pointer
 
 
-@intrinsic
-def int32_pointer(typingctx, address):
-    """An int32 pointer at an int64 address (the zero-point lanes of a prepared vector)."""
-    signature = types.CPointer(types.int32)(types.int64)
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], I32.as_pointer())
-
-    return signature, codegen
-
-
-@intrinsic
-def int64_pointer(typingctx, address):
-    """An int64 pointer at an int64 address (a weight descriptor row, read by a kind's kernels)."""
-    signature = types.CPointer(types.int64)(types.int64)
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], I64.as_pointer())
-
-    return signature, codegen
+float32_pointer = _pointer_intrinsic(types.float32, F32, "views of scratch and KV buffers")
+int8_pointer = _pointer_intrinsic(types.int8, I8, "the Q8 bytes of a prepared vector")
+int32_pointer = _pointer_intrinsic(types.int32, I32, "the zero-point lanes of a prepared vector")
+int64_pointer = _pointer_intrinsic(types.int64, I64, "a weight descriptor row, read by a kind's kernels")
 
 
 def _indirect_call(n_args: int):
