@@ -50,9 +50,11 @@ W_ACTIVATIONS = wf.W_ACTIVATIONS
 # K = 576 (288 B rows) streams best 4 rows at a time (14.8 Gw/s vs 13.2 with 2), int4 with
 # K = 1536 (768 B rows) 2 at a time (14.6 vs 12.3 with 4), int8 with K = 576 (576 B rows) 2 at a
 # time (16 Gw/s vs 6 with 4). So a block takes as many rows (4, 2 or 1) as fit in BLOCK_BYTES.
-# The integer dot products of int8 activations do less arithmetic per byte, and stream K = 1536
-# int4 rows best one at a time (25 us per 576 x 1536 matrix against 37 with 2), K = 576 rows still
-# 4 at a time (single thread, matrices past the L3 cache): INT8_BLOCK_BYTES.
+# The integer dot products of int8 activations do less arithmetic per byte and stream rows of
+# 576 B or more best one at a time: int4 with K = 1536 25 us per 576 x 1536 matrix against 37 with
+# 2 rows, int8 with K = 576 49 us per 1536 x 576 against 73 with 2; int4 rows of 288 B still go 4
+# at a time (single thread, matrices past the L3 cache). So their blocks are 4 rows when those fit
+# in INT8_BLOCK_BYTES, else 1.
 BLOCK_BYTES = 2048
 INT8_BLOCK_BYTES = 1280
 
@@ -86,8 +88,10 @@ def _matvec_for(kind: int, style: int):
         w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
         data, row_bytes, scales, offsets = w[W_DATA], w[W_ROW_BYTES], w[W_SCALES], w[W_OFFSETS]
         n_groups, chunks, cols = w[W_GROUPS], w[W_CHUNKS_PER_GROUP], w[W_COLS]
-        block_bytes = BLOCK_BYTES if style == ACT_F32 else INT8_BLOCK_BYTES
-        rows = 4 if 4 * row_bytes <= block_bytes else (2 if 2 * row_bytes <= block_bytes else 1)
+        if style == ACT_F32:
+            rows = 4 if 4 * row_bytes <= BLOCK_BYTES else (2 if 2 * row_bytes <= BLOCK_BYTES else 1)
+        else:
+            rows = 4 if 4 * row_bytes <= INT8_BLOCK_BYTES else 1
         n_blocks = (row_end - row_begin) // rows
         for b in range(n_blocks):
             r = row_begin + rows * b
