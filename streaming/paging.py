@@ -15,6 +15,7 @@ Only uncompressed checkpoints can be used in place.
 """
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import time
@@ -32,6 +33,7 @@ from streaming.storage import EmulatedDevice, parse_storage
 from streaming.store import PAGE, aligned_length
 
 Key = tuple[int, int]
+FOLIO_BYTES = 2 << 20  # the largest page-cache folio one fault maps (a PMD: 2 MB on x86-64 and arm64)
 
 
 class MappedExperts:
@@ -52,6 +54,14 @@ class MappedExperts:
         self._fd = os.open(index.path, os.O_RDONLY)
         self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
         self._map.madvise(mmap.MADV_RANDOM)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            self._map.madvise(mmap.MADV_NOHUGEPAGE)  # no 2 MB mappings: experts are dropped one by one
+        self._file_bytes = os.fstat(self._fd).st_size
+        # every record's page-aligned span, by offset (to unmap what a fault maps around an expert)
+        self._spans = sorted((*self._span(key), key) for key in
+                             ((layer, expert) for layer, experts in index.layers.items()
+                              for expert in range(len(experts.records))))
+        self._span_starts = [start for start, _, _ in self._spans]
         self._bytes = np.frombuffer(self._map, np.uint8)  # [file bytes], read-only
         self._resident: OrderedDict[Key, ExpertWeights] = OrderedDict()  # LRU first
         self._resident_bytes = 0
@@ -74,7 +84,28 @@ class MappedExperts:
             self.device.wait_until(done)
         self.counters.stall_seconds += self.clock() - started
         self.bytes_read += length
+        self._unmap_around(key)
         return prepared_expert(self.index, self.prepare_weight, key[0], key[1], view)
+
+    def _unmap_around(self, key: Key) -> None:
+        """Unmap every page within FOLIO_BYTES of expert `key` that no resident expert (nor `key`)
+        covers. Where the page cache holds the file in large folios (ext4 on recent kernels), one
+        fault maps the whole folio, neighbouring experts included; left mapped, they would count in
+        the RSS outside the budget's account, and no later MADV_DONTNEED of a single expert would
+        release them."""
+        offset, length = self._span(key)
+        low = offset - offset % FOLIO_BYTES
+        high = min(self._file_bytes, -(-(offset + length) // FOLIO_BYTES) * FOLIO_BYTES)
+        cursor = low
+        for start, span_length, other in self._spans[max(0, bisect.bisect_right(self._span_starts, low) - 1):]:
+            if start >= high:
+                break
+            if other == key or other in self._resident:
+                if start > cursor:
+                    self._map.madvise(mmap.MADV_DONTNEED, cursor, start - cursor)
+                cursor = max(cursor, start + span_length)
+        if cursor < high:
+            self._map.madvise(mmap.MADV_DONTNEED, cursor, high - cursor)
 
     def _drop(self, key: Key) -> None:
         offset, length = self._span(key)

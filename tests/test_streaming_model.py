@@ -60,6 +60,35 @@ STREAMED = [
 ]
 
 
+def mapped_resident_bytes(file_path: str) -> int:
+    """Bytes of file_path mapped and resident in this process (Linux /proc/self/smaps)."""
+    total, in_file = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+                in_file = len(fields) >= 6 and fields[5] == file_path
+            elif in_file and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_mmap_strategy_keeps_only_its_cache_share_mapped(tiny_zoo):
+    """The plain-mmap strategy's mapped pages of experts.bin stay within its expert share: where the
+    page cache holds the file in large folios, one fault maps a whole folio (every expert of a small
+    file); the neighbours it brings in are unmapped again."""
+    path = tiny_zoo.converted(CASES[0], MIXED)
+    with edge.load(path, device="cpu", memory_budget="40%", expert_strategy="mmap") as model:
+        session = model.session(capacity=32)
+        session.prefill(PROMPT)
+        for _ in range(3):
+            session.decode(1)
+        stats = model.stats()
+        mapped = mapped_resident_bytes(os.path.realpath(os.path.join(path, EXPERTS_FILE)))
+    assert 0 < mapped <= stats["expert_cache_peak_bytes"] <= stats["expert_cache_bytes"]
+
+
 @pytest.mark.parametrize("device", ["reference", "cpu"])
 @pytest.mark.parametrize("options", STREAMED)
 @pytest.mark.parametrize("case", CASES)
