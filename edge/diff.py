@@ -100,7 +100,8 @@ _F32_DEVICE = Arithmetic(F32_UNIT)
 DEVICE_ARITHMETIC: dict[str, Arithmetic] = {
     # the oracle itself: a second reference run executes the same numpy calls, so it must be exact
     "reference": Arithmetic(0.0),
-    # Numba kernels: weights dequantized into f32, f32 activations, sums in another order
+    # Numba kernels as `cpu:f32` runs them (weights dequantized into f32, f32 activations, sums in
+    # another order); the backend's info() declares its variant's arithmetic, int8 inputs included
     "cpu": _F32_DEVICE,
     # Vulkan compute shaders in f32
     "gpu": _F32_DEVICE,
