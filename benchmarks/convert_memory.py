@@ -19,6 +19,8 @@ import time
 import numpy as np
 from safetensors.numpy import save_file
 
+from report import publish
+
 
 def write_random_llama(folder: str, layers: int, hidden: int, intermediate: int, vocab: int, shards: int) -> dict:
     config = {
@@ -99,10 +101,7 @@ def main() -> None:
     print(f"{'RSS after imports alone':32s} {baseline / 1e6:10.1f} MB")
     print(f"{'(peak - imports) / largest':32s} {result['peak_above_baseline_over_largest']:10.2f}")
     print(f"{'conversion time':32s} {seconds:10.1f} s")
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    publish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ not the stack.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 
 import gguf
 import numpy as np
+
+from report import publish
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from convert_memory import measure_conversion  # noqa: E402
@@ -102,10 +103,7 @@ def main() -> None:
     print(f"{'RSS after imports alone':32s} {baseline / 1e6:10.1f} MB")
     print(f"{'(peak - imports) / largest stack':32s} {result['peak_above_baseline_over_largest_stack']:10.2f}")
     print(f"{'conversion time':32s} {seconds:10.1f} s")
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    publish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from report import publish
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -179,10 +181,7 @@ def main(argv=None) -> int:
             "yes" if row["tokens_equal_reference"] else f"{row['tokens_agreeing_with_reference']}/{args.new_tokens}")
         print(f"{row['threads']:>7} {row['prefill_tokens_per_second']:>11.1f} ({row['prefill_median']:>7.1f}) "
               f"{row['decode_tokens_per_second']:>9.1f} ({row['decode_median']:>6.1f}) {cold:>11} {warm:>11} {same:>12}")
-    print(json.dumps(results, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    publish(results, args.json)
     return 0
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 import time
+
+from report import publish
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -85,10 +86,7 @@ def main(argv=None) -> int:
             for name, ms in data["steps_ms"].items():
                 print(f"  {name:36s} {ms:8.3f} {100 * ms / data['ms_per_call']:5.1f}%")
     results["load_average_after"] = os.getloadavg()
-    print(json.dumps(results, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    publish(results, args.json)
     return 0
 
 

@@ -15,7 +15,6 @@ reference backend on the same prompt for comparison. Prints a table and one JSON
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,6 +22,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from report import publish
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -145,10 +146,7 @@ def main() -> None:
     print_table(results)
     summary = {"checkpoint": checkpoint, "prompt_tokens": len(prompt), "decode_tokens": args.decode,
                "repeats": args.repeats, "load_average": os.getloadavg()[0], "results": results}
-    print(json.dumps(summary))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+    publish(summary, args.json)
 
 
 if __name__ == "__main__":

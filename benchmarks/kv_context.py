@@ -28,13 +28,14 @@ The machine's load average is printed: on a shared machine other processes steal
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 import numpy as np
+
+from report import publish
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -193,10 +194,7 @@ def main() -> None:
               f"argmax agreement {error['argmax_agreement']:.3f}")
     result = {"checkpoint": path, "threads": models["f32"].backend.threads, "load_average": os.getloadavg()[0],
               "decode": decode, "kv_bytes_per_token": families, "logit_error": errors}
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    publish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,12 @@ give the same greedy tokens. The machine's load average is printed: other proces
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
+
+from report import publish
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -93,10 +94,7 @@ def main(argv=None) -> int:
         print(f"{row['threads']:>7} {row['path']:>6} {row['prefill_tokens_per_second']:>9.1f} "
               f"({row['prefill_median']:>8.1f}) {row['decode_tokens_per_second']:>9.1f} ({row['decode_median']:>8.1f}) "
               f"{row['decode_speedup_over_loop']:>7.2f}x {'yes' if row['tokens_equal_loop'] else 'NO':>7}")
-    print(json.dumps(results, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    publish(results, args.json)
     return 0
 
 

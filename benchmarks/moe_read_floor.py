@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import mmap
 import os
 import random
@@ -24,6 +23,8 @@ import threading
 import time
 
 import numpy as np
+
+from report import publish
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -147,10 +148,7 @@ def main() -> int:
         print(f"  O_DIRECT queue depth {row['queue_depth']}: {row['reads_per_second']:7.0f} reads/s "
               f"{row['gb_per_second']:5.2f} GB/s")
     print(f"  the Belady floor's reads take {report['floor_read_ms_per_token']:.1f} ms per token at the best depth")
-    print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    publish(report, args.json)
     return 0
 
 

@@ -12,12 +12,13 @@ threads are the difference), I/O stall and expert reads per token. When wall tim
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import psutil
+
+from report import publish
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -74,10 +75,7 @@ def main() -> int:
     report = {"model": args.model, "cores": os.cpu_count(), "threads": args.threads, "storage": args.storage,
               "prefetch_threads": args.prefetch_threads,
               "rows": rows}
-    print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    publish(report, args.json)
     return 0
 
 

@@ -10,7 +10,7 @@ from numba import prange, types
 
 from kernels.cpu import formats as wf
 from kernels.cpu.linear import dequantize_rows
-from kernels.cpu.llvm_ir import float_from_bits
+from kernels.cpu.intrinsics import float_from_bits
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
 # exp(x) = 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for exactness), and

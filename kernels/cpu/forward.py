@@ -33,10 +33,10 @@ from numba import prange, types
 from kernels.cpu.attention import attention_item, merge_partials
 from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_times
 from kernels.cpu.formats import W_ACTIVATIONS, W_COLS_PADDED, W_ROWS
+from kernels.cpu.intrinsics import (atomic_add, atomic_load, float32_pointer, monotonic_seconds, sleep_microseconds,
+                                    spin_pause)
 from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_ROWS, gemm_rows, matvec_rows, prepare_vector,
                                 transpose_tokens)
-from kernels.cpu.llvm_ir import (atomic_add, atomic_load, float32_pointer, monotonic_seconds, sleep_microseconds,
-                                 spin_pause)
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
 # Columns of the layer table. Weights are row indices into the descriptor table; norms and biases

@@ -26,10 +26,11 @@ import numpy as np
 from numba import prange, types
 
 from kernels.cpu import formats as wf
+from kernels.cpu.intrinsics import (call_dequantize, call_gemm, call_matvec, float32_pointer, int8_pointer,
+                                    int32_pointer, int64_pointer)
 from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, Q8_INT4_ORDER, Q8_INT4_ZERO_LANES, Q8_INT8_ZERO_LANES,
-                                 Q8_SCALES, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS, call_dequantize, call_gemm,
-                                 call_matvec, float32_pointer, int8_pointer, int32_pointer, int64_pointer,
-                                 make_dequantize_rows, make_dot_rows, make_tile_times_tokens)
+                                 Q8_SCALES, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS, make_dequantize_rows,
+                                 make_dot_rows, make_tile_times_tokens)
 from kernels.cpu.runtime import FASTMATH, helper, kernel, mutable, readonly, use_cache_dir
 
 TILE_M = 6  # weight rows per micro-kernel call
