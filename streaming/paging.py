@@ -97,7 +97,8 @@ class MappedExperts:
         low = offset - offset % FOLIO_BYTES
         high = min(self._file_bytes, -(-(offset + length) // FOLIO_BYTES) * FOLIO_BYTES)
         cursor = low
-        for start, span_length, other in self._spans[max(0, bisect.bisect_right(self._span_starts, low) - 1):]:
+        for index in range(max(0, bisect.bisect_right(self._span_starts, low) - 1), len(self._spans)):
+            start, span_length, other = self._spans[index]
             if start >= high:
                 break
             if other == key or other in self._resident:

@@ -196,13 +196,11 @@ def test_bad_thread_counts_and_variants_are_refused(tiny_zoo):
 def test_vnni_is_trusted_only_once_a_child_process_has_run_it(monkeypatch, tmp_path):
     """A CPU that advertises VNNI but kills the probe (SIGILL) gets the generic int8 dot; the
     verdict is kept per CPU in the home, so the next load does not start a child again."""
-    import llvmlite.binding as llvm
-
     from kernels.cpu import cpu_probe
 
     monkeypatch.setenv("ZLLM_EDGE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_probe, "_verdicts", {})
-    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: {"avx512vnni": True, "avx512bw": True, "avx2": True})
+    monkeypatch.setattr(cpu_probe, "host_features", lambda: {"avx512vnni": True, "avx512bw": True, "avx2": True})
     children = []
 
     def killed_by_sigill(*args, **kwargs):
@@ -220,9 +218,33 @@ def test_vnni_is_trusted_only_once_a_child_process_has_run_it(monkeypatch, tmp_p
 
     assert CpuBackend(threads=1).activation_style == ACT_INT8
     assert CpuBackend(threads=1, variant="f32").activation_style == ACT_F32
-    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: {"avx2": True})  # LLVM would not emit it at all
+    monkeypatch.setattr(cpu_probe, "host_features", lambda: {"avx2": True})  # LLVM would not emit it at all
     monkeypatch.setattr(cpu_probe, "_verdicts", {})
     assert cpu_probe.runs_vnni() is False and len(children) == 1
+
+
+def test_a_probe_that_cannot_run_is_reported_and_asked_again(monkeypatch, tmp_path):
+    """A child that fails for another reason (here: exit status 1) gives no verdict: this process
+    uses the generic int8 dot with a warning, and nothing is kept, so the next process probes again."""
+    from kernels.cpu import cpu_probe
+
+    monkeypatch.setenv("ZLLM_EDGE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_probe, "_verdicts", {})
+    monkeypatch.setattr(cpu_probe, "host_features", lambda: {"avx512vnni": True, "avx512bw": True})
+    children = []
+
+    def import_error(*args, **kwargs):
+        children.append(args)
+        return subprocess.CompletedProcess(args, 1, stdout="", stderr="ModuleNotFoundError: No module named 'numba'")
+
+    monkeypatch.setattr(cpu_probe.subprocess, "run", import_error)
+    with pytest.warns(RuntimeWarning, match=r"VNNI probe failed \(exit status 1: ModuleNotFoundError"):
+        assert cpu_probe.runs_vnni() is False
+    assert not (tmp_path / "cpu-probe.json").exists()
+    monkeypatch.setattr(cpu_probe, "_verdicts", {})
+    with pytest.warns(RuntimeWarning):
+        assert cpu_probe.runs_vnni() is False
+    assert len(children) == 2
 
 
 def test_scheme_without_a_kernel_fails_at_load(tiny_zoo, monkeypatch):

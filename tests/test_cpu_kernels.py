@@ -117,15 +117,17 @@ def test_decode_with_int8_activations_multiplies_the_quantized_input(scheme, int
 
 
 @pytest.mark.parametrize("scheme", QUANTIZED, ids=str)
-def test_int8_variant_keeps_f32_activations_for_prefill(scheme):
-    """Only decode quantizes its input: several tokens go through the f32 tiles, exact as in f32."""
+def test_int8_variant_keeps_f32_activations_for_prefill(backend, scheme):
+    """Only decode quantizes its input: several tokens go through the f32 tiles, bit for bit as in the
+    f32 variant, while one token of the same input takes the int8 path and differs."""
     from devices.cpu import CpuBackend
 
-    backend = CpuBackend(threads=2, variant="int8")
+    int8_backend = CpuBackend(threads=2, variant="int8")
     weight = make_weight(scheme, (20, 70), seed=5)
-    eye = np.eye(70, dtype=np.float32)[:3] * np.float32(0.37)  # 0.37 is no multiple of any int8 step
-    np.testing.assert_array_equal(backend.linear(eye, backend.prepare_weight(weight)),
-                                  np.float32(0.37) * weight.dequantize()[:, :3].T)
+    x = np.random.default_rng(6).standard_normal((3, 70)).astype(np.float32)
+    prefill = int8_backend.linear(x, int8_backend.prepare_weight(weight))
+    np.testing.assert_array_equal(prefill, backend.linear(x, backend.prepare_weight(weight)))
+    assert not np.array_equal(int8_backend.linear(x[:1], int8_backend.prepare_weight(weight)), prefill[:1])
 
 
 @pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=str)

@@ -32,7 +32,7 @@ from converters.convert import QuantPlan  # noqa: E402
 from edge.errors import ZllmError  # noqa: E402
 from converters.convert import convert  # noqa: E402
 from test_moe_parity import record_routes, write_llama_moe  # noqa: E402
-from tiny_models import random_prompt  # noqa: E402
+from tiny_models import greedy_decode, random_prompt  # noqa: E402
 
 REL_TOL = 1e-4
 PROMPT = random_prompt(12, seed=7)
@@ -132,13 +132,7 @@ def test_llama_moe_router_bias_and_unit_weights(tiny_zoo, tmp_path):
 
 
 def greedy(model, n_decode: int = 6):
-    session = model.session(capacity=CAPACITY)
-    logits = [session.prefill(PROMPT, all_logits=True)]
-    tokens = [int(logits[0][-1].argmax())]
-    for _ in range(n_decode):
-        logits.append(session.decode(tokens[-1]))
-        tokens.append(int(logits[-1].argmax()))
-    return tokens, logits, model.stats()
+    return (*greedy_decode(model, PROMPT, n_decode, CAPACITY), model.stats())
 
 
 def test_streamed_experts_are_bit_identical_to_resident(tiny_zoo):

@@ -15,7 +15,7 @@ from converters.expert_file import EXPERTS_FILE, ExpertChecksumError
 from edge.errors import SessionError, ZllmError
 from streaming.budget import Budget, parse_budget, plan_memory
 from streaming.prefetch import DEFAULT_THREADS
-from tiny_models import random_prompt
+from tiny_models import greedy_decode, random_prompt
 
 PROMPT = random_prompt(9, seed=5)
 N_DECODE = 6
@@ -26,13 +26,7 @@ CASES = ("qwen3_moe_norm", "qwen2_moe_shared")
 def greedy_run(path: str, device: str, **load_options) -> tuple[list[int], list[np.ndarray], dict]:
     """Prefill (all logits), then greedy decode; the tokens, every logits array and the stats."""
     with edge.load(path, device=device, **load_options) as model:
-        session = model.session(capacity=32)
-        logits = [session.prefill(PROMPT, all_logits=True)]
-        tokens = [int(logits[0][-1].argmax())]
-        for _ in range(N_DECODE):
-            logits.append(session.decode(tokens[-1]))
-            tokens.append(int(logits[-1].argmax()))
-        return tokens, logits, model.stats()
+        return (*greedy_decode(model, PROMPT, N_DECODE, capacity=32), model.stats())
 
 
 _RESIDENT: dict[tuple[str, str], tuple] = {}

@@ -328,3 +328,14 @@ def tiny_zoo(tmp_path_factory) -> TinyZoo:
 def random_prompt(length: int, seed: int = 0) -> list[int]:
     """Token ids in [3, VOCAB) (away from bos/eos), reproducible."""
     return [int(i) for i in np.random.default_rng(seed).integers(3, VOCAB, size=length)]
+
+
+def greedy_decode(model, prompt: list[int], n_decode: int, capacity: int) -> tuple[list[int], list[np.ndarray]]:
+    """Prefill (all logits), then n_decode greedy steps in a new session: (tokens, every logits array)."""
+    session = model.session(capacity=capacity)
+    logits = [session.prefill(prompt, all_logits=True)]
+    tokens = [int(logits[0][-1].argmax())]
+    for _ in range(n_decode):
+        logits.append(session.decode(tokens[-1]))
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, logits

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import warnings
 
 from kernels.cache_home import zllm_home
 
@@ -24,12 +26,18 @@ _verdicts: dict[str, bool] = {}
 _lock = threading.Lock()
 
 
+def host_features() -> dict[str, bool]:
+    """The CPU features LLVM targets on this host (what a compiled kernel may use)."""
+    import llvmlite.binding as llvm
+
+    return dict(llvm.get_host_cpu_features())
+
+
 def _cpu_key() -> str:
     import llvmlite
     import llvmlite.binding as llvm
 
-    features = llvm.get_host_cpu_features()
-    enabled = ",".join(sorted(name for name, on in features.items() if on))
+    enabled = ",".join(sorted(name for name, on in host_features().items() if on))
     return f"{llvm.get_host_cpu_name()}|{enabled}|llvmlite {llvmlite.__version__}"
 
 
@@ -59,22 +67,31 @@ def _remember(key: str, verdict: bool) -> None:
         pass  # a read-only home: probe again next time rather than fail the load
 
 
-def _run_child() -> bool:
+def _run_child() -> bool | None:
+    """The child's verdict: True (vpdpbusd ran and summed right), False (it was an illegal
+    instruction, or the sums were wrong), None (the child could not say: it did not start, timed
+    out or failed otherwise; such a verdict is not kept, the next load asks again)."""
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     try:
         result = subprocess.run([sys.executable, "-c", "from kernels.cpu.cpu_probe import child_main; child_main()"],
                                 env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_SECONDS)
-    except (OSError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        warnings.warn(f"could not probe AVX-512 VNNI in a child process ({exc}); int8 dot products use generic "
+                      "vector code in this process", RuntimeWarning, stacklevel=3)
+        return None
+    if result.returncode == -signal.SIGILL:
         return False
-    return result.returncode == 0 and result.stdout.strip().endswith(_PROBE_OK)
+    if result.returncode == 0:
+        return result.stdout.strip().endswith(_PROBE_OK)
+    warnings.warn(f"the AVX-512 VNNI probe failed (exit status {result.returncode}: {result.stderr.strip()[-300:]}); "
+                  "int8 dot products use generic vector code in this process", RuntimeWarning, stacklevel=3)
+    return None
 
 
 def runs_vnni() -> bool:
     """True when this process may emit vpdpbusd: LLVM targets it here and a child process ran it correctly."""
-    import llvmlite.binding as llvm
-
-    features = llvm.get_host_cpu_features()
+    features = host_features()
     if not all(features.get(name) for name in VNNI_FEATURES):
         return False
     key = _cpu_key()
@@ -84,8 +101,10 @@ def runs_vnni() -> bool:
             if isinstance(stored, bool):
                 _verdicts[key] = stored
             else:
-                _verdicts[key] = _run_child()
-                _remember(key, _verdicts[key])
+                verdict = _run_child()
+                _verdicts[key] = bool(verdict)
+                if verdict is not None:
+                    _remember(key, verdict)
         return _verdicts[key]
 
 

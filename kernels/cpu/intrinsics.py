@@ -11,9 +11,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-F32 = ir.FloatType()
-I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-INT64_ARGS = types.int64
+from kernels.cpu.llvm_ir import F32, I8, I32, I64, INT64_ARGS
 
 
 # --------------------------------------------------------------------------------------------

@@ -288,33 +288,33 @@ def quantize_activations(x_natural, q8, chunk_sums):
     d = max|x| / 127, q = round(x / d)) and chunk_sums[c] = d * sum(q over chunk c)."""
     n_chunks = x_natural.shape[0] // CHUNK
     q = numba.carray(int8_pointer(q8.ctypes.data), (4 * q8.shape[0],))
-    codes = np.empty(CHUNK, np.int32)
     for chunk in range(n_chunks):
         values = x_natural[chunk * CHUNK:(chunk + 1) * CHUNK]
         peak = np.float32(0.0)
         for i in range(CHUNK):
             peak = max(peak, abs(values[i]))
         inverse = np.float32(127.0) / peak if peak > 0 else np.float32(0.0)
-        total = 0
-        for i in range(CHUNK):
-            codes[i] = np.int32(np.rint(values[i] * inverse))
-            total += codes[i]
         superblock, place = chunk // Q8_SUPERBLOCK_CHUNKS, chunk % Q8_SUPERBLOCK_CHUNKS
         block = superblock * Q8_SUPERBLOCK_BYTES
         natural = block + place * CHUNK
-        even = block + Q8_INT4_ORDER + place * (CHUNK // 2)
-        for j in range(CHUNK // 2):
-            q[natural + 2 * j] = codes[2 * j]
-            q[natural + 2 * j + 1] = codes[2 * j + 1]
-            q[even + j] = codes[2 * j]
-            q[even + 64 + j] = codes[2 * j + 1]
-        # zero-point lanes (llvm_ir's Q8 layout): int4 lanes of 8 natural values, int8 lanes of 4
+        even = block + Q8_INT4_ORDER + place * (CHUNK // 2)  # the odd values follow 64 bytes later
+        # zero-point lanes (llvm_ir's Q8 layout): an int8 lane sums 4 natural values, an int4 lane 8
         int4_lanes = numba.carray(int32_pointer(q8.ctypes.data + block + Q8_INT4_ZERO_LANES + 16 * place), (4,))
         int8_lanes = numba.carray(int32_pointer(q8.ctypes.data + block + Q8_INT8_ZERO_LANES + 32 * place), (8,))
-        for lane in range(4):
-            int4_lanes[lane] = -INT4_ZERO_POINT * (codes[8 * lane:8 * lane + 8].sum())
-        for lane in range(8):
-            int8_lanes[lane] = -INT8_ZERO_POINT * (codes[4 * lane:4 * lane + 4].sum())
+        total = previous_sum = 0
+        for lane in range(CHUNK // 4):
+            lane_sum = 0
+            for k in range(4):
+                i = 4 * lane + k
+                code = np.int32(np.rint(values[i] * inverse))
+                q[natural + i] = code
+                q[even + (64 if i % 2 else 0) + i // 2] = code
+                lane_sum += code
+            int8_lanes[lane] = -INT8_ZERO_POINT * lane_sum
+            if lane % 2:
+                int4_lanes[lane // 2] = -INT4_ZERO_POINT * (previous_sum + lane_sum)
+            previous_sum = lane_sum
+            total += lane_sum
         scale = peak / np.float32(127.0)
         q8[superblock * Q8_SUPERBLOCK_FLOATS + Q8_SCALES // 4 + place] = scale
         chunk_sums[chunk] = scale * np.float32(total)
