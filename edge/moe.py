@@ -9,7 +9,7 @@ runs with every expert resident, paged from an mmap, or streamed through a bound
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
 import numpy as np
@@ -60,6 +60,7 @@ class ExpertWeights:
     gate: Any  # [I, D]
     up: Any    # [I, D]
     down: Any  # [D, I]
+    packed: Any = field(default=None, compare=False, repr=False)  # the backend's own form of the three, made on first use
 
 
 class ExpertSource(Protocol):
@@ -206,10 +207,18 @@ def moe_block(be, layer: int, x: np.ndarray, residual: np.ndarray, weights: MoeL
     x [T, D] -> (output [T, D], the route: expert ids [T, A] and their weights [T, A])."""
     router_logits = be.linear(x, weights.router, weights.router_bias)  # [T, E]
     out, ids, route_weights = routed_experts(be, layer, x, residual, router_logits, weights, source)
-    if weights.shared_gate is not None:
-        shared = be.linear(be.swiglu(be.linear(x, weights.shared_gate), be.linear(x, weights.shared_up)),
-                           weights.shared_down)  # [T, D]
-        if weights.shared_expert_gate is not None:  # Qwen2-MoE scales the shared expert per token
-            shared = shared * _sigmoid(np.asarray(be.linear(x, weights.shared_expert_gate), dtype=np.float32))
+    shared = shared_experts(be, x, weights)
+    if shared is not None:
         out = out + shared
     return out, ids, route_weights
+
+
+def shared_experts(be, x: np.ndarray, weights: MoeLayerWeights) -> np.ndarray | None:
+    """The always-on shared expert of a MoE block: x [T, D] -> [T, D], or None where there is none."""
+    if weights.shared_gate is None:
+        return None
+    shared = be.linear(be.swiglu(be.linear(x, weights.shared_gate), be.linear(x, weights.shared_up)),
+                       weights.shared_down)  # [T, D]
+    if weights.shared_expert_gate is not None:  # Qwen2-MoE scales the shared expert per token
+        shared = shared * _sigmoid(np.asarray(be.linear(x, weights.shared_expert_gate), dtype=np.float32))
+    return shared

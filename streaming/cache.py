@@ -32,8 +32,7 @@ class Entry:
     def __init__(self, key: Key, buffer: np.ndarray):
         self.key = key
         self.buffer = buffer
-        self.state = LOADING
-        self.loaded = threading.Event()
+        self.state = LOADING  # READY or FAILED once its load is published (the cache's lock is notified)
         self.weights: ExpertWeights | None = None
         self.error: BaseException | None = None
         self.pins = 0
@@ -91,7 +90,7 @@ class CyclePolicy:
         self._order: list[int] = []
         self._order_state: tuple | None = None
 
-    def victim(self, by_layer: dict[int, dict[int, Entry]], evictable: Callable[[Entry], bool]) -> Entry | None:
+    def victim(self, by_layer: dict[int, dict[int, Entry]], for_prefetch: bool, position: int) -> Entry | None:
         if not by_layer:
             return None
         # the order changes only when the model moves to another layer (or a layer joins the cache)
@@ -100,10 +99,19 @@ class CyclePolicy:
             self._order = sorted(by_layer, key=self.layers_until, reverse=True)
             self._order_state = state
         for layer in self._order:
-            candidates = [entry for entry in by_layer[layer].values() if evictable(entry)]
-            if candidates:
-                need = self.need_vector(layer) if self.need_vector is not None else None
-                return min(candidates, key=lambda e: (0.0 if need is None else need[e.key[1]], e.last_use))
+            entries = by_layer[layer]
+            if not entries:
+                continue
+            need = self.need_vector(layer).tolist() if self.need_vector is not None else None
+            best, best_rank = None, None
+            for expert, entry in entries.items():  # evictions run once per expert read: no per-entry calls
+                if entry.pins or entry.state == LOADING or (for_prefetch and entry.needed_at >= position):
+                    continue
+                rank = (0.0 if need is None else need[expert], entry.last_use)
+                if best is None or rank < best_rank:
+                    best, best_rank = entry, rank
+            if best is not None:
+                return best
         return None
 
 
@@ -162,7 +170,10 @@ class ExpertCache:
         self._frequency[entry.key] = self._frequency.get(entry.key, 0) + 1
 
     # --- making room --------------------------------------------------------------------------
-    def _evictable(self, entry: Entry, for_prefetch: bool, position: int) -> bool:
+    @staticmethod
+    def _evictable(entry: Entry, for_prefetch: bool, position: int) -> bool:
+        """Not pinned, not loading, and not a prefetch for a layer still ahead when a prefetch asks
+        (CyclePolicy.victim writes the same test inline)."""
         if entry.pins or entry.state == LOADING:
             return False
         return not (for_prefetch and entry.needed_at >= position)
@@ -187,7 +198,7 @@ class ExpertCache:
     def _victim(self, for_prefetch: bool, position: int) -> Entry | None:
         # A policy either finds its victim itself (cycle) or ranks entries, sorted here once per step.
         if hasattr(self.policy, "victim"):
-            return self.policy.victim(self.by_layer, lambda e: self._evictable(e, for_prefetch, position))
+            return self.policy.victim(self.by_layer, for_prefetch, position)
         for rebuilt in (False, True):
             if self._ranking is None or rebuilt:  # rebuilt: entries loaded since may be evictable now
                 candidates = [e for e in self.entries.values() if not e.pins and e.state != LOADING]
@@ -248,12 +259,18 @@ class ExpertCache:
             entry.weights = None
 
     # --- loading results (called by the loader with `lock` held) --------------------------------
-    def mark_ready(self, entry: Entry, weights: ExpertWeights) -> None:
+    def mark_ready(self, entry: Entry, weights: ExpertWeights, notify: bool = True) -> None:
+        """Publish a load; a loader publishing a batch notifies once, for the last entry."""
         entry.weights, entry.state = weights, READY
-        entry.loaded.set()
-        self.lock.notify_all()
+        if notify:
+            self.lock.notify_all()
 
-    def mark_failed(self, entry: Entry, error: BaseException) -> None:
+    def mark_failed(self, entry: Entry, error: BaseException, notify: bool = True) -> None:
         entry.error, entry.state = error, FAILED
-        entry.loaded.set()
-        self.lock.notify_all()
+        if notify:
+            self.lock.notify_all()
+
+    def wait_loaded(self, entry: Entry, timeout: float | None = None) -> bool:
+        """Block until the entry's load is published (READY or FAILED); False if `timeout` passed first."""
+        with self.lock:
+            return self.lock.wait_for(lambda: entry.state != LOADING, timeout)

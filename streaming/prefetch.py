@@ -105,29 +105,36 @@ class Prefetcher:
     def prefetch(self, key: Key, target: int, distance: int, score: float) -> bool:
         """Queue a prefetch of key for the layer at `target`; False if it is cached or queued already."""
         with self.lock:
-            if key in self._queued or key in self.cache.entries or self._closed:
-                return False
-            self._push(Task((distance, -float(score)), next(self._sequence), key, target))
-            self.prefetches_queued += 1
-            return True
+            return self.prefetch_locked(key, target, distance, score)
+
+    def prefetch_locked(self, key: Key, target: int, distance: int, score: float) -> bool:
+        """`prefetch`, for a caller that holds the lock (a whole forecast is queued under one hold)."""
+        if key in self._queued or key in self.cache.entries or self._closed:
+            return False
+        self._push(Task((distance, -float(score)), next(self._sequence), key, target))
+        self.prefetches_queued += 1
+        return True
 
     def demand(self, key: Key) -> tuple[Entry, bool]:
         """The entry of an expert the current layer needs, pinned: the cached or loading one, else a new
         one reserved now and queued ahead of every prefetch (then the flag is True)."""
         with self.lock:
-            entry = self.cache.get(key)
-            if entry is not None:
-                entry.pins += 1
-                return entry, False
-            queued = self._queued.get(key)
-            if queued is not None:  # predicted, but its read has not started: it becomes a demand load
-                self._cancel(queued)
-            entry = self.cache.reserve(key, self.store.buffer_bytes(key[0]), for_prefetch=False,
-                                       position=self.position)
-            entry.pins += 1  # pinned before anyone can evict it
-            self._push(Task(DEMAND, next(self._sequence), key, self.position, entry))
-            self.demand_loads += 1
-            return entry, True
+            return self.demand_locked(key)
+
+    def demand_locked(self, key: Key) -> tuple[Entry, bool]:
+        """`demand`, for a caller that holds the lock (a layer pins its experts under one hold)."""
+        entry = self.cache.entries.get(key)
+        if entry is not None:
+            entry.pins += 1
+            return entry, False
+        queued = self._queued.get(key)
+        if queued is not None:  # predicted, but its read has not started: it becomes a demand load
+            self._cancel(queued)
+        entry = self.cache.reserve(key, self.store.buffer_bytes(key[0]), for_prefetch=False, position=self.position)
+        entry.pins += 1  # pinned before anyone can evict it
+        self._push(Task(DEMAND, next(self._sequence), key, self.position, entry))
+        self.demand_loads += 1
+        return entry, True
 
     def load_demanded(self) -> None:
         """Read queued demand loads in the calling thread until none is left: the thread that waits for
@@ -214,9 +221,10 @@ class Prefetcher:
             for entry, weights, error in outcomes:
                 if error is None:
                     self.prefetches_loaded += prefetched
-                    self.cache.mark_ready(entry, weights)
+                    self.cache.mark_ready(entry, weights, notify=False)
                 else:
-                    self.cache.mark_failed(entry, error)
+                    self.cache.mark_failed(entry, error, notify=False)
+            self.lock.notify_all()  # one wake-up for the batch
 
     def wait_idle(self) -> None:
         """Block until nothing is queued or being loaded (benchmarks and tests use it between phases)."""

@@ -30,7 +30,7 @@ import numpy as np
 from converters.expert_file import ExpertIndex
 from edge.errors import ZllmError
 from edge.moe import ExpertWeights, MoeConfig
-from streaming.cache import FAILED, READY, Entry, ExpertCache, make_policy
+from streaming.cache import FAILED, LOADING, READY, Entry, ExpertCache, make_policy
 from streaming.prefetch import LOAD_BATCH, Prefetcher
 from streaming.stats import StreamingCounters
 from streaming.store import ExpertStore
@@ -154,10 +154,11 @@ class StreamingExperts:
             next_pass = self._ordinal[target] <= here  # a decode step of one token follows this pass
             tokens = 1 if next_pass else n_tokens
             width = min(len(need), int(np.ceil(self.layers[target].top_k * tokens * self.prefetch_width)))
-            for expert in np.argsort(-need, kind="stable")[:width].tolist():
-                if free_entries <= 0 or need[expert] <= 0:
+            likeliest = np.argsort(-need, kind="stable")[:width]
+            for expert, score in zip(likeliest.tolist(), need[likeliest].tolist()):
+                if free_entries <= 0 or score <= 0:
                     break
-                self.prefetcher.prefetch((target, expert), position + distance, distance, float(need[expert]))
+                self.prefetcher.prefetch_locked((target, expert), position + distance, distance, score)
                 free_entries -= 1
 
     def begin_request(self) -> None:
@@ -197,6 +198,7 @@ class StreamedLayer(Mapping):
         self.source, self.layer, self.ids = source, layer, ids
         self.room = max(room, 1)
         self._entries: dict[int, Entry] = {}
+        self._ready: dict[int, ExpertWeights] = {}
         self._handed_out: list[int] = []
         try:
             with source.cache.lock:  # one hold for the layer, not one per expert
@@ -208,23 +210,23 @@ class StreamedLayer(Mapping):
             raise
 
     def _acquire(self, expert: int) -> bool:
-        """Pin the expert's entry; True if it missed (its load is queued ahead of every prefetch)."""
+        """Pin the expert's entry; True if it missed (its load is queued ahead of every prefetch).
+        The caller holds the cache's lock."""
         source = self.source
-        with source.cache.lock:
-            entry, missed = source.prefetcher.demand((self.layer, expert))
-            source.cache.touch(entry)
-            if missed:
-                source.counters.misses += 1
-            else:
-                source.counters.hits += 1
-                source.counters.late_prefetches += entry.state != READY and entry.state != FAILED
+        entry, missed = source.prefetcher.demand_locked((self.layer, expert))
+        source.cache.touch(entry)
+        if missed:
+            source.counters.misses += 1
+        else:
+            source.counters.hits += 1
+            source.counters.late_prefetches += entry.state != READY and entry.state != FAILED
         self._entries[expert] = entry
         return missed
 
     def _wait(self, entry: Entry) -> None:
-        if not entry.loaded.is_set():
+        if entry.state == LOADING:
             started = time.monotonic()
-            entry.loaded.wait()
+            self.source.cache.wait_loaded(entry)
             self.source.counters.stall_seconds += time.monotonic() - started
         if entry.state == FAILED:
             cache = self.source.cache
@@ -236,15 +238,20 @@ class StreamedLayer(Mapping):
     def wait_all(self) -> None:
         for entry in self._entries.values():
             self._wait(entry)
+        self._ready = {expert: entry.weights for expert, entry in self._entries.items()}
 
     def release(self) -> None:
         with self.source.cache.lock:
             for entry in self._entries.values():
                 entry.pins -= 1
             self._entries.clear()
+            self._ready = {}
             self.source.cache.lock.notify_all()
 
     def __getitem__(self, expert: int) -> ExpertWeights:
+        weights = self._ready.get(expert)  # every expert of the route is loaded (wait_all)
+        if weights is not None:
+            return weights
         expert = int(expert)
         if expert not in self.ids:
             raise KeyError(f"layer {self.layer} expert {expert} is not in this route; it needs {self.ids}")
@@ -257,7 +264,9 @@ class StreamedLayer(Mapping):
                     if released is not None:
                         released.pins -= 1
                     self.source.cache.lock.notify_all()
-            if self._acquire(expert):
+            with self.source.cache.lock:
+                missed = self._acquire(expert)
+            if missed:
                 self.source.prefetcher.load_demanded()
             entry = self._entries[expert]
         self._wait(entry)

@@ -61,6 +61,7 @@ class ExpertStore:
             raise CheckpointError(f"{index.path} is missing; the checkpoint's experts cannot be read, convert it again")
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._buffer_bytes: dict[int, int] = {}  # layer -> buffer_bytes (asked once per load)
         self._largest_stored = max((r.length for layer in index.layers.values() for r in layer.records), default=0)
         self.fd, self.io_mode = -1, IO_BUFFERED
         self._retired_fds: list[int] = []
@@ -94,7 +95,10 @@ class ExpertStore:
     # --- sizes --------------------------------------------------------------------------------
     def buffer_bytes(self, layer: int) -> int:
         """Size of the buffer one expert of `layer` is read into (its raw record, aligned up)."""
-        return aligned_length(self.index.layout(layer).raw_length)
+        size = self._buffer_bytes.get(layer)
+        if size is None:
+            size = self._buffer_bytes[layer] = aligned_length(self.index.layout(layer).raw_length)
+        return size
 
     def new_buffer(self, layer: int) -> np.ndarray:
         return aligned_empty(self.buffer_bytes(layer))

@@ -283,7 +283,7 @@ def test_prefetch_error_surfaces_where_the_expert_is_needed(expert_file, monkeyp
         source.experts(0, np.array([[1, 2]]), np.zeros((1, 64), np.float32))  # no error here
         source.prefetcher.wait_idle()
         entry = source.cache.get((1, 3))
-        assert entry is not None and entry.loaded.wait(10) and entry.state == "failed"
+        assert entry is not None and source.cache.wait_loaded(entry, 10) and entry.state == "failed"
         with pytest.raises(ExpertReadError) as error:
             source.experts(1, np.array([[3, 4]]), np.zeros((1, 64), np.float32))
         assert str(error.value) == (

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from devices.base import DeviceUnavailableError, has_moe_layers
+from devices.base import DeviceUnavailableError
 from devices.cache_buffers import CacheBuffer, KvCodec, StoredRows
 from devices.cpu.weights import CpuWeight, as_vector, prepare_weight
 from quant.kv_formats import KV_FORMATS
@@ -162,8 +162,12 @@ class CpuBackend:
         ExpertSource) is read that many experts at a time, in ascending id order; the kernel adds
         them in the same order either way, so the result does not depend on the window."""
         x = np.ascontiguousarray(x, dtype=np.float32)
+        ids = np.asarray(ids)
+        window = getattr(experts, "window_size", None)
+        if len(x) == 1 and (window is None or window >= ids.shape[-1]):
+            return self._one_token_mixture(x, ids.reshape(-1), np.asarray(weights).reshape(-1), experts)
         distinct = np.unique(ids)  # ascending
-        window = getattr(experts, "window_size", None) or len(distinct)
+        window = window or len(distinct)
         out = np.zeros(x.shape, np.float32)  # [T, D]
         for begin in range(0, len(distinct), window):
             batch = distinct[begin:begin + window]
@@ -174,6 +178,31 @@ class CpuBackend:
             threads = self.use_threads(work)
             moe_kernels.expert_mixture(descriptors, batch, x, ids, weights, threads, out)
         return out
+
+    def _one_token_mixture(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts) -> np.ndarray:
+        """A decode step's mixture: a token's A ids are distinct (top-k), so its experts in ascending id
+        order and their weights are one argsort; each expert's descriptor rows are packed once."""
+        order = np.argsort(ids)
+        chosen = [experts[int(expert)] for expert in ids[order]]  # referenced until the kernel returns
+        table = np.concatenate([self._expert_table(w) for w in chosen])  # [3 * A, W_FIELDS]
+        shape = moe_kernels.DecodeScratch.shape_for(table)
+        scratch = getattr(_launching, "decode_scratch", None)
+        if scratch is None or not scratch.holds(shape):
+            scratch = _launching.decode_scratch = moe_kernels.DecodeScratch(*shape)
+        work = sum(int(w.gate.shape[0]) for w in chosen) * 3 * x.shape[1]
+        out = np.zeros(x.shape, np.float32)
+        moe_kernels.mixture_decode(table, x, np.ascontiguousarray(weights[order], np.float32), self.use_threads(work),
+                                   out, scratch)
+        return out
+
+    def _expert_table(self, expert) -> np.ndarray:
+        """An expert's gate, up, down descriptor rows [3, W_FIELDS], packed and checked on first use."""
+        if expert.packed is None:
+            matrices = [self._matrix(m) for m in (expert.gate, expert.up, expert.down)]  # own the arrays the rows point into
+            table = np.stack([m.descriptor for m in matrices])
+            moe_kernels.check_expert_table(table)
+            expert.packed = (table, matrices)
+        return expert.packed[0]
 
     def softmax(self, scores: np.ndarray) -> np.ndarray:
         """Softmax over the last axis (attention's kernel; exposed for tests and the diff tool)."""
@@ -207,9 +236,9 @@ class CpuBackend:
             return None
 
         spec = transformer.spec
-        if has_moe_layers(transformer) or spec.qk_norm_over_projection or spec.clip_qkv is not None:
-            # the fused executor composes plain Llama-like layers only; these run op by op on the
-            # same Numba kernels (MoE blocks route and gather tokens per expert in between)
+        if spec.qk_norm_over_projection or spec.clip_qkv is not None:
+            # the fused executor composes Llama-like attention only; these run op by op on the same
+            # Numba kernels
             return None
 
         return FusedForward(transformer, self)

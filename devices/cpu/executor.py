@@ -4,6 +4,12 @@ It packs the model once at load into the tables kernels/cpu/forward.py reads (we
 one f32 array of norm gains and biases, a layer table), keeps scratch buffers sized for the
 longest call so far, and runs a whole forward pass as one compiled call; with an observer, one
 call per layer so that the observer sees the residual stream in between.
+
+A Mixture-of-Experts model runs one compiled call per stretch of layers that ends at a MoE layer:
+the call ends with that layer's router logits, and between calls the layer is routed (edge/moe.py
+`route`, as on every device), its experts are taken from the model's expert source (resident,
+paged or streamed) and mixed by one compiled call (kernels/cpu/moe.py), and the shared expert, if
+any, is added op by op.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import weakref
 import numpy as np
 
 from devices.cpu.weights import CpuWeight, MissingKernelError, as_vector
+from edge.moe import routed_experts, shared_experts
 from kernels.cpu import formats as wf
 from kernels.cpu import forward as fk
 from kernels.cpu.attention import scratch_floats
@@ -32,9 +39,12 @@ class _ModelTables:
             row = np.full(fk.LAYER_FIELDS, fk.NO_PARAM, np.int64)
             row[fk.L_INPUT_NORM] = self._vector(layer.input_norm)
             row[fk.L_POST_NORM] = self._vector(layer.post_attention_norm)
-            for column, weight in ((fk.L_Q, layer.q), (fk.L_K, layer.k), (fk.L_V, layer.v), (fk.L_O, layer.o),
-                                   (fk.L_GATE, layer.gate), (fk.L_UP, layer.up), (fk.L_DOWN, layer.down)):
+            ffn = (((fk.L_ROUTER, layer.moe.router),) if layer.moe is not None else
+                   ((fk.L_GATE, layer.gate), (fk.L_UP, layer.up), (fk.L_DOWN, layer.down)))
+            for column, weight in ((fk.L_Q, layer.q), (fk.L_K, layer.k), (fk.L_V, layer.v), (fk.L_O, layer.o), *ffn):
                 row[column] = self._matrix(weight)
+            if layer.moe is not None and layer.moe.router_bias is not None:
+                row[fk.L_ROUTER_BIAS] = self._vector(layer.moe.router_bias)
             for column, vector in ((fk.L_Q_BIAS, layer.q_bias), (fk.L_K_BIAS, layer.k_bias),
                                    (fk.L_V_BIAS, layer.v_bias), (fk.L_O_BIAS, layer.o_bias),
                                    (fk.L_Q_NORM, layer.q_norm), (fk.L_K_NORM, layer.k_norm),
@@ -60,6 +70,9 @@ class _ModelTables:
         self.params = np.concatenate(self._vectors) if self._vectors else np.zeros(0, np.float32)
         self.max_cols_padded = int(self.descriptors[:, wf.W_COLS_PADDED].max())
         self.max_rows = int(self.descriptors[:, wf.W_ROWS].max())
+        dense, moe = self.layers[:, fk.L_GATE], self.layers[:, fk.L_ROUTER]
+        self.max_intermediate = int(self.descriptors[dense[dense != fk.NO_PARAM], wf.W_ROWS].max(initial=0))
+        self.max_router_rows = int(self.descriptors[moe[moe != fk.NO_PARAM], wf.W_ROWS].max(initial=0))
         self.embedding_cols_padded = int(self.descriptors[self.dims[fk.M_EMBED], wf.W_COLS_PADDED])
         for name, index in (("embedding", fk.M_EMBED), ("LM head", fk.M_LM_HEAD)):
             descriptor = self.descriptors[self.dims[index]]
@@ -111,11 +124,13 @@ class _Scratch:
             self.normed = np.zeros((t, spec.hidden_size), np.float32)
             self.qkv = np.zeros((t, q_width + 2 * kv_width), np.float32)
             self.attn = np.zeros((t, q_width), np.float32)
-            self.gate = np.zeros((t, spec.intermediate_size), np.float32)
-            self.up = np.zeros((t, spec.intermediate_size), np.float32)
+            intermediate = max(self.tables.max_intermediate, 1)
+            self.gate = np.zeros((t, intermediate), np.float32)
+            self.up = np.zeros((t, intermediate), np.float32)
+            self.router_logits = np.zeros((t, max(self.tables.max_router_rows, 1)), np.float32)
             # prefill's transposed gate/up [I, T]: the down projection reads gate_t as its xt, so it has
             # that weight's padded K rows (the rows past I stay zero) and xt's padded token columns
-            down_rows = max(self.tables.max_cols_padded, spec.intermediate_size) if t > 1 else 1
+            down_rows = max(self.tables.max_cols_padded, intermediate) if t > 1 else 1
             self.gate_t = np.zeros((down_rows, padded_tokens(t) if t > 1 else 1), np.float32)
             self.up_t = np.zeros_like(self.gate_t)
             self.logits = np.zeros((t, spec.vocab_size), np.float32)
@@ -145,6 +160,8 @@ class FusedForward:
         self.eps = np.float32(self.spec.rms_norm_eps)
         self.scale = np.float32(transformer.attention_scale)
         self.tables = _ModelTables(transformer)
+        self._transformer = weakref.ref(transformer)  # its expert source may be swapped (route recording)
+        self.moe_layers = {index: layer.moe for index, layer in enumerate(transformer.layers) if layer.moe is not None}
         self.scratch = _Scratch(self.tables, self.spec, backend.threads)
         self._kv_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()  # scratch buffers are shared: one call at a time
@@ -176,20 +193,44 @@ class FusedForward:
             kv = self._kv_table(cache)
             scratch = self.scratch
             scratch.ensure(n_tokens, cache.capacity)
-            self.backend.use_threads()
-            if observer is None:
-                self._run(ids, kv, cache.capacity, start, cos, sin, 0, n_layers, True, True, all_logits)
-            else:
-                for layer in range(n_layers):
-                    self._run(ids, kv, cache.capacity, start, cos, sin, layer, layer + 1, layer == 0, False,
-                              all_logits)
-                    observer(layer, scratch.hidden[:n_tokens].copy())
-                self._run(ids, kv, cache.capacity, start, cos, sin, n_layers, n_layers, n_layers == 0, True,
+            ends = self._call_ends(n_layers, per_layer=observer is not None)
+            first = 0
+            for call, last in enumerate(ends):
+                self.backend.use_threads()  # a MoE block's kernels may have set fewer
+                self._run(ids, kv, cache.capacity, start, cos, sin, first, last, call == 0, call == len(ends) - 1,
                           all_logits)
+                if last > first:
+                    layer = last - 1
+                    routing = self._mix_experts(layer, n_tokens) if layer in self.moe_layers else {}
+                    if observer is not None:
+                        observer(layer, scratch.hidden[:n_tokens].copy(), **routing)
+                first = last
             cache.length = start + n_tokens
             if all_logits:
                 return scratch.logits[:n_tokens].copy()
             return scratch.logits[0].copy()
+
+    def _call_ends(self, n_layers: int, per_layer: bool) -> list[int]:
+        """Where each compiled call of a forward pass stops: after every MoE layer (or every layer),
+        and at the end. The last call also runs the final norm and LM head, so when the last layer
+        is a MoE layer (whose experts are added after its call) the head gets a call of its own."""
+        ends = list(range(1, n_layers + 1)) if per_layer else [layer + 1 for layer in sorted(self.moe_layers)]
+        if not ends or ends[-1] != n_layers or n_layers - 1 in self.moe_layers:
+            ends.append(n_layers)
+        return ends
+
+    def _mix_experts(self, layer: int, n_tokens: int) -> dict:
+        """The MoE block of `layer` after its call: route its router logits, mix the chosen experts (and
+        the shared expert) of the post-attention norm's output, add them to the residual stream."""
+        s, weights = self.scratch, self.moe_layers[layer]
+        x, hidden = s.normed[:n_tokens], s.hidden[:n_tokens]
+        router_logits = s.router_logits[:n_tokens, :weights.config.num_experts].copy()
+        # the expert source may keep what it is given (the predictor learns from it): copies, not scratch views
+        out, ids, route_weights = routed_experts(self.backend, layer, x, hidden.copy(), router_logits, weights,
+                                                 self._transformer().experts)
+        shared = shared_experts(self.backend, x, weights)
+        hidden += out if shared is None else out + shared
+        return {"expert_ids": ids, "expert_weights": route_weights}
 
     def last_step_times(self) -> list[tuple[int, str, float]]:
         """(layer or -1, step, seconds) of the last compiled call (benchmarks/cpu_profile.py)."""
@@ -204,5 +245,5 @@ class FusedForward:
             first, last, run_embedding, run_head, all_logits, self.backend.threads,
             s.hidden, s.normed, s.qkv, s.attn, s.gate, s.up, s.gate_t, s.up_t, s.xt, s.x_natural, s.x_pairs,
             s.x_sums, s.tiles, s.blocks, s.row_scratch, s.embed_scratch, s.scores, s.peaks, s.totals, s.accs,
-            s.key_positions, s.sync, s.clock, s.logits)
+            s.key_positions, s.sync, s.clock, s.router_logits, s.logits)
         self._last_call = (first, last, run_embedding)

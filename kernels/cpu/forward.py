@@ -42,9 +42,13 @@ from kernels.cpu.runtime import helper, kernel, mutable, readonly
 # Columns of the layer table. Weights are row indices into the descriptor table; norms and biases
 # are offsets into `params` (NO_PARAM: absent).
 (L_INPUT_NORM, L_Q, L_K, L_V, L_O, L_Q_BIAS, L_K_BIAS, L_V_BIAS, L_O_BIAS, L_Q_NORM, L_K_NORM,
- L_POST_NORM, L_GATE, L_UP, L_DOWN, L_GATE_BIAS, L_UP_BIAS, L_DOWN_BIAS, L_WINDOW) = range(19)
-LAYER_FIELDS = 19
+ L_POST_NORM, L_GATE, L_UP, L_DOWN, L_GATE_BIAS, L_UP_BIAS, L_DOWN_BIAS, L_WINDOW, L_ROUTER, L_ROUTER_BIAS) = range(21)
+LAYER_FIELDS = 21
 NO_PARAM = -1
+# A Mixture-of-Experts layer has a router (L_ROUTER) instead of gate/up/down: its call ends with the
+# router logits [T, E] of the post-attention norm's output (in the gate/up step), and the caller
+# routes, mixes the experts and adds them to the residual stream before the next layer runs. So a
+# MoE layer is always the last layer of a call.
 
 # Entries of the model vector `dims`.
 (M_HIDDEN, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_INTERMEDIATE, M_VOCAB, M_EMBED, M_LM_HEAD, M_FINAL_NORM,
@@ -110,6 +114,17 @@ def step_of(index, first, last, run_embedding):
 
 
 @helper
+def is_moe(spec):
+    return spec[L_ROUTER] != NO_PARAM
+
+
+@helper
+def ffn_input_weight(spec):
+    """The weight whose input the post-attention norm prepares: gate (dense) or router (MoE)."""
+    return spec[L_ROUTER] if is_moe(spec) else spec[L_GATE]
+
+
+@helper
 def projection_rows(step, spec, weights, dims):
     """Rows of the concatenated output space of a PROJECT step (q|k|v, gate rows, ...)."""
     if step == S_QKV:
@@ -117,7 +132,7 @@ def projection_rows(step, spec, weights, dims):
     if step == S_O:
         return weights[spec[L_O], W_ROWS]
     if step == S_GATE_UP:
-        return weights[spec[L_GATE], W_ROWS]
+        return weights[ffn_input_weight(spec), W_ROWS]
     if step == S_DOWN:
         return weights[spec[L_DOWN], W_ROWS]
     return weights[dims[M_LM_HEAD], W_ROWS]  # S_HEAD
@@ -130,7 +145,7 @@ def plan(step, spec, weights, dims, n_tokens, n_out, n_threads, run_head):
     if step == S_EMBED or step == S_INPUT_NORM or step == S_ROPE or step == S_MERGE or step == S_POST_NORM:
         return SERIAL, 1
     if step == S_DOWN_INPUT:
-        return SERIAL, 0 if prefill else 1  # decode prepares the down projection's input vector
+        return SERIAL, 0 if prefill or is_moe(spec) else 1  # decode prepares the down projection's input vector
     if step == S_FINAL_NORM:
         return SERIAL, 1 if run_head else 0
     if step == S_INPUT_T or step == S_ATTN_T or step == S_POST_T:
@@ -142,7 +157,7 @@ def plan(step, spec, weights, dims, n_tokens, n_out, n_threads, run_head):
             return ATTEND, min(n_tokens * dims[M_KV_HEADS], TASKS_PER_THREAD * n_threads)
         return ATTEND, dims[M_KV_HEADS] * n_threads  # one task per (KV head, KV split), decode
     if step == S_QKV or step == S_O or step == S_GATE_UP or step == S_DOWN or step == S_HEAD:
-        if step == S_HEAD and not run_head:
+        if (step == S_HEAD and not run_head) or (step == S_DOWN and is_moe(spec)):
             return PROJECT, 0
         tokens = n_out if step == S_HEAD else n_tokens
         rows = projection_rows(step, spec, weights, dims)
@@ -175,6 +190,8 @@ def transpose_input(step, spec, weights, dims):
     if step == S_ATTN_T:
         return 1, weights[spec[L_O], W_COLS_PADDED]
     if step == S_POST_T:
+        if is_moe(spec):
+            return 0, weights[spec[L_ROUTER], W_COLS_PADDED]
         return 0, max(weights[spec[L_GATE], W_COLS_PADDED], weights[spec[L_UP], W_COLS_PADDED])
     return 0, weights[dims[M_LM_HEAD], W_COLS_PADDED]  # S_HEAD_T
 
@@ -196,10 +213,13 @@ def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, fir
         if step == S_INPUT_NORM:
             k_fill = max(weights[spec[L_Q], W_COLS_PADDED], weights[spec[L_K], W_COLS_PADDED],
                          weights[spec[L_V], W_COLS_PADDED])
+            first_weight = spec[L_Q]
+        elif is_moe(spec):
+            k_fill, first_weight = weights[spec[L_ROUTER], W_COLS_PADDED], spec[L_ROUTER]
         else:
             k_fill = max(weights[spec[L_GATE], W_COLS_PADDED], weights[spec[L_UP], W_COLS_PADDED])
-        prepare_input(normed, n_tokens, k_fill, weights[spec[L_Q if step == S_INPUT_NORM else L_GATE]], x_natural,
-                      x_pairs, x_sums)
+            first_weight = spec[L_GATE]
+        prepare_input(normed, n_tokens, k_fill, weights[first_weight], x_natural, x_pairs, x_sums)
     elif step == S_ROPE:  # per-head q/k norm (Qwen3), rotary embedding, cache write
         for t in range(n_tokens):
             row = qkv[t]
@@ -281,7 +301,7 @@ def project_part(weights, params, w_index, bias_offset, offset, begin, end, n_to
 @helper
 def run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, start, n_tokens, first_token, n_threads,
              keys, values, key_positions, x_natural, x_pairs, x_sums, xt, tile, block, row_scratch, scores, peaks,
-             totals, accs, hidden, normed, qkv, attn, gate, up, gate_t, up_t, logits):
+             totals, accs, hidden, normed, qkv, attn, gate, up, gate_t, up_t, router_logits, logits):
     n_heads, n_kv, head_dim = dims[M_HEADS], dims[M_KV_HEADS], dims[M_HEAD_DIM]
     if kind == TRANSPOSE:
         source, k_fill = transpose_input(step, spec, weights, dims)
@@ -311,6 +331,9 @@ def run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, star
         elif step == S_O:
             project_rows(weights, spec[L_O], spec[L_O_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums, xt,
                          tile, block, hidden, 0, True, row_scratch)
+        elif step == S_GATE_UP and is_moe(spec):  # router logits [T, E] (prefill reads the transposed input)
+            project_rows(weights, spec[L_ROUTER], spec[L_ROUTER_BIAS], params, begin, end, tokens, x_natural, x_pairs,
+                         x_sums, xt, tile, block, router_logits, 0, False, row_scratch)
         elif step == S_GATE_UP and tokens == 1:  # gate and up rows [begin, end), then silu(gate) * up
             project_rows(weights, spec[L_GATE], spec[L_GATE_BIAS], params, begin, end, tokens, x_natural, x_pairs,
                          x_sums, xt, tile, block, gate, 0, False, row_scratch)
@@ -356,7 +379,7 @@ def _forward(weights, layers, params, dims, eps, scale, kv, capacity, ids, start
              run_embedding, run_head, all_logits, n_threads, hidden, normed, qkv, attn, gate, up, gate_t, up_t, xt,
              x_natural,
              x_pairs, x_sums, tiles, blocks, row_scratch, embed_scratch, scores, peaks, totals, accs, key_positions,
-             sync, clock, logits):
+             sync, clock, router_logits, logits):
     """clock [>= n_steps + 1] receives the call's start time (clock[0]) and the time each step's
     last task finished (clock[1 + step index]); 0 for skipped steps. A few clock reads per token."""
     n_tokens = ids.shape[0]
@@ -394,7 +417,7 @@ def _forward(weights, layers, params, dims, eps, scale, kv, capacity, ids, start
                     run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, start, n_tokens,
                              first_token, n_threads, keys, values, visible_keys, x_natural, x_pairs, x_sums, xt,
                              tiles[thread], blocks[thread], row_scratch, scores[thread], peaks, totals, accs, hidden,
-                             normed, qkv, attn, gate, up, gate_t, up_t, logits)
+                             normed, qkv, attn, gate, up, gate_t, up_t, router_logits, logits)
                 if atomic_add(counters + 8 * (index * SYNC_STRIDE + DONE), 1) == n_tasks - 1:
                     clock[1 + index] = monotonic_seconds()  # this was the step's last task
             previous, previous_tasks = index, n_tasks
@@ -410,7 +433,7 @@ FORWARD_SIGNATURE = types.void(
     _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d,  # hidden .. gate up gate_t up_t xt
     _f32_1d, _f32_1d, _f32_1d, _f32_3d, _f32_2d, _f32_1d, _f32_2d,  # x_natural .. embed_scratch
     _f32_2d, _f32_1d, _f32_1d, _f32_2d, _i64_1d_ro, mutable(types.int64, 2),  # scores .. sync
-    mutable(types.float64, 1), _f32_2d,  # clock, logits
+    mutable(types.float64, 1), _f32_2d, _f32_2d,  # clock, router_logits, logits
 )
 # -O2 rather than Numba's -O3: the arithmetic that dominates runs in the weight kinds' callbacks
 # (compiled at -O3, linear.py); for this scheduling and row-wise code O2 still vectorises every
@@ -426,7 +449,7 @@ def sync_rows(n_layers: int) -> int:
 STEP_NAMES = {S_INPUT_NORM: "input norm", S_INPUT_T: "transpose (qkv input)", S_QKV: "q/k/v projection",
               S_ROPE: "q/k norm + rope + cache write", S_ATTEND: "attention", S_MERGE: "attention merge",
               S_ATTN_T: "transpose (o input)", S_O: "o projection", S_POST_NORM: "post-attention norm",
-              S_POST_T: "transpose (mlp input)", S_GATE_UP: "gate/up projection + silu",
+              S_POST_T: "transpose (mlp input)", S_GATE_UP: "gate/up projection + silu (MoE: router)",
               S_DOWN_INPUT: "down input", S_DOWN: "down projection",
               S_EMBED: "embedding", S_FINAL_NORM: "final norm", S_HEAD_T: "transpose (head input)",
               S_HEAD: "lm head"}

@@ -133,6 +133,53 @@ def _check(descriptors: np.ndarray, d_model: int) -> None:
         raise ValueError("expert_mixture: an expert's gate, up and down disagree on its intermediate size")
 
 
+def check_expert_table(table: np.ndarray) -> None:
+    """One expert's gate, up, down descriptor rows [3, W_FIELDS] agree with each other: checked once,
+    where a backend packs an expert, so that decode calls need not check them again."""
+    _check(table, int(table[GATE, W_COLS]))
+
+
+class DecodeScratch:
+    """The decode kernel's scratch for up to `n_experts` experts of one shape, reused call after call."""
+
+    def __init__(self, n_experts: int, d_model: int, k_max: int, i_max: int, h_padded: int):
+        self.shape = (n_experts, d_model, k_max, i_max, h_padded)
+        self.x_natural = np.empty(k_max, np.float32)
+        self.x_pairs = np.empty(pairs_length(k_max), np.float32)
+        self.x_sums = np.empty(sums_length(k_max), np.float32)
+        self.gate_rows = np.empty((n_experts, i_max), np.float32)
+        self.up_rows = np.empty((n_experts, i_max), np.float32)
+        self.hidden = np.empty((n_experts, i_max), np.float32)
+        self.h_natural = np.empty((n_experts, h_padded), np.float32)
+        self.h_pairs = np.empty((n_experts, pairs_length(h_padded)), np.float32)
+        self.h_sums = np.empty((n_experts, sums_length(h_padded)), np.float32)
+        self.down_rows = np.empty(d_model, np.float32)
+
+    @staticmethod
+    def shape_for(descriptors: np.ndarray) -> tuple[int, int, int, int, int]:
+        """(experts, D, K_max, I_max, padded I_max) of a descriptor table [3 * Ed, W_FIELDS]."""
+        return (descriptors.shape[0] // 3, int(descriptors[DOWN, W_ROWS]), int(descriptors[:, W_COLS_PADDED].max()),
+                int(descriptors[GATE::3, W_ROWS].max()), int(descriptors[DOWN::3, W_COLS_PADDED].max()))
+
+    def holds(self, shape: tuple[int, int, int, int, int]) -> bool:
+        return shape[0] <= self.shape[0] and shape[1:] == self.shape[1:]
+
+
+def mixture_decode(descriptors: np.ndarray, x: np.ndarray, coeffs: np.ndarray, n_threads: int, out: np.ndarray,
+                   scratch: DecodeScratch) -> None:
+    """One token's routed mixture: out [1, D] += sum_e coeffs[e] * expert e (x [1, D] f32), the experts
+    described by `descriptors` [3 * Ed, W_FIELDS] in ascending id order, each checked already
+    (check_expert_table); `scratch` holds them (DecodeScratch.holds)."""
+    n = len(coeffs)
+    if descriptors.shape != (3 * n, W_FIELDS) or (descriptors[DOWN::3, W_ROWS] != x.shape[1]).any():
+        raise ValueError(f"mixture_decode: {n} coefficients and x of {x.shape[1]} features for a descriptor "
+                         f"table {descriptors.shape} whose experts give {descriptors[DOWN::3, W_ROWS].tolist()}")
+    s = scratch
+    mixture_decode_kernel(descriptors, x, coeffs, n_threads, out, s.x_natural, s.x_pairs, s.x_sums,
+                          s.gate_rows[:n], s.up_rows[:n], s.hidden[:n], s.h_natural[:n], s.h_pairs[:n],
+                          s.h_sums[:n], s.down_rows)
+
+
 def expert_mixture(descriptors: np.ndarray, experts: np.ndarray, x: np.ndarray, ids: np.ndarray,
                    weights: np.ndarray, n_threads: int, out: np.ndarray) -> None:
     """out [T, D] += the share of the routed mixture that comes from `experts` [Ed] (ascending ids,
@@ -164,17 +211,8 @@ def expert_mixture(descriptors: np.ndarray, experts: np.ndarray, x: np.ndarray, 
         # a token's A ids are distinct (top-k): one weight per expert
         coeffs = np.zeros(n_experts, np.float32)
         coeffs[position[in_batch]] = flat_weights[in_batch]
-        i_max = int(intermediate.max())
-        h_padded = int(descriptors[DOWN::3, W_COLS_PADDED].max())
-        mixture_decode_kernel(
-            descriptors, x, coeffs, n_threads, out,
-            np.empty(k_max, np.float32), np.empty(pairs_length(k_max), np.float32),
-            np.empty(sums_length(k_max), np.float32),
-            np.empty((n_experts, i_max), np.float32), np.empty((n_experts, i_max), np.float32),
-            np.empty((n_experts, i_max), np.float32), np.empty((n_experts, h_padded), np.float32),
-            np.empty((n_experts, pairs_length(h_padded)), np.float32),
-            np.empty((n_experts, sums_length(h_padded)), np.float32),
-            np.empty(d_model, np.float32))
+        scratch = DecodeScratch(*DecodeScratch.shape_for(descriptors))
+        mixture_decode(descriptors, x, coeffs, n_threads, out, scratch)
         return
     # the batch's routed (token, weight) pairs grouped by expert, ascending tokens within each
     slots = np.nonzero(in_batch)[0]
