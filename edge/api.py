@@ -215,10 +215,11 @@ def load(path, device: str = "reference", threads: int | None = None,
     expert_strategy: "resident" (default without a budget, or with one that holds every expert),
     "predictive" (default with a smaller budget),
     "ondemand" (no predictor, no prefetch) or "mmap" (plain mmap + bounded page cache);
-    expert_policy: "lru", "lfu", "forecast" (evict what the predictor needs least) or "cycle" (evict
-    the expert whose layer comes last in the layer-by-layer cycle, ties by the predictor's need: the
-    default with the predictive strategy; "lru", the default otherwise, evicts exactly what that cycle
-    needs next).
+    expert_policy: "lru", "lfu", "forecast" (evict what the predictor needs least), "cycle" (evict
+    the expert whose layer comes last in the layer-by-layer cycle, ties by the predictor's need) or
+    "nextuse" (evict the expert whose next use is expected furthest ahead: the cycle order weighed by
+    how often each expert's layer uses it; the default with the predictive strategy); "lru", the
+    default otherwise, evicts exactly what that cycle needs next.
     gpu_expert_cache (device "gpu", MoE models): the bytes of uploaded experts the GPU keeps, keyed by
     (layer, expert) and evicted least recently used: bytes, a size ("64MB") or "P%" of every expert's
     device bytes. Default: every expert if they take at most half the adapter's memory (host RAM for a

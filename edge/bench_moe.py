@@ -5,7 +5,7 @@ Strategies (edge.load's expert_strategy):
     resident    every expert in memory (run once, at the 100% budget): the speed to approach
     mmap        plain mmap of the expert file, the page cache bounded to the budget (what llama.cpp does)
     ondemand    a bounded LRU expert cache, experts read when a layer needs them, no prediction
-    predictive  ours: the predictor's prefetches, and the product's default eviction ("cycle")
+    predictive  ours: the predictor's prefetches, and the product's default eviction ("nextuse")
 
 Every (strategy, budget) runs in its own spawned worker (edge/bench.py's DeviceWorker), so each peak
 RSS is its own. Before the measured load a worker loads the model once, runs a few tokens and closes

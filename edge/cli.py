@@ -197,9 +197,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", default=None, help="MoE: emulate nvme, ufs, emmc, sd or custom:bw=500MB,lat=200us")
     p.add_argument("--expert-strategy", default=None, choices=("predictive", "ondemand", "mmap", "resident"),
                    help="MoE: where experts come from (default: resident, or predictive under a budget)")
-    p.add_argument("--expert-policy", default=None, choices=("lru", "lfu", "forecast", "cycle"),
-                   help="MoE: expert cache eviction (default: cycle, the layer visited last, with the "
-                        "predictive strategy; else lru)")
+    p.add_argument("--expert-policy", default=None, choices=("lru", "lfu", "forecast", "cycle", "nextuse"),
+                   help="MoE: expert cache eviction (default: nextuse, the expert whose next use is expected "
+                        "furthest ahead, with the predictive strategy; else lru)")
     p.add_argument("--prefetch-depth", type=int, default=2, help="MoE: layers ahead the predictor prefetches")
     p.add_argument("--prefetch-threads", type=int, default=4, help="MoE: expert loading threads (each keeps one read in flight)")
     p.add_argument("--gpu-expert-cache", default=None,

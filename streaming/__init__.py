@@ -35,7 +35,7 @@ def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: in
         from streaming.budget import entry_bytes
         cache_bytes = sum(len(index.layers[layer].records) * entry_bytes(index, layer) for layer in layers)
     if policy is None:
-        policy = "cycle" if strategy == "predictive" else "lru"
+        policy = "nextuse" if strategy == "predictive" else "lru"
     predictor = None
     if strategy == "predictive":
         from streaming.predictor import ExpertPredictor, SignalWeights, predictor_inputs

@@ -14,6 +14,8 @@ Not thread-safe on its own: callers hold `cache.lock` (a Condition the loaders n
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 from typing import Callable
 
@@ -38,6 +40,7 @@ class Entry:
         self.pins = 0
         self.last_use = 0
         self.needed_at = -1  # pass position of the layer a prefetch loaded it for; -1 once used
+        self.rank_item: tuple | None = None  # its current item in a policy's heap (NextUsePolicy)
 
     @property
     def nbytes(self) -> int:
@@ -115,17 +118,91 @@ class CyclePolicy:
         return None
 
 
-POLICIES = ("lru", "lfu", "forecast", "cycle")
+class NextUsePolicy:
+    """Evict the expert whose next use is expected furthest ahead.
+
+    The model visits the n MoE layers in a cycle. An expert of a layer the model reaches in d layers,
+    used by a share p of that layer's visits so far (smoothed: (uses + 1) / (visits + 2)), is next
+    used d + n (1 - p) / p layers from now on average: each visit that passes it over costs a whole
+    cycle. With p = 1 this is the cycle order (Belady's choice when every visit uses every cached
+    expert); an expert its layer seldom uses goes before a popular one of a farther layer. Replaying
+    200 recorded decode steps of the default MoEfied SmolLM2 (16 experts, top 13) through a cache of
+    50% of the experts, on demand: Belady's floor 142 reads per token, the cycle order 215, this 168
+    (25%: 253 / 298 / 278; 75%: 42 / 140 / 73).
+
+    An entry's key, the absolute layer position of its expected next use, only changes when its layer
+    is visited; so it is computed when the entry is admitted and again after each visit of its layer,
+    and kept in a heap whose stale items are skipped (and dropped when they outnumber live ones)."""
+    name = "nextuse"
+
+    def __init__(self, layers_until: Callable[[int], int], n_layers: int, position: Callable[[], int]):
+        self.layers_until = layers_until  # layer -> MoE layers until the model computes it again (n: now)
+        self.n_layers = n_layers
+        self.position = position          # the model's absolute layer position
+        self.visits: dict[int, int] = {}
+        self._heap: list[tuple] = []
+        self._sequence = itertools.count()
+        self.cache: ExpertCache | None = None
+
+    def attach(self, cache: "ExpertCache") -> None:
+        self.cache = cache
+
+    def _push(self, entry: Entry) -> None:
+        layer, position = entry.key[0], self.position()
+        if entry.needed_at >= position:  # prefetched for a layer ahead: expected where the predictor placed it
+            expected = float(entry.needed_at)
+        else:  # (a prefetch its layer passed over is re-ranked like any other entry)
+            p = (self.cache.frequency(entry.key) + 1) / (self.visits.get(layer, 0) + 2)
+            next_visit = position + self.layers_until(layer) % self.n_layers  # the layer computed now: 0
+            expected = next_visit + self.n_layers * (1.0 - p) / p
+        entry.rank_item = (-expected, entry.last_use, next(self._sequence), entry)
+        heapq.heappush(self._heap, entry.rank_item)
+
+    def admitted(self, entry: Entry) -> None:
+        self._push(entry)
+
+    def layer_done(self, layer: int) -> None:
+        """The model finished a visit of `layer`: its entries' next visit is a cycle later."""
+        self.visits[layer] = self.visits.get(layer, 0) + 1
+        for entry in self.cache.by_layer.get(layer, {}).values():
+            self._push(entry)
+        if len(self._heap) > 4 * len(self.cache.entries) + 64:
+            self._heap = [entry.rank_item for entry in self.cache.entries.values() if entry.rank_item is not None]
+            heapq.heapify(self._heap)
+
+    def victim(self, by_layer: dict[int, dict[int, Entry]], for_prefetch: bool, position: int) -> Entry | None:
+        passed_over = []
+        try:
+            while self._heap:
+                item = heapq.heappop(self._heap)
+                entry = item[3]
+                if entry.rank_item is not item or self.cache.entries.get(entry.key) is not entry:
+                    continue  # re-ranked since, or gone
+                if entry.pins or entry.state == LOADING or (for_prefetch and entry.needed_at >= position):
+                    passed_over.append(item)
+                    continue
+                entry.rank_item = None
+                return entry
+            return None
+        finally:
+            for item in passed_over:
+                heapq.heappush(self._heap, item)
+
+
+POLICIES = ("lru", "lfu", "forecast", "cycle", "nextuse")
 
 
 def make_policy(name: str, need_vector: Callable[[int], np.ndarray] | None = None,
-                layers_until: Callable[[int], int] | None = None):
+                layers_until: Callable[[int], int] | None = None, n_layers: int = 0,
+                position: Callable[[], int] | None = None):
     if name == "lru":
         return LruPolicy()
     if name == "lfu":
         return LfuPolicy()
     if name == "cycle" and layers_until is not None:
         return CyclePolicy(layers_until, need_vector)
+    if name == "nextuse" and layers_until is not None and position is not None:
+        return NextUsePolicy(layers_until, n_layers, position)
     if name == "forecast":
         if need_vector is None:
             raise ZllmError("expert_policy 'forecast' needs the expert predictor; use expert_strategy='predictive' "
@@ -150,6 +227,8 @@ class ExpertCache:
         self.unused_prefetches = 0  # prefetched entries evicted before any layer used them
         self.peak_charged = 0
         self._ranking: list[Entry] | None = None  # eviction order, computed once per step
+        if hasattr(self.policy, "attach"):
+            self.policy.attach(self)
 
     # --- accounting ---------------------------------------------------------------------------
     @property
@@ -162,6 +241,16 @@ class ExpertCache:
 
     def get(self, key: Key) -> Entry | None:
         return self.entries.get(key)
+
+    def frequency(self, key: Key) -> int:
+        """How many layer visits used this expert (counts survive eviction)."""
+        return self._frequency.get(key, 0)
+
+    def layer_done(self, layer: int) -> None:
+        """The model finished computing `layer` (its pins are released): the policy may re-rank."""
+        done = getattr(self.policy, "layer_done", None)
+        if done is not None:
+            done(layer)
 
     def touch(self, entry: Entry) -> None:
         self._clock += 1
@@ -226,9 +315,11 @@ class ExpertCache:
             self.remove(victim)
             self.evictions += 1
 
-    def reserve(self, key: Key, buffer_bytes: int, for_prefetch: bool, position: int) -> Entry | None:
+    def reserve(self, key: Key, buffer_bytes: int, for_prefetch: bool, position: int,
+                needed_at: int = -1) -> Entry | None:
         """A new LOADING entry for key. A prefetch gets None when no room can be made now; a demand
-        load waits (on `lock`) until loads in flight finish and make their entries evictable."""
+        load waits (on `lock`) until loads in flight finish and make their entries evictable.
+        `needed_at`: a prefetch's position of the layer it is loaded for."""
         if buffer_bytes + ENTRY_OVERHEAD > self.capacity_bytes:
             raise ZllmError(f"an expert of layer {key[0]} needs {buffer_bytes + ENTRY_OVERHEAD} bytes, more than the "
                             f"whole expert cache ({self.capacity_bytes} bytes); raise memory_budget")
@@ -244,8 +335,12 @@ class ExpertCache:
                                 f"{key[1]}: {pinned} bytes are pinned by the layer being computed; raise memory_budget")
             self.lock.wait()
         entry = Entry(key, buffer)
+        entry.needed_at = needed_at
         self.entries[key] = entry
         self.by_layer.setdefault(key[0], {})[key[1]] = entry
+        admitted = getattr(self.policy, "admitted", None)
+        if admitted is not None:
+            admitted(entry)
         self.peak_charged = max(self.peak_charged, self._charged)
         return entry
 

@@ -184,6 +184,9 @@ def top_sets(scores: np.ndarray, size: int) -> np.ndarray:
 
 def set_hits(predicted: np.ndarray, actual: np.ndarray) -> int:
     """How many of each token's actual experts [T, A] are in its predicted set [T, k], summed over tokens."""
+    if len(actual) == 1:  # a decode step: sets of a few ids
+        chosen = set(predicted[0].tolist())
+        return sum(expert in chosen for expert in actual[0].tolist())
     return int((predicted[:, :, None] == actual[:, None, :]).any(axis=1).sum())
 
 
@@ -191,11 +194,13 @@ class _Accuracy:
     """hits / predicted / actual per (phase, distance); phase is "decode" (one token) or "prefill"."""
 
     def __init__(self):
-        self.counts: dict[tuple[str, int], np.ndarray] = {}
+        self.counts: dict[tuple[str, int], list[int]] = {}
 
     def add(self, phase: str, distance: int, hits: int, predicted: int, actual: int) -> None:
-        total = self.counts.setdefault((phase, distance), np.zeros(3, np.int64))
-        total += (hits, predicted, actual)
+        total = self.counts.setdefault((phase, distance), [0, 0, 0])
+        total[0] += hits
+        total[1] += predicted
+        total[2] += actual
 
     def figures(self, phase: str, distance: int) -> tuple[float | None, float | None]:
         hits, predicted, actual = self.counts.get((phase, distance), (0, 0, 0))
@@ -233,6 +238,7 @@ class ExpertPredictor:
         self.depth = depth
         self.weights = weights or SignalWeights.default()
         self._mix_arrays: dict[int, np.ndarray] = {}  # distance -> the mix as an array [S]
+        self._plans: dict[tuple, tuple] = {}  # (layer, targets) -> _forecast_plan
         self.eps = rms_norm_eps
         self.routers = {}
         for layer, config in self.configs.items():
@@ -300,6 +306,8 @@ class ExpertPredictor:
         previous = self.previous_token_route[layer]
         if previous is None:
             before, after = ids[:-1], ids[1:]
+        elif len(ids) == 1:  # a decode step
+            before, after = previous[None], ids
         else:
             before, after = np.concatenate([previous[None], ids[:-1]]), ids
         self._count_pairs(self.temporal[layer], before, after)
@@ -309,7 +317,10 @@ class ExpertPredictor:
             prev_ids = self._pass_routes.get(prev_layer)
             if prev_ids is not None and len(prev_ids) == len(ids):
                 self._count_pairs(self.spatial[layer], prev_ids, ids)
-        np.add.at(self.frequency[layer], ids.reshape(-1), 1.0)
+        if len(ids) == 1 and len(set(ids[0].tolist())) == ids.shape[1]:
+            self.frequency[layer][ids[0]] += 1.0  # distinct ids: what add.at gives
+        else:
+            np.add.at(self.frequency[layer], ids.reshape(-1), 1.0)
         self.previous_token_route[layer] = ids[-1].copy()
         self._pass_routes[layer] = ids
         self._current_layer = layer
@@ -478,8 +489,7 @@ class ExpertPredictor:
     def forecast_from_lookahead(self, layer: int, lookahead: dict[int, np.ndarray], n_tokens: int) -> dict[int, np.ndarray]:
         """`forecast` from raw lookahead logits already computed (replaying a recorded trace)."""
         position = self.position[layer]
-        mixes = [self._mix_array(self.position[target] - position) for target in lookahead]
-        used = tuple(bool(any(mix[s] for mix in mixes)) for s in range(len(SIGNALS)))
+        mixes, used = self._forecast_plan(layer, tuple(lookahead))
         gate = self.corrected_gate(layer, lookahead)
         if used == (True, False, False, False):  # the gate alone (the default mix): what combine gives, directly
             scores = {target: mix[0] * softmax(gate[target].astype(np.float64)) for target, mix in zip(lookahead, mixes)}
@@ -495,6 +505,17 @@ class ExpertPredictor:
             need[target] = np.minimum(1.0, top_k * per_token / per_token.sum(-1, keepdims=True)).max(0) / distance
             self._need[target] = need[target]
         return need
+
+    def _forecast_plan(self, layer: int, targets: tuple[int, ...]) -> tuple[list[np.ndarray], tuple[bool, ...]]:
+        """The mixes of `targets` seen from `layer`, and which signals any of them uses (asked per layer
+        and token, the same every time)."""
+        key = (layer, targets)
+        plan = self._plans.get(key)
+        if plan is None:
+            position = self.position[layer]
+            mixes = [self._mix_array(self.position[target] - position) for target in targets]
+            plan = self._plans[key] = (mixes, tuple(bool(any(mix[s] for mix in mixes)) for s in range(len(SIGNALS))))
+        return plan
 
     def _mix_array(self, distance: int) -> np.ndarray:
         mix = self._mix_arrays.get(distance)

@@ -186,13 +186,12 @@ class Prefetcher:
                     continue
                 try:
                     entry = self.cache.reserve(task.key, self.store.buffer_bytes(task.key[0]), for_prefetch=True,
-                                               position=self.position)
+                                               position=self.position, needed_at=task.target)
                 except ZllmError:  # an expert the cache can never hold: the demand load will report it
                     entry = None
                 if entry is None:
                     self.prefetches_skipped += 1
                     continue
-                entry.needed_at = task.target
                 batch.append(entry)
 
     def _work(self) -> None:

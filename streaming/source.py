@@ -68,7 +68,9 @@ class StreamingExperts:
         self.prefetch_width = prefetch_width
         self.store = store or ExpertStore(index, storage, verify=verify, direct_io=direct_io)
         self.cache = ExpertCache(cache_bytes, make_policy(policy, predictor.need_vector if predictor else None,
-                                                          self._layers_until), on_buffer_dropped=self._forget_buffer)
+                                                          self._layers_until, len(self.layers),
+                                                          lambda: self.prefetcher.position),
+                                 on_buffer_dropped=self._forget_buffer)
         # Cache buffers are recycled, so the backend's prepared weights (descriptors pointing into a
         # buffer) are kept per buffer and layout and reused by the next expert read into that buffer:
         # preparing costs more CPU than the read itself.
@@ -113,9 +115,13 @@ class StreamingExperts:
     def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
                 router_logits: np.ndarray | None = None) -> Mapping[int, ExpertWeights]:
         position = self._position(layer)
-        if self._current is not None:
-            self._current.release()
+        finished = self._current
+        if finished is not None:
+            finished.release()
         self.prefetcher.advance(position)
+        if finished is not None:
+            with self.cache.lock:
+                self.cache.layer_done(finished.layer)
         ids = sorted(set(np.asarray(expert_ids).ravel().tolist()))  # ascending distinct ids of the route [T, A]
         room = self.cache.capacity_entries(self.store.buffer_bytes(layer))
         with self.cache.lock:

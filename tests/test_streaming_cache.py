@@ -12,7 +12,8 @@ from devices.reference import ReferenceBackend
 from edge.errors import ZllmError
 from edge.moe import MoeConfig
 from streaming import store as store_module
-from streaming.cache import ENTRY_OVERHEAD, CyclePolicy, ExpertCache, ForecastPolicy, LfuPolicy, LruPolicy
+from streaming.cache import (ENTRY_OVERHEAD, CyclePolicy, ExpertCache, ForecastPolicy, LfuPolicy, LruPolicy,
+                             NextUsePolicy)
 from streaming.paging import MappedExperts
 from streaming.source import StreamingExperts
 from streaming.store import ExpertReadError, ExpertStore
@@ -104,6 +105,33 @@ def test_cycle_evicts_the_layer_reached_last_ties_by_need():
         _fill(cache, key)
     _fill(cache, (1, 1))  # both experts of layer 0 are reached last; (0, 1) is needed less
     assert set(cache.entries) == {(0, 0), (1, 0), (2, 0), (1, 1)}
+
+
+def test_nextuse_evicts_the_expert_needed_furthest_ahead():
+    # three MoE layers in a cycle, visited as the streaming source does: at each step the model reaches
+    # a layer, and the layer it has just finished is re-ranked
+    here = {"position": 0, "layer": 0}
+    layers_until = lambda layer: (layer - here["layer"]) % 3 or 3  # noqa: E731
+    cache = ExpertCache(4 * ENTRY, NextUsePolicy(layers_until, 3, lambda: here["position"]))
+    steps = [(0, [0, 1]), (1, [0]), (2, [0])] + [(layer, [0]) for layer in (0, 1, 2, 0, 1, 2)] + [(0, [])]
+    for position, (layer, experts) in enumerate(steps):
+        here.update(position=position, layer=layer)
+        with cache.lock:
+            if position:
+                cache.layer_done(steps[position - 1][0])
+            for expert in experts:
+                entry = cache.entries.get((layer, expert)) or cache.reserve((layer, expert), BUFFER, False, position)
+                cache.touch(entry)
+                cache.mark_ready(entry, None)
+    # Now at layer 0 (position 9), each layer visited 3 times. Expected next use, in layers from the
+    # start: (0, 1), used once, 9 + 3 (1 - 2/5) / (2/5) = 13.5; (2, 0), used every time, 11 + 3 (1/5) / (4/5)
+    # = 11.75; (1, 0) 10.75; (0, 0) 9.75 (the cycle order would evict (0, 0) first: its layer comes last).
+    with cache.lock:
+        for expert in (5, 4):  # prefetches for layer 1 (position 10): they are not evicted for each other
+            cache.mark_ready(cache.reserve((1, expert), BUFFER, for_prefetch=True, position=9, needed_at=10), None)
+    assert set(cache.entries) == {(0, 0), (1, 0), (1, 5), (1, 4)}
+    _fill(cache, (2, 3), position=9)  # a demand load: the prefetches are expected at position 10
+    assert set(cache.entries) == {(0, 0), (1, 5), (1, 4), (2, 3)}
 
 
 def test_pinned_and_loading_entries_are_not_evicted():

@@ -121,7 +121,7 @@ def test_stats_report_the_streaming_figures(tiny_zoo):
     assert 0.0 <= stats["io_hidden_fraction"] <= 1.0 and 0.0 <= stats["predictor_recall"] <= 1.0
     assert stats["storage"] == "custom:bw=200MB,lat=100us (200 MB/s, 100 us)"
     assert stats["io_mode"] == "direct" and stats["expert_source"] == "predictive"
-    assert stats["expert_policy"] == "cycle"  # the predictive strategy's default
+    assert stats["expert_policy"] == "nextuse"  # the predictive strategy's default
     plan = stats["memory_plan"]
     assert stats["budget_bytes"] == (plan["dense_bytes"] + plan["kv_bytes"] + plan["scratch_bytes"]
                                      + plan["staging_bytes"] + plan["expert_cache_bytes"])
