@@ -103,6 +103,24 @@ def atomic_load(typingctx, address):
 
 
 @intrinsic
+def prefetch_bytes(typingctx, address, n_bytes):
+    """Hint the cache lines of [address, address + n_bytes) into cache (llvm.prefetch: never faults)."""
+    signature = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
+        n_lines = builder.udiv(builder.add(args[1], ir.Constant(I64, 63)), ir.Constant(I64, 64))
+        with cgutils.for_range(builder, n_lines) as loop:
+            line = builder.add(args[0], builder.mul(loop.index, ir.Constant(I64, 64)))
+            builder.call(prefetch, [builder.inttoptr(line, I8.as_pointer()), ir.Constant(I32, 0), ir.Constant(I32, 3),
+                                    ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
 def spin_pause(typingctx):
     """One iteration's pause of a spin-wait: the instruction that tells the core a thread is
     spinning (x86 `pause`, ARM `yield`; it frees resources for a sibling hyperthread). Chosen by the

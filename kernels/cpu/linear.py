@@ -27,7 +27,7 @@ from numba import prange, types
 
 from kernels.cpu import formats as wf
 from kernels.cpu.intrinsics import (call_dequantize, call_gemm, call_matvec, float32_pointer, int8_pointer,
-                                    int32_pointer, int64_pointer)
+                                    int32_pointer, int64_pointer, prefetch_bytes)
 from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, Q8_INT4_ORDER, Q8_INT4_ZERO_LANES, Q8_INT8_ZERO_LANES,
                                  Q8_SCALES, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS, make_dequantize_rows,
                                  make_dot_rows, make_tile_times_tokens)
@@ -369,6 +369,27 @@ def matvec_rows(w, row_begin, row_end, x_natural, x_pairs, x_sums, out):
         sums = group_sums(x_sums, w[W_CHUNKS_PER_GROUP])
         call_matvec(w[W_MATVEC_FN], w.ctypes.data, row_begin, row_end, x_natural.ctypes.data, x_pairs.ctypes.data,
                     sums.ctypes.data, out.ctypes.data)
+
+
+# A matvec's own prefetches run a few row blocks ahead (llvm_ir.PREFETCH_BLOCKS), so the first rows of
+# a matrix wait for memory: for a small matrix (a MoE expert's) that is a good part of its time.
+# While one expert is computed, the first HEAD_ROWS rows of the next one's matrices are requested
+# (MoEfied SmolLM2, 1 thread: the expert mixture 4.3-4.5 -> 4.1-4.2 ms per token; before each
+# projection of the dense fused forward it measured no difference).
+HEAD_ROWS = 16
+
+
+@helper
+def prefetch_head(w, row_begin):
+    """Request rows [row_begin, row_begin + HEAD_ROWS) of a weight (its codes, scales and offsets)."""
+    rows = min(HEAD_ROWS, w[W_ROWS] - row_begin)
+    if rows <= 0:
+        return
+    prefetch_bytes(w[W_DATA] + row_begin * w[W_ROW_BYTES], rows * w[W_ROW_BYTES])
+    if w[W_SCALES] != 0:
+        prefetch_bytes(w[W_SCALES] + 2 * row_begin * w[W_GROUPS], 2 * rows * w[W_GROUPS])
+    if w[W_OFFSETS] != 0:
+        prefetch_bytes(w[W_OFFSETS] + 2 * row_begin * w[W_GROUPS], 2 * rows * w[W_GROUPS])
 
 
 @helper

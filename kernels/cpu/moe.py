@@ -15,7 +15,9 @@ order, so it does not depend on where their weights came from either.
 
 Decode (T = 1): x is prepared once for every gate/up; each thread computes its rows of every
 expert's gate and up and their silu product, then its rows of the output from every expert's down
-projection, expert after expert. Prefill: expert after expert, that expert's tokens are gathered and
+projection, expert after expert, requesting the first rows of the next expert's matrices while it
+computes one (linear.prefetch_head: an expert's matrices are small, and a matvec's own prefetches
+run only a few row blocks ahead). Prefill: expert after expert, that expert's tokens are gathered and
 transposed, gate/up are tiled into [I, Te] (already the down projection's transposed input), the
 down projection gives [Te, D], and its rows are scaled and added to the tokens' outputs.
 """
@@ -27,7 +29,8 @@ from numba import prange, types
 from kernels.cpu.elementwise import silu_times
 from kernels.cpu.formats import W_ACTIVATIONS, W_COLS, W_COLS_PADDED, W_FIELDS, W_ROWS
 from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_M, TILE_ROWS, TILE_T, gemm_rows, matvec_rows,
-                                pairs_length, padded_tokens, prepare_vector, split, sums_length, transpose_tokens)
+                                pairs_length, padded_tokens, prefetch_head, prepare_vector, split, sums_length,
+                                transpose_tokens)
 from kernels.cpu.runtime import kernel, mutable, readonly
 
 GATE, UP, DOWN = 0, 1, 2  # a distinct expert's rows in the descriptor table: 3 * e + GATE, ...
@@ -54,6 +57,10 @@ def mixture_decode_kernel(weights, x, coeffs, n_threads, out, x_natural, x_pairs
         for e in range(n_experts):
             gate, up = weights[3 * e + GATE], weights[3 * e + UP]
             begin, end = split(gate[W_ROWS], n_threads, part, MATVEC_BLOCK)
+            if e + 1 < n_experts:
+                next_begin = split(weights[3 * e + 3 + GATE, W_ROWS], n_threads, part, MATVEC_BLOCK)[0]
+                prefetch_head(weights[3 * e + 3 + GATE], next_begin)
+                prefetch_head(weights[3 * e + 3 + UP], next_begin)
             matvec_rows(gate, begin, end, x_natural, x_pairs, x_sums, gate_rows[e])
             matvec_rows(up, begin, end, x_natural, x_pairs, x_sums, up_rows[e])
             silu_times(gate_rows[e, begin:end], up_rows[e, begin:end], hidden[e, begin:end])
@@ -67,6 +74,8 @@ def mixture_decode_kernel(weights, x, coeffs, n_threads, out, x_natural, x_pairs
         for e in range(n_experts):
             down = weights[3 * e + DOWN]
             k_padded = down[W_COLS_PADDED]
+            if e + 1 < n_experts:
+                prefetch_head(weights[3 * e + 3 + DOWN], begin)
             matvec_rows(down, begin, end, h_natural[e, :k_padded], h_pairs[e], h_sums[e], down_rows)
             coeff = coeffs[e]
             for r in range(begin, end):
