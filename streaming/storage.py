@@ -104,6 +104,15 @@ class EmulatedDevice:
             self._busy_until = done
             return done
 
+    def schedule_batch(self, sizes: list[int], issued_at: float) -> float:
+        """Book reads of these sizes issued together (a queue of commands); returns when the last finishes."""
+        with self._lock:
+            done = self._busy_until
+            for n_bytes in sizes:
+                done = max(issued_at + self.model.latency_s, done) + n_bytes / self.model.bandwidth_bytes_per_s
+            self._busy_until = done
+            return done
+
     def wait_until(self, done: float) -> float:
         """Sleep (releasing the GIL) until `done` on the clock; returns the seconds slept."""
         remaining = done - self.clock()

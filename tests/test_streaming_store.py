@@ -183,6 +183,10 @@ def test_concurrent_reads_share_the_bandwidth():
     assert device.schedule(1000, clock()) == pytest.approx(200.002)
     assert device.wait_until(200.002) == pytest.approx(0.002) and clock() == pytest.approx(200.002)
     assert device.wait_until(150.0) == 0.0  # already past: no sleep
+    # a batch booked at once queues the same way as its reads booked one by one
+    clock.now = 300.0
+    assert device.schedule_batch([1000] * 4, clock()) == pytest.approx(300.005)
+    assert device.schedule(1000, clock()) == pytest.approx(300.006)
 
 
 def test_slow_real_read_is_not_slowed_further(expert_file, monkeypatch):
