@@ -147,25 +147,27 @@ class NextUsePolicy:
     def attach(self, cache: "ExpertCache") -> None:
         self.cache = cache
 
-    def _push(self, entry: Entry) -> None:
-        layer, position = entry.key[0], self.position()
-        if entry.needed_at >= position:  # prefetched for a layer ahead: expected where the predictor placed it
-            expected = float(entry.needed_at)
-        else:  # (a prefetch its layer passed over is re-ranked like any other entry)
-            p = (self.cache.frequency(entry.key) + 1) / (self.visits.get(layer, 0) + 2)
-            next_visit = position + self.layers_until(layer) % self.n_layers  # the layer computed now: 0
-            expected = next_visit + self.n_layers * (1.0 - p) / p
-        entry.rank_item = (-expected, entry.last_use, next(self._sequence), entry)
-        heapq.heappush(self._heap, entry.rank_item)
+    def _push_layer(self, layer: int, entries) -> None:
+        """Rank these entries of `layer` by their expected next use and push them."""
+        position = self.position()
+        next_visit = position + self.layers_until(layer) % self.n_layers  # the layer computed now: 0
+        visits, uses, n = self.visits.get(layer, 0) + 2, self.cache.uses, self.n_layers
+        for entry in entries:
+            if entry.needed_at >= position:  # prefetched for a layer ahead: expected where the predictor placed it
+                expected = float(entry.needed_at)
+            else:  # (a prefetch its layer passed over is re-ranked like any other entry)
+                p = (uses.get(entry.key, 0) + 1) / visits
+                expected = next_visit + n * (1.0 - p) / p
+            entry.rank_item = (-expected, entry.last_use, next(self._sequence), entry)
+            heapq.heappush(self._heap, entry.rank_item)
 
     def admitted(self, entry: Entry) -> None:
-        self._push(entry)
+        self._push_layer(entry.key[0], (entry,))
 
     def layer_done(self, layer: int) -> None:
         """The model finished a visit of `layer`: its entries' next visit is a cycle later."""
         self.visits[layer] = self.visits.get(layer, 0) + 1
-        for entry in self.cache.by_layer.get(layer, {}).values():
-            self._push(entry)
+        self._push_layer(layer, self.cache.by_layer.get(layer, {}).values())
         if len(self._heap) > 4 * len(self.cache.entries) + 64:
             self._heap = [entry.rank_item for entry in self.cache.entries.values() if entry.rank_item is not None]
             heapq.heapify(self._heap)
@@ -222,7 +224,7 @@ class ExpertCache:
         self._free: dict[int, list[np.ndarray]] = {}
         self._charged = 0          # live entries (buffer + overhead) + free buffers
         self._clock = 0
-        self._frequency: dict[Key, int] = {}
+        self.uses: dict[Key, int] = {}  # layer visits that used each expert (kept after eviction: lfu, nextuse)
         self.evictions = 0
         self.unused_prefetches = 0  # prefetched entries evicted before any layer used them
         self.peak_charged = 0
@@ -242,10 +244,6 @@ class ExpertCache:
     def get(self, key: Key) -> Entry | None:
         return self.entries.get(key)
 
-    def frequency(self, key: Key) -> int:
-        """How many layer visits used this expert (counts survive eviction)."""
-        return self._frequency.get(key, 0)
-
     def layer_done(self, layer: int) -> None:
         """The model finished computing `layer` (its pins are released): the policy may re-rank."""
         done = getattr(self.policy, "layer_done", None)
@@ -256,7 +254,7 @@ class ExpertCache:
         self._clock += 1
         entry.last_use = self._clock
         entry.needed_at = -1
-        self._frequency[entry.key] = self._frequency.get(entry.key, 0) + 1
+        self.uses[entry.key] = self.uses.get(entry.key, 0) + 1
 
     # --- making room --------------------------------------------------------------------------
     @staticmethod
@@ -291,7 +289,7 @@ class ExpertCache:
         for rebuilt in (False, True):
             if self._ranking is None or rebuilt:  # rebuilt: entries loaded since may be evictable now
                 candidates = [e for e in self.entries.values() if not e.pins and e.state != LOADING]
-                self._ranking = sorted(candidates, key=lambda e: self.policy.rank(e, self._frequency.get(e.key, 0)))
+                self._ranking = sorted(candidates, key=lambda e: self.policy.rank(e, self.uses.get(e.key, 0)))
             for i, entry in enumerate(self._ranking):
                 if self.entries.get(entry.key) is entry and self._evictable(entry, for_prefetch, position):
                     del self._ranking[i]
