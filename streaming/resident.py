@@ -45,9 +45,9 @@ class ResidentExperts:
     def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
                 router_logits: np.ndarray | None = None) -> Mapping[int, ExpertWeights]:
         layer_experts = self._experts[layer]
-        wanted = np.unique(expert_ids)  # ascending distinct ids of the route [T, A]
+        wanted = sorted(set(np.asarray(expert_ids).ravel().tolist()))  # ascending distinct ids of the route [T, A]
         self._hits += len(wanted)
-        return {int(e): layer_experts[int(e)] for e in wanted}
+        return {e: layer_experts[e] for e in wanted}
 
     def stats(self) -> dict:
         return {"expert_source": "resident", "expert_hits": self._hits, "expert_misses": 0,

@@ -79,6 +79,7 @@ class CpuBackend:
         else:
             self.activation_style = ACT_INT8_VNNI if runs_vnni() else ACT_INT8
         self.threads = _thread_count(threads)
+        self._largest_expert = (0, 0, 0)  # (K_max, I, padded I) over the experts packed (_expert_table)
         numba.set_num_threads(self.threads)
         _launching.threads = self.threads
 
@@ -183,14 +184,15 @@ class CpuBackend:
         """A decode step's mixture: a token's A ids are distinct (top-k), so its experts in ascending id
         order and their weights are one argsort; each expert's descriptor rows are packed once."""
         order = np.argsort(ids)
-        chosen = [experts[int(expert)] for expert in ids[order]]  # referenced until the kernel returns
+        chosen = [experts[expert] for expert in ids[order].tolist()]  # referenced until the kernel returns
         table = np.concatenate([self._expert_table(w) for w in chosen])  # [3 * A, W_FIELDS]
-        shape = moe_kernels.DecodeScratch.shape_for(table)
+        # scratch for the largest expert packed so far (extra zero padding changes no sum)
+        shape = (len(chosen), x.shape[1], *self._largest_expert)
         scratch = getattr(_launching, "decode_scratch", None)
         if scratch is None or not scratch.holds(shape):
             scratch = _launching.decode_scratch = moe_kernels.DecodeScratch(*shape)
-        work = sum(int(w.gate.shape[0]) for w in chosen) * 3 * x.shape[1]
         out = np.zeros(x.shape, np.float32)
+        work = 3 * x.shape[1] * self._largest_expert[1] * len(chosen)  # multiply-adds, at most
         moe_kernels.mixture_decode(table, x, np.ascontiguousarray(weights[order], np.float32), self.use_threads(work),
                                    out, scratch)
         return out
@@ -202,6 +204,8 @@ class CpuBackend:
             table = np.stack([m.descriptor for m in matrices])
             moe_kernels.check_expert_table(table)
             expert.packed = (table, matrices)
+            self._largest_expert = tuple(max(a, b) for a, b in zip(self._largest_expert,
+                                                                   moe_kernels.DecodeScratch.expert_shape(table)))
         return expert.packed[0]
 
     def softmax(self, scores: np.ndarray) -> np.ndarray:

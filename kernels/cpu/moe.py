@@ -170,8 +170,15 @@ class DecodeScratch:
         return (descriptors.shape[0] // 3, int(descriptors[DOWN, W_ROWS]), int(descriptors[:, W_COLS_PADDED].max()),
                 int(descriptors[GATE::3, W_ROWS].max()), int(descriptors[DOWN::3, W_COLS_PADDED].max()))
 
+    @staticmethod
+    def expert_shape(table: np.ndarray) -> tuple[int, int, int]:
+        """(K_max, I, padded I) of one expert's rows [3, W_FIELDS]: shape_for's last three."""
+        return DecodeScratch.shape_for(table)[2:]
+
     def holds(self, shape: tuple[int, int, int, int, int]) -> bool:
-        return shape[0] <= self.shape[0] and shape[1:] == self.shape[1:]
+        """Room for `shape`: as many experts or more, the same D, sizes at least as large (longer
+        prepared vectors only add zero padding, which changes no sum)."""
+        return shape[1] == self.shape[1] and all(need <= have for need, have in zip(shape, self.shape))
 
 
 def mixture_decode(descriptors: np.ndarray, x: np.ndarray, coeffs: np.ndarray, n_threads: int, out: np.ndarray,
