@@ -185,8 +185,10 @@ def top_sets(scores: np.ndarray, size: int) -> np.ndarray:
 def set_hits(predicted: np.ndarray, actual: np.ndarray) -> int:
     """How many of each token's actual experts [T, A] are in its predicted set [T, k], summed over tokens."""
     if len(actual) == 1:  # a decode step: sets of a few ids
-        chosen = set(predicted[0].tolist())
-        return sum(expert in chosen for expert in actual[0].tolist())
+        chosen, row = set(predicted[0].tolist()), actual[0].tolist()
+        if len(set(row)) == len(row):  # distinct ids (a top-k route)
+            return len(chosen.intersection(row))
+        return sum(expert in chosen for expert in row)
     return int((predicted[:, :, None] == actual[:, None, :]).any(axis=1).sum())
 
 

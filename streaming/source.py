@@ -161,10 +161,12 @@ class StreamingExperts:
             tokens = 1 if next_pass else n_tokens
             width = min(len(need), int(np.ceil(self.layers[target].top_k * tokens * self.prefetch_width)))
             likeliest = np.argsort(-need, kind="stable")[:width]
+            cached = self.cache.by_layer.get(target, {})
             for expert, score in zip(likeliest.tolist(), need[likeliest].tolist()):
                 if free_entries <= 0 or score <= 0:
                     break
-                self.prefetcher.prefetch_locked((target, expert), position + distance, distance, score)
+                if expert not in cached:  # (prefetch_locked would skip it too; it still takes its share of room)
+                    self.prefetcher.prefetch_locked((target, expert), position + distance, distance, score)
                 free_entries -= 1
 
     def begin_request(self) -> None:
