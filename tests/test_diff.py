@@ -198,3 +198,15 @@ def test_cpu_device_agrees_with_the_reference_within_its_tolerance(tiny_zoo):
     report = run_diff(path, random_prompt(12), ["reference", "cpu"], decode_steps=2)
     assert report["first_divergence"] is None
     assert report["tolerance"]["per_matmul"] > 0  # an f32 device that sums in another order is not held to 0
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe_shared"])
+def test_cpu_device_agrees_with_the_reference_on_moe_layers(tiny_zoo, case):
+    """The fused executor's MoE path with an observer: one call per layer, routes reported and equal."""
+    if "cpu" not in BACKENDS:
+        pytest.skip("the cpu backend is not registered in devices.base.BACKENDS")
+    path = tiny_zoo.converted(case, QuantPlan(weights="int8", group_size=32))
+    report = run_diff(path, random_prompt(10), ["reference", "cpu:f32"], decode_steps=2)
+    assert report["first_divergence"] is None
+    for p in report["passes"]:  # every MoE layer's route was recorded on both devices and agrees
+        assert p["routing"] and all(route["tokens_with_other_experts"] == [] for route in p["routing"].values())
