@@ -218,6 +218,18 @@ class _Accuracy:
         return out
 
 
+@dataclass(frozen=True)
+class _DecodePlan:
+    """A layer's targets for the compiled one-token gate forecast (ExpertPredictor._decode_plan)."""
+
+    targets: list[int]
+    offsets: np.ndarray   # [n + 1] int64: target t's experts are [offsets[t], offsets[t + 1]) of the stack
+    bias: np.ndarray      # [S] f32: each target's router bias (zeros without one)
+    mix: np.ndarray       # [n] f64: the gate's weight in each target's mix
+    top_k: np.ndarray     # [n] int64
+    distance: np.ndarray  # [n] int64: MoE layers ahead
+
+
 class ExpertPredictor:
     """Forecasts the experts of the next `depth` MoE layers from the residual stream and past routes.
 
@@ -263,9 +275,15 @@ class ExpertPredictor:
         self.temporal = {layer: np.zeros((c.num_experts, c.num_experts)) for layer, c in self.configs.items()}
         self.spatial = {layer: np.zeros((self.configs[prev].num_experts, self.configs[layer].num_experts))
                         for prev, layer in zip(self.order, self.order[1:])}  # keyed by the later layer
-        # (layer, target) -> [E] mean of target's real router logits minus those looked ahead from layer
-        self.drift = {(layer, target): np.zeros(self.configs[target].num_experts, np.float32)
-                      for layer in self.order for target in self.targets(layer)}
+        # layer -> [sum of its targets' E]: per target (in the order of its stacked routers), the mean of
+        # the target's real router logits minus those looked ahead from layer (`drift(layer, target)`)
+        self._drift_blocks, self._drift_spans = {}, {}
+        for layer in self.order:
+            sizes = [self.configs[target].num_experts for target in self.targets(layer)]
+            self._drift_blocks[layer] = np.zeros(sum(sizes), np.float32)
+            for target, begin, size in zip(self.targets(layer), np.cumsum([0, *sizes]).tolist(), sizes):
+                self._drift_spans[(layer, target)] = (begin, begin + size)
+        self._decode_plans: dict[int, _DecodePlan | None] = {}
         self.accuracy = _Accuracy()
         self.predictions_made = 0
         self.begin_request()
@@ -350,7 +368,7 @@ class ExpertPredictor:
         for source, lookahead in looked_ahead.items():
             if len(lookahead) != len(actual):
                 continue  # made for another forward call
-            drift = self.drift[(source, layer)]
+            drift = self.drift(source, layer)  # a view: updated in place
             drift *= (1.0 - DRIFT_RATE) ** len(actual)
             if len(actual) == 1:  # a decode step
                 drift += DRIFT_RATE * (actual[0] - lookahead[0])
@@ -477,7 +495,61 @@ class ExpertPredictor:
         self._config(layer)
         residual = np.asarray(residual, np.float32)
         n_tokens = 1 if residual.ndim == 1 else residual.shape[0]
+        if n_tokens == 1:
+            plan = self._decode_plan(layer)
+            if plan is not None:
+                return self._forecast_decode(layer, residual.reshape(-1), plan)
         return self.forecast_from_lookahead(layer, self.lookahead_logits(layer, residual), n_tokens)
+
+    def _decode_plan(self, layer: int) -> "_DecodePlan | None":
+        """What a one-token forecast from `layer` needs for the compiled gate forecast, or None where it
+        does not apply: another signal mix than the gate alone, or a target that selects otherwise
+        than by its raw logits (sigmoid scores, correction bias, groups)."""
+        if layer in self._decode_plans:
+            return self._decode_plans[layer]
+        targets = self.targets(layer)
+        plan = None
+        if targets:
+            mixes, used = self._forecast_plan(layer, tuple(targets))
+            configs = [self.configs[target] for target in targets]
+            if used == (True, False, False, False) and all(
+                    c.scoring != "sigmoid" and c.n_group == 1 and not c.score_correction_bias for c in configs):
+                sizes = [c.num_experts for c in configs]
+                biases = [self.routers[target][2] for target in targets]
+                position = self.position[layer]
+                plan = _DecodePlan(
+                    targets=targets, offsets=np.cumsum([0, *sizes]).astype(np.int64),
+                    bias=np.concatenate([np.zeros(size, np.float32) if bias is None else bias
+                                         for bias, size in zip(biases, sizes)]).astype(np.float32),
+                    mix=np.array([mix[0] for mix in mixes], np.float64),
+                    top_k=np.array([c.top_k for c in configs], np.int64),
+                    distance=np.array([self.position[target] - position for target in targets], np.int64))
+        self._decode_plans[layer] = plan
+        return plan
+
+    def _forecast_decode(self, layer: int, x: np.ndarray, plan: "_DecodePlan") -> dict[int, np.ndarray]:
+        """forecast_from_lookahead(lookahead_logits(...)) for one token and the gate alone, in one
+        compiled call (kernels/cpu/forecast.py); the same bookkeeping of what was predicted."""
+        from kernels.cpu.forecast import gate_forecast
+
+        n_experts = int(plan.offsets[-1])
+        raw, need = np.empty(n_experts, np.float32), np.empty(n_experts, np.float64)
+        sets = np.empty((len(plan.targets), int(plan.top_k.max())), np.int64)
+        gate_forecast(x, self._stacked_routers[layer], plan.bias, self._drift_blocks[layer], np.float32(self.eps),
+                      plan.mix, plan.top_k, plan.distance, plan.offsets, raw, need, sets)
+        out = {}
+        for i, target in enumerate(plan.targets):
+            begin, end = int(plan.offsets[i]), int(plan.offsets[i + 1])
+            self._looked_ahead.setdefault(target, {})[layer] = raw[None, begin:end]
+            self._pending.setdefault(target, {})[int(plan.distance[i])] = sets[i:i + 1, :plan.top_k[i]]
+            self.predictions_made += 1
+            out[target] = self._need[target] = need[begin:end]
+        return out
+
+    def drift(self, layer: int, target: int) -> np.ndarray:
+        """[E] the learned drift of `target`'s logits looked ahead from `layer` (a view of its block)."""
+        begin, end = self._drift_spans[(layer, target)]
+        return self._drift_blocks[layer][begin:end]
 
     def corrected_gate(self, layer: int, lookahead: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         """Selection logits of each target from its raw lookahead plus the drift learned for (layer, target);
@@ -485,7 +557,7 @@ class ExpertPredictor:
         out = {}
         for target, logits in lookahead.items():
             self._looked_ahead.setdefault(target, {})[layer] = logits
-            out[target] = self.selection_logits(target, logits + self.drift[(layer, target)])
+            out[target] = self.selection_logits(target, logits + self.drift(layer, target))
         return out
 
     def forecast_from_lookahead(self, layer: int, lookahead: dict[int, np.ndarray], n_tokens: int) -> dict[int, np.ndarray]:

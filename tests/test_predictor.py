@@ -162,7 +162,7 @@ def test_gate_lookahead_learns_the_drift_between_layers():
             predictor.observe(layer, route, residual)
             if layer == 1:
                 predictor.forecast(layer, residual)
-    assert np.all(predictor.drift[(1, 2)][:8] < -1.0) and np.all(np.abs(predictor.drift[(1, 2)][8:]) < 0.5)
+    assert np.all(predictor.drift(1, 2)[:8] < -1.0) and np.all(np.abs(predictor.drift(1, 2)[8:]) < 0.5)
     assert predictor.stats()["predictor_recall"] > 0.9  # chance among experts 8-15 alone would be 0.25
 
 
@@ -257,3 +257,30 @@ def test_recorder_needs_every_layer_of_a_call():
     recorder.route(1, np.array([[0, 1]]), np.zeros((1, D)))
     with pytest.raises(PredictorError, match=r"^a forward call routed MoE layers \[1\] with token counts \[1\]; "):
         recorder.route(1, np.array([[0, 1]]), np.zeros((1, D)))
+
+
+def test_one_token_gate_forecast_is_the_general_one():
+    """A decode step with the gate alone runs a compiled forecast (kernels/cpu/forecast.py): the same
+    needs, predicted sets and learned drift as the general numpy path, on routers with biases."""
+    rng = np.random.default_rng(7)
+    routers = {layer: (rng.uniform(0.5, 1.5, D).astype(np.float32), rng.normal(0, 1, (E, D)).astype(np.float32),
+                       rng.normal(0, 0.5, E).astype(np.float32)) for layer in LAYERS}
+    compiled, general = (ExpertPredictor(configs(), routers, depth=2) for _ in range(2))
+    general._decode_plans = dict.fromkeys(LAYERS)  # no plan: every forecast takes the numpy path
+    routes = synthetic_routes("random", 40, seed=3)
+    for predictor in (compiled, general):
+        predictor.begin_request()
+    for t in range(len(routes)):
+        residual = rng.normal(0, 1, (1, D)).astype(np.float32)
+        for m, layer in enumerate(LAYERS):
+            for predictor in (compiled, general):
+                predictor.observe(layer, routes[t:t + 1, m], residual)
+            needs = [predictor.forecast(layer, residual) for predictor in (compiled, general)]
+            assert needs[0].keys() == needs[1].keys()
+            for target in needs[0]:
+                np.testing.assert_allclose(needs[0][target], needs[1][target], rtol=1e-5, atol=1e-7)
+                for distance, predicted in general._pending[target].items():
+                    np.testing.assert_array_equal(compiled._pending[target][distance], predicted)
+    np.testing.assert_allclose(compiled.drift(1, 2), general.drift(1, 2), rtol=1e-5, atol=1e-6)
+    assert compiled.stats()["predictor_recall"] == general.stats()["predictor_recall"]
+    assert compiled._decode_plans[LAYERS[0]] is not None
