@@ -18,9 +18,31 @@ from edge.spec import spec_from_dict
 from edge.tokenizer import Tokenizer, TokenizerError
 from quant import QuantizedTensor
 from streaming.budget import plan_memory
-from streaming.stats import peak_rss_bytes
+from streaming.stats import peak_rss_bytes, release_free_heap
 
 DEFAULT_SESSION_CAPACITY = 4096
+
+
+_TOKENIZER_BYTES: dict[tuple, int] = {}  # (path, size, mtime) -> resident bytes its first load added
+
+
+def load_tokenizer(path: str | None, config: dict) -> tuple[Tokenizer | None, int]:
+    """The checkpoint's tokenizer, and the memory it takes for the memory budget: what loading it added
+    to the resident set the first time this process loaded that file (the tokenizers library does not
+    report its memory; SmolLM2's takes ~40 MB). Later loads count the same figure, so a model's budget
+    does not depend on what the allocator kept from an earlier load."""
+    if path is None:
+        return None, 0
+    status = os.stat(path)
+    key = (os.path.realpath(path), status.st_size, status.st_mtime_ns)
+    if key in _TOKENIZER_BYTES:
+        return Tokenizer(path, config), _TOKENIZER_BYTES[key]
+    release_free_heap()  # so that the tokenizer's allocations grow the resident set, not reuse freed memory
+    process = psutil.Process()
+    before = process.memory_info().rss
+    tokenizer = Tokenizer(path, config)
+    _TOKENIZER_BYTES[key] = max(0, process.memory_info().rss - before)
+    return tokenizer, _TOKENIZER_BYTES[key]
 
 
 class Model:
@@ -42,15 +64,16 @@ class Model:
         self.expert_strategy = expert_strategy or ("predictive" if memory_budget is not None else "resident")
         self.streaming_options = dict(storage=storage, policy=expert_policy, depth=prefetch_depth,
                                       threads=prefetch_threads)
-        # one budget: dense weights + KV reservation + scratch + expert cache (streaming/budget.py)
+        self.tokenizer, tokenizer_bytes = load_tokenizer(self.checkpoint.tokenizer_path, self.checkpoint.tokenizer_config)
+        # one budget: dense weights + tokenizer + KV reservation + scratch + expert cache (streaming/budget.py)
         self.memory = plan_memory(self.spec, self.weight_bytes, experts, memory_budget, self.expert_strategy,
-                                  prefetch_threads, kv_capacity, kv_cache)
+                                  prefetch_threads, kv_capacity, kv_cache, tokenizer_bytes, prefetch_depth)
         if (expert_strategy is None and experts is not None and self.memory.expert_cache_bytes is not None
                 and self.memory.expert_cache_bytes >= self.memory.expert_bytes):
             # the budget holds every expert: nothing to stream or predict, so none of their per-layer cost
             self.expert_strategy = "resident"
             self.memory = plan_memory(self.spec, self.weight_bytes, experts, self.memory.budget_bytes, "resident",
-                                      prefetch_threads, kv_capacity, kv_cache)
+                                      prefetch_threads, kv_capacity, kv_cache, tokenizer_bytes)
         self.memory_budget = self.memory.budget_bytes
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         try:
@@ -67,8 +90,6 @@ class Model:
             raise CheckpointError(f"{self.path}: tensor {exc.args[0]} is missing; convert the model again") from None
         except DeviceUnavailableError as exc:  # e.g. the device has no kernel for a tensor's scheme
             raise ZllmError(f"{self.path}: {exc}") from None
-        tok_path = self.checkpoint.tokenizer_path
-        self.tokenizer = Tokenizer(tok_path, self.checkpoint.tokenizer_config) if tok_path else None
         # End-of-generation ids live in the manifest, so generation from ids stops without a tokenizer too.
         tok_config = self.checkpoint.tokenizer_config
         self.eog_token_ids = set(tok_config.get("eog_token_ids") or [])

@@ -257,7 +257,8 @@ def _reset_peak_rss() -> bool:
 
 
 def _warm_up_runtime(checkpoint_path: str, device: str, threads: int | None, load_options: dict) -> None:
-    """Load the model, run a few tokens, close it, then restart the peak-RSS count.
+    """Load the model, run a few tokens, close it, give its freed memory back to the OS, then
+    restart the peak-RSS count.
 
     What stays resident afterwards is the runtime itself: the interpreter, libraries and the
     device's compiled kernels (LLVM code generation and JIT caches take tens of MB at the first
@@ -266,12 +267,14 @@ def _warm_up_runtime(checkpoint_path: str, device: str, threads: int | None, loa
     import gc
 
     import edge
+    from streaming.stats import release_free_heap
 
     with edge.load(checkpoint_path, device=device, threads=load_threads(device, threads), **load_options) as model:
         vocab = model.spec.vocab_size
         greedy_run(model, [i % vocab for i in range(1, 9)], WARMUP_NEW_TOKENS)
     del model
     gc.collect()
+    release_free_heap()
     _reset_peak_rss()
 
 

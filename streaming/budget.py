@@ -1,8 +1,11 @@
 """One memory budget: how a byte budget splits into dense weights, KV cache, scratch and expert cache.
 
-    budget = dense + kv + scratch + staging + expert cache
+    budget = dense + tokenizer + kv + scratch + staging + predictor + expert cache
 
 dense    every tensor that is not a routed expert (the safetensors file; mmap-backed, counted whole)
+tokenizer  what loading the tokenizer added to the process's resident set (edge/api.py measures it:
+         the tokenizers library does not report its memory; SmolLM2's takes ~40 MB, more than its
+         weights' share of many budgets)
 kv       the KV cache the budget reserves: `kv_capacity` positions (default BUDGET_KV_CAPACITY, at most
          the model's context) over every layer in the KV format asked for (without counting the savings
          of sliding-window ring buffers); sessions whose capacities add up to more than this are
@@ -11,6 +14,8 @@ scratch  activations of one forward call of up to SCRATCH_TOKENS tokens: hidden 
          attention scores over the reserved KV positions, and the logits
 staging  per reading thread (the loading threads, and the model's thread, which reads its misses itself),
          a compressed record before it is decompressed and zstd's output
+predictor  the expert predictor's arrays (predictive strategy): float32 routers, each layer's routers
+         of the layers ahead stacked, transition counts, drift (predictor_bytes)
 cache    the expert cache (streaming/cache.py charges buffer + ENTRY_OVERHEAD per expert)
 
 A budget "P%" means everything that is not an expert plus a cache holding P% of all experts.
@@ -80,6 +85,18 @@ def scratch_bytes(spec, kv_capacity: int) -> int:
     return SCRATCH_TOKENS * per_token * 4
 
 
+def predictor_bytes(spec, layers: list[int], depth: int) -> int:
+    """The arrays streaming/predictor.py's ExpertPredictor keeps for these MoE layers looking `depth` ahead."""
+    total = 0
+    for position, layer in enumerate(layers):
+        experts = spec.moe_for_layer(layer).num_experts
+        ahead = sum(spec.moe_for_layer(target).num_experts for target in layers[position + 1: position + 1 + depth])
+        total += 4 * (experts * spec.hidden_size + spec.hidden_size + experts)  # router, norm gain, bias (f32)
+        total += 4 * ahead * spec.hidden_size + 4 * ahead  # the targets' stacked routers and their drift
+        total += 8 * (2 * experts * experts + experts)  # temporal and spatial transitions, frequencies (f64)
+    return total
+
+
 def entry_bytes(index: ExpertIndex, layer: int) -> int:
     """What the expert cache charges for one expert of `layer`."""
     return aligned_length(index.layout(layer).raw_length) + ENTRY_OVERHEAD
@@ -89,10 +106,12 @@ def entry_bytes(index: ExpertIndex, layer: int) -> int:
 class MemoryPlan:
     budget_bytes: int | None
     dense_bytes: int
+    tokenizer_bytes: int
     kv_bytes: int
     kv_capacity: int
     scratch_bytes: int
     staging_bytes: int
+    predictor_bytes: int
     expert_bytes: int             # every expert as the cache would charge it
     expert_cache_bytes: int | None  # None: no budget (every expert may be held)
     minimum_bytes: int
@@ -106,7 +125,8 @@ def _mb(n: int) -> str:
 
 
 def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int | str | None", strategy: str,
-                loading_threads: int, kv_capacity: int | None = None, kv_format: str = "f32") -> MemoryPlan:
+                loading_threads: int, kv_capacity: int | None = None, kv_format: str = "f32",
+                tokenizer_bytes: int = 0, prefetch_depth: int = 2) -> MemoryPlan:
     """Split `budget` for a model; refuses a budget below the minimum working set (ZllmError)."""
     parsed = parse_budget(budget)
     context = spec.max_position_embeddings
@@ -122,11 +142,11 @@ def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int 
         if parsed is not None and parsed.expert_percent is not None:
             raise ZllmError(f"memory budget {parsed}: a share of the expert bytes needs a Mixture-of-Experts model; "
                             "give this dense model a budget in bytes such as 512MB")
-        minimum = dense_bytes + kv + scratch
-        plan = MemoryPlan(None if parsed is None else parsed.bytes, dense_bytes, kv, kv_capacity, scratch, 0, 0,
-                          None, minimum)
-        _refuse_below_minimum(plan, f"{dense_bytes} bytes of weights, {kv} bytes of KV cache ({kv_capacity} "
-                                    f"positions) and {scratch} bytes of scratch")
+        minimum = dense_bytes + tokenizer_bytes + kv + scratch
+        plan = MemoryPlan(None if parsed is None else parsed.bytes, dense_bytes, tokenizer_bytes, kv, kv_capacity,
+                          scratch, 0, 0, 0, None, minimum)
+        _refuse_below_minimum(plan, f"{dense_bytes} bytes of weights, {tokenizer_bytes} bytes of tokenizer, {kv} "
+                                    f"bytes of KV cache ({kv_capacity} positions) and {scratch} bytes of scratch")
         return plan
     if strategy not in STRATEGIES:
         raise ZllmError(f"expert_strategy {strategy!r} is not known; choose one of {', '.join(STRATEGIES)}")
@@ -134,7 +154,7 @@ def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int 
     all_experts = sum(len(index.layers[layer].records) * entry_bytes(index, layer) for layer in layers)
     largest = max(layers, key=lambda layer: entry_bytes(index, layer))
     top_k = max(spec.moe_for_layer(layer).top_k for layer in layers)
-    staging = 0
+    staging = predictor = 0
     if strategy == "resident":
         working, what = all_experts, "every expert (resident)"
     elif strategy == "mmap":
@@ -144,11 +164,13 @@ def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int 
             staging = (loading_threads + 1) * (aligned_length(max(r.length for layer in layers
                                                             for r in index.layers[layer].records))
                                          + index.largest_raw_record)
+        if strategy == "predictive":
+            predictor = predictor_bytes(spec, layers, prefetch_depth)
         in_flight = top_k + loading_threads
         working = in_flight * entry_bytes(index, largest)
         what = (f"{in_flight} experts of layer {largest} at once (top_k {top_k} + {loading_threads} loading threads)"
                 + (f" and {staging} bytes of decompression staging" if staging else ""))
-    fixed = dense_bytes + kv + scratch + staging
+    fixed = dense_bytes + tokenizer_bytes + kv + scratch + staging + predictor
     minimum = fixed + working
     if parsed is None:
         cache = None
@@ -159,10 +181,12 @@ def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int 
     else:
         budget_bytes = parsed.bytes
         cache = budget_bytes - fixed
-    plan = MemoryPlan(budget_bytes, dense_bytes, kv, kv_capacity, scratch, staging, all_experts,
-                      None if cache is None else min(cache, all_experts), minimum)
-    _refuse_below_minimum(plan, f"{dense_bytes} bytes of non-expert weights, {kv} bytes of KV cache ({kv_capacity} "
-                                f"positions), {scratch} bytes of scratch and {working} bytes for {what}")
+    plan = MemoryPlan(budget_bytes, dense_bytes, tokenizer_bytes, kv, kv_capacity, scratch, staging, predictor,
+                      all_experts, None if cache is None else min(cache, all_experts), minimum)
+    _refuse_below_minimum(plan, f"{dense_bytes} bytes of non-expert weights, {tokenizer_bytes} bytes of tokenizer, "
+                                f"{kv} bytes of KV cache ({kv_capacity} positions), {scratch} bytes of scratch"
+                                + (f", {predictor} bytes of expert predictor" if predictor else "")
+                                + f" and {working} bytes for {what}")
     return plan
 
 

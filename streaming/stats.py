@@ -35,3 +35,20 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return psutil.Process().memory_info().rss
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free memory back to the OS (glibc's malloc_trim; elsewhere nothing).
+
+    Memory a closed model freed may stay mapped in the allocator; a later load then reuses it without
+    the resident set growing, so what that load adds would understate what it takes."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        trim = None
+    if trim is not None:
+        trim(0)

@@ -123,8 +123,10 @@ def test_stats_report_the_streaming_figures(tiny_zoo):
     assert stats["io_mode"] == "direct" and stats["expert_source"] == "predictive"
     assert stats["expert_policy"] == "nextuse"  # the predictive strategy's default
     plan = stats["memory_plan"]
-    assert stats["budget_bytes"] == (plan["dense_bytes"] + plan["kv_bytes"] + plan["scratch_bytes"]
-                                     + plan["staging_bytes"] + plan["expert_cache_bytes"])
+    assert stats["budget_bytes"] == (plan["dense_bytes"] + plan["tokenizer_bytes"] + plan["kv_bytes"]
+                                     + plan["scratch_bytes"] + plan["staging_bytes"] + plan["predictor_bytes"]
+                                     + plan["expert_cache_bytes"])
+    assert plan["predictor_bytes"] > 0
     assert plan["expert_cache_bytes"] == -(-plan["expert_bytes"] // 2)
 
 
@@ -140,7 +142,8 @@ def test_budget_below_minimum_is_refused(tiny_zoo):
     assert str(error.value) == (
         f"memory budget {minimum - 1} bytes ({(minimum - 1) / 1e6:.1f} MB) is below this model's minimum working set "
         f"of {minimum} bytes ({minimum / 1e6:.1f} MB): {plan.dense_bytes} bytes of non-expert weights, "
-        f"{plan.kv_bytes} bytes of KV cache ({plan.kv_capacity} positions), {plan.scratch_bytes} bytes of scratch and "
+        f"0 bytes of tokenizer, {plan.kv_bytes} bytes of KV cache ({plan.kv_capacity} positions), "
+        f"{plan.scratch_bytes} bytes of scratch, {plan.predictor_bytes} bytes of expert predictor and "
         f"{(2 + DEFAULT_THREADS) * entry} bytes for {2 + DEFAULT_THREADS} experts of layer 0 at once "
         f"(top_k 2 + {DEFAULT_THREADS} loading threads); "
         f"raise memory_budget to at least {minimum} bytes")
@@ -205,7 +208,8 @@ def test_dense_model_budget_counts_weights_kv_and_scratch(tiny_zoo):
     assert str(error.value) == (
         f"memory budget {plan.minimum_bytes - 1} bytes ({(plan.minimum_bytes - 1) / 1e6:.1f} MB) is below this "
         f"model's minimum working set of {plan.minimum_bytes} bytes ({plan.minimum_bytes / 1e6:.1f} MB): "
-        f"{plan.dense_bytes} bytes of weights, {plan.kv_bytes} bytes of KV cache ({plan.kv_capacity} positions) "
+        f"{plan.dense_bytes} bytes of weights, 0 bytes of tokenizer, {plan.kv_bytes} bytes of KV cache "
+        f"({plan.kv_capacity} positions) "
         f"and {plan.scratch_bytes} bytes of scratch; raise memory_budget to at least {plan.minimum_bytes} bytes")
     with pytest.raises(ZllmError) as error:
         edge.load(path, memory_budget="50%")
@@ -247,3 +251,28 @@ def test_budget_forms():
         parse_budget("lots")
     assert str(error.value) == ("memory budget 'lots' not understood; use bytes, a size such as 512MB or 2GiB, or a "
                                 "share of the expert bytes such as 50%")
+
+
+def test_budget_counts_the_tokenizer(smollm2_checkpoint):
+    """The tokenizer's memory (tens of MB for a 49k vocabulary) is part of the budget, and the same
+    figure on every load in a process."""
+    plans = []
+    for _ in range(2):
+        with edge.load(smollm2_checkpoint, memory_budget="2GB") as model:
+            plans.append(model.memory)
+    first = plans[0]
+    assert first.tokenizer_bytes > 1_000_000 and plans[1] == first
+    assert first.minimum_bytes == first.dense_bytes + first.tokenizer_bytes + first.kv_bytes + first.scratch_bytes
+
+
+def test_budget_counts_the_expert_predictor(tiny_zoo):
+    """The plan's predictor_bytes covers the arrays the predictor keeps (it may round up: a bias and a
+    spatial table are counted for every layer)."""
+    path = tiny_zoo.converted("qwen3_moe_norm", MIXED)
+    with edge.load(path, memory_budget="50%") as model:
+        predictor, planned = model.experts.predictor, model.memory.predictor_bytes
+        arrays = [a for gain, router, bias in predictor.routers.values() for a in (gain, router, bias) if a is not None]
+        arrays += [*predictor._stacked_routers.values(), *predictor.temporal.values(), *predictor.spatial.values(),
+                   *predictor.frequency.values(), *predictor._drift_blocks.values()]
+        held = sum(a.nbytes for a in arrays)
+    assert held <= planned <= 1.25 * held
