@@ -4,9 +4,10 @@
 
 1. Records the real routes of --tokens greedy decode steps (all experts resident), then replays them
    through an expert cache holding the budget's share of experts (one entry per expert), loading on
-   demand, under: Belady's policy (it knows the future: the floor no policy beats), LRU, and
-   "cycle" (evict the expert whose layer comes last; what the predictive strategy uses). Prints the
-   reads per token each needs.
+   demand, under: Belady's policy (it knows the future: the floor no policy beats), LRU, "cycle"
+   (evict the expert whose layer comes last) and "nextuse" (evict the one whose next use is expected
+   furthest ahead, from the share of its layer's visits that used it: streaming/cache.py
+   NextUsePolicy, what the predictive strategy uses). Prints the reads per token each needs.
 2. Reads random records of the checkpoint's experts.bin with O_DIRECT from 1, 2, 4 and 8 threads
    (no storage emulation): the real disk's reads/s and GB/s at each queue depth, and so the time the
    floor's reads take per token.
@@ -69,7 +70,9 @@ def replay(uses: list[tuple[int, int]], layers: list[int], per_token: int, capac
             heapq.heappush(heap, (-next_use[i], key))
         return reads
     order = {layer: i for i, layer in enumerate(layers)}
+    n = len(order)
     cached, reads = {}, 0  # key -> last use
+    used = {}  # key -> visits of its layer that used it (nextuse)
     for i, key in enumerate(uses):
         if key not in cached:
             reads += 1
@@ -77,13 +80,25 @@ def replay(uses: list[tuple[int, int]], layers: list[int], per_token: int, capac
                 here = order[key[0]]
                 in_use = {k for k in uses[i - (i % per_token): i] if k[0] == key[0]}
                 candidates = [k for k in cached if k not in in_use]
+
+                def distance(k):  # MoE layers until k's layer is computed again (its own: a whole cycle)
+                    return (order[k[0]] - here) % n or n
+
                 if policy == "lru":
                     victim = min(candidates, key=cached.__getitem__)
-                else:  # cycle: the layer the model reaches last, then least recently used
-                    victim = min(candidates, key=lambda k: (-((order[k[0]] - here) % len(order) or len(order)),
-                                                           cached[k]))
+                elif policy == "cycle":  # the layer the model reaches last, then least recently used
+                    victim = min(candidates, key=lambda k: (-distance(k), cached[k]))
+                else:  # nextuse: distance + n (1 - p) / p, p = (uses + 1) / (visits + 2) of k's layer so far
+                    visits = i // per_token + 1
+
+                    def expected(k):
+                        p = (used.get(k, 0) + 1) / (visits + 2)
+                        return distance(k) + n * (1 - p) / p
+
+                    victim = max(candidates, key=lambda k: (expected(k), -cached[k]))
                 del cached[victim]
         cached[key] = i
+        used[key] = used.get(key, 0) + 1
     return reads
 
 
@@ -133,7 +148,7 @@ def main() -> int:
         experts_file = index.path
     capacity = int(n_experts * share / 100)
     reads = {policy: replay(uses, layers, per_token, capacity, policy) / len(steps)
-             for policy in ("belady", "cycle", "lru")}
+             for policy in ("belady", "nextuse", "cycle", "lru")}
     disk = [disk_throughput(experts_file, record_bytes, depth) for depth in (1, 2, 4, 8)]
     best = max(disk, key=lambda d: d["reads_per_second"])
     report = {"model": args.model, "budget": args.budget, "tokens": len(steps), "expert_uses_per_token": per_token,

@@ -49,12 +49,13 @@ def measure(path: str, label: str, budget: str, storage: str | None, threads: in
                 thread_cpu = time.thread_time() - thread_cpu
                 after_cpu, after = process.cpu_times(), model.stats()
     reads = (after.get("expert_reads") or 0) - (before.get("expert_reads") or 0)
+    demand_loads = (after.get("demand_loads") or 0) - (before.get("demand_loads") or 0)
     stall = (after.get("io_stall_seconds") or 0.0) - (before.get("io_stall_seconds") or 0.0)
     return {"strategy": label, "budget": "100%" if resident else budget, "tokens": new_tokens,
             "decode_tokens_per_second": new_tokens / wall, "wall_seconds": wall,
             "model_thread_cpu_seconds": thread_cpu, "process_user_seconds": after_cpu.user - cpu.user,
             "process_system_seconds": after_cpu.system - cpu.system, "io_stall_seconds": stall,
-            "expert_reads_per_token": reads / new_tokens}
+            "expert_reads_per_token": reads / new_tokens, "demand_loads_per_token": demand_loads / new_tokens}
 
 
 def main() -> int:
@@ -71,11 +72,12 @@ def main() -> int:
     rows = [measure(args.model, s.strip(), args.budget, args.storage, args.threads, args.new_tokens, args.prefetch_threads)
             for s in args.strategies.split(",") if s.strip()]
     print(f"{'strategy':>17} {'budget':>6} {'tok/s':>6} {'wall s':>7} {'model thread s':>14} "
-          f"{'process user s':>14} {'system s':>8} {'stall s':>7} {'reads/token':>11}")
+          f"{'process user s':>14} {'system s':>8} {'stall s':>7} {'reads/token':>11} {'misses/token':>12}")
     for r in rows:
         print(f"{r['strategy']:>17} {r['budget']:>6} {r['decode_tokens_per_second']:>6.1f} {r['wall_seconds']:>7.2f} "
               f"{r['model_thread_cpu_seconds']:>14.2f} {r['process_user_seconds']:>14.2f} "
-              f"{r['process_system_seconds']:>8.2f} {r['io_stall_seconds']:>7.2f} {r['expert_reads_per_token']:>11.1f}")
+              f"{r['process_system_seconds']:>8.2f} {r['io_stall_seconds']:>7.2f} {r['expert_reads_per_token']:>11.1f} "
+              f"{r['demand_loads_per_token']:>12.1f}")
     report = {"model": args.model, "cores": os.cpu_count(), "threads": args.threads, "storage": args.storage,
               "prefetch_threads": args.prefetch_threads,
               "rows": rows}

@@ -128,7 +128,7 @@ class NextUsePolicy:
     expert); an expert its layer seldom uses goes before a popular one of a farther layer. Replaying
     200 recorded decode steps of the default MoEfied SmolLM2 (16 experts, top 13) through a cache of
     50% of the experts, on demand: Belady's floor 142 reads per token, the cycle order 215, this 168
-    (25%: 253 / 298 / 278; 75%: 42 / 140 / 73).
+    (25%: 253 / 298 / 278; 75%: 42 / 140 / 73; `python benchmarks/moe_read_floor.py MOE --budget P%`).
 
     An entry's key, the absolute layer position of its expected next use, only changes when its layer
     is visited; so it is computed when the entry is admitted and again after each visit of its layer,
@@ -180,7 +180,7 @@ class NextUsePolicy:
                 entry = item[3]
                 if entry.rank_item is not item or self.cache.entries.get(entry.key) is not entry:
                     continue  # re-ranked since, or gone
-                if entry.pins or entry.state == LOADING or (for_prefetch and entry.needed_at >= position):
+                if not ExpertCache.evictable(entry, for_prefetch, position):
                     passed_over.append(item)
                     continue
                 entry.rank_item = None
@@ -258,9 +258,9 @@ class ExpertCache:
 
     # --- making room --------------------------------------------------------------------------
     @staticmethod
-    def _evictable(entry: Entry, for_prefetch: bool, position: int) -> bool:
+    def evictable(entry: Entry, for_prefetch: bool, position: int) -> bool:
         """Not pinned, not loading, and not a prefetch for a layer still ahead when a prefetch asks
-        (CyclePolicy.victim writes the same test inline)."""
+        (CyclePolicy.victim writes the same test inline: it runs once per cached entry)."""
         if entry.pins or entry.state == LOADING:
             return False
         return not (for_prefetch and entry.needed_at >= position)
@@ -291,7 +291,7 @@ class ExpertCache:
                 candidates = [e for e in self.entries.values() if not e.pins and e.state != LOADING]
                 self._ranking = sorted(candidates, key=lambda e: self.policy.rank(e, self.uses.get(e.key, 0)))
             for i, entry in enumerate(self._ranking):
-                if self.entries.get(entry.key) is entry and self._evictable(entry, for_prefetch, position):
+                if self.entries.get(entry.key) is entry and self.evictable(entry, for_prefetch, position):
                     del self._ranking[i]
                     return entry
         return None

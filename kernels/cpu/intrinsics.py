@@ -11,7 +11,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.cpu.llvm_ir import F32, I8, I32, I64, INT64_ARGS
+from kernels.cpu.llvm_ir import F32, I8, I32, I64, INT64_ARGS, Emitter
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,13 +108,7 @@ def prefetch_bytes(typingctx, address, n_bytes):
     signature = types.void(types.int64, types.int64)
 
     def codegen(context, builder, sig, args):
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
-        n_lines = builder.udiv(builder.add(args[1], ir.Constant(I64, 63)), ir.Constant(I64, 64))
-        with cgutils.for_range(builder, n_lines) as loop:
-            line = builder.add(args[0], builder.mul(loop.index, ir.Constant(I64, 64)))
-            builder.call(prefetch, [builder.inttoptr(line, I8.as_pointer()), ir.Constant(I32, 0), ir.Constant(I32, 3),
-                                    ir.Constant(I32, 1)])
+        Emitter(builder).prefetch_range(*args)
         return context.get_dummy_value()
 
     return signature, codegen
