@@ -114,6 +114,11 @@ def _top_k(values: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-values, axis=-1, kind="stable")[:, :k]
 
 
+def distinct_experts(expert_ids: np.ndarray) -> list[int]:
+    """The ascending distinct expert ids of a route [T, A] (Python ints: sources key dicts by them)."""
+    return sorted(set(np.asarray(expert_ids).ravel().tolist()))
+
+
 def route(router_logits: np.ndarray, config: MoeConfig, correction_bias: np.ndarray | None = None
           ) -> tuple[np.ndarray, np.ndarray]:
     """Which experts each token uses and with what weight: logits [T, E] -> ids [T, A] int64, weights [T, A] f32.

@@ -26,7 +26,7 @@ import numpy as np
 
 from converters.expert_file import ExpertIndex
 from edge.errors import CheckpointError
-from edge.moe import ExpertWeights
+from edge.moe import ExpertWeights, distinct_experts
 from streaming.source import prepared_expert
 from streaming.stats import StreamingCounters
 from streaming.storage import EmulatedDevice, parse_storage
@@ -118,7 +118,7 @@ class MappedExperts:
 
     def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
                 router_logits: np.ndarray | None = None) -> Mapping[int, ExpertWeights]:
-        wanted = [int(e) for e in np.unique(expert_ids)]  # ascending distinct ids of the route [T, A]
+        wanted = distinct_experts(expert_ids)
         chosen = {}
         for expert in wanted:
             key = (layer, expert)

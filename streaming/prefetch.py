@@ -103,12 +103,8 @@ class Prefetcher:
         self.work.notify()
 
     def prefetch(self, key: Key, target: int, distance: int, score: float) -> bool:
-        """Queue a prefetch of key for the layer at `target`; False if it is cached or queued already."""
-        with self.lock:
-            return self.prefetch_locked(key, target, distance, score)
-
-    def prefetch_locked(self, key: Key, target: int, distance: int, score: float) -> bool:
-        """`prefetch`, for a caller that holds the lock (a whole forecast is queued under one hold)."""
+        """Queue a prefetch of key for the layer at `target`; False if it is cached or queued already.
+        The caller holds `lock` (a whole forecast is queued under one hold)."""
         if key in self._queued or key in self.cache.entries or self._closed:
             return False
         self._push(Task((distance, -float(score)), next(self._sequence), key, target))
@@ -117,12 +113,8 @@ class Prefetcher:
 
     def demand(self, key: Key) -> tuple[Entry, bool]:
         """The entry of an expert the current layer needs, pinned: the cached or loading one, else a new
-        one reserved now and queued ahead of every prefetch (then the flag is True)."""
-        with self.lock:
-            return self.demand_locked(key)
-
-    def demand_locked(self, key: Key) -> tuple[Entry, bool]:
-        """`demand`, for a caller that holds the lock (a layer pins its experts under one hold)."""
+        one reserved now and queued ahead of every prefetch (then the flag is True). The caller holds
+        `lock` (a layer pins its experts under one hold)."""
         entry = self.cache.entries.get(key)
         if entry is not None:
             entry.pins += 1

@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from converters.expert_file import ExpertIndex, raw_record, read_expert_bytes
-from edge.moe import ExpertWeights
+from edge.moe import ExpertWeights, distinct_experts
 
 
 class ResidentExperts:
@@ -45,7 +45,7 @@ class ResidentExperts:
     def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
                 router_logits: np.ndarray | None = None) -> Mapping[int, ExpertWeights]:
         layer_experts = self._experts[layer]
-        wanted = sorted(set(np.asarray(expert_ids).ravel().tolist()))  # ascending distinct ids of the route [T, A]
+        wanted = distinct_experts(expert_ids)
         self._hits += len(wanted)
         return {e: layer_experts[e] for e in wanted}
 

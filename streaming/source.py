@@ -29,7 +29,7 @@ import numpy as np
 
 from converters.expert_file import ExpertIndex
 from edge.errors import ZllmError
-from edge.moe import ExpertWeights, MoeConfig
+from edge.moe import ExpertWeights, MoeConfig, distinct_experts
 from streaming.cache import FAILED, LOADING, READY, Entry, ExpertCache, make_policy
 from streaming.prefetch import LOAD_BATCH, Prefetcher
 from streaming.stats import StreamingCounters
@@ -122,7 +122,7 @@ class StreamingExperts:
         if finished is not None:
             with self.cache.lock:
                 self.cache.layer_done(finished.layer)
-        ids = sorted(set(np.asarray(expert_ids).ravel().tolist()))  # ascending distinct ids of the route [T, A]
+        ids = distinct_experts(expert_ids)
         room = self.cache.capacity_entries(self.store.buffer_bytes(layer))
         with self.cache.lock:
             self.cache.new_step()
@@ -165,8 +165,8 @@ class StreamingExperts:
             for expert, score in zip(likeliest.tolist(), need[likeliest].tolist()):
                 if free_entries <= 0 or score <= 0:
                     break
-                if expert not in cached:  # (prefetch_locked would skip it too; it still takes its share of room)
-                    self.prefetcher.prefetch_locked((target, expert), position + distance, distance, score)
+                if expert not in cached:  # (prefetch would skip it too; it still takes its share of room)
+                    self.prefetcher.prefetch((target, expert), position + distance, distance, score)
                 free_entries -= 1
 
     def begin_request(self) -> None:
@@ -221,7 +221,7 @@ class StreamedLayer(Mapping):
         """Pin the expert's entry; True if it missed (its load is queued ahead of every prefetch).
         The caller holds the cache's lock."""
         source = self.source
-        entry, missed = source.prefetcher.demand_locked((self.layer, expert))
+        entry, missed = source.prefetcher.demand((self.layer, expert))
         source.cache.touch(entry)
         if missed:
             source.counters.misses += 1

@@ -1,6 +1,8 @@
 """Streaming statistics: counters the expert sources keep, and the process's peak memory."""
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 from dataclasses import dataclass
 
@@ -37,18 +39,20 @@ def peak_rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    """glibc's malloc_trim from the process's own symbols, or None (another C library, Windows)."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):
+        return None
+
+
 def release_free_heap() -> None:
     """Give the C heap's free memory back to the OS (glibc's malloc_trim; elsewhere nothing).
 
     Memory a closed model freed may stay mapped in the allocator; a later load then reuses it without
     the resident set growing, so what that load adds would understate what it takes."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
-        trim = None
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -98,11 +98,7 @@ class EmulatedDevice:
 
     def schedule(self, n_bytes: int, issued_at: float) -> float:
         """Book a read of n_bytes issued at `issued_at`; returns when the emulated device finishes it."""
-        with self._lock:
-            start = max(issued_at + self.model.latency_s, self._busy_until)
-            done = start + n_bytes / self.model.bandwidth_bytes_per_s
-            self._busy_until = done
-            return done
+        return self.schedule_batch([n_bytes], issued_at)
 
     def schedule_batch(self, sizes: list[int], issued_at: float) -> float:
         """Book reads of these sizes issued together (a queue of commands); returns when the last finishes."""
