@@ -29,7 +29,7 @@ _TOKENIZER_BYTES: dict[tuple, int] = {}  # (path, size, mtime) -> resident bytes
 def load_tokenizer(path: str | None, config: dict) -> tuple[Tokenizer | None, int]:
     """The checkpoint's tokenizer, and the memory it takes for the memory budget: what loading it added
     to the resident set the first time this process loaded that file (the tokenizers library does not
-    report its memory; SmolLM2's takes ~40 MB). Later loads count the same figure, so a model's budget
+    report its memory; SmolLM2's takes ~34 MB). Later loads count the same figure, so a model's budget
     does not depend on what the allocator kept from an earlier load."""
     if path is None:
         return None, 0

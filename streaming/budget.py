@@ -4,7 +4,7 @@
 
 dense    every tensor that is not a routed expert (the safetensors file; mmap-backed, counted whole)
 tokenizer  what loading the tokenizer added to the process's resident set (edge/api.py measures it:
-         the tokenizers library does not report its memory; SmolLM2's takes ~40 MB, more than its
+         the tokenizers library does not report its memory; SmolLM2's takes ~34 MB, more than its
          weights' share of many budgets)
 kv       the KV cache the budget reserves: `kv_capacity` positions (default BUDGET_KV_CAPACITY, at most
          the model's context) over every layer in the KV format asked for (without counting the savings
