@@ -13,9 +13,10 @@ threads are the difference), I/O stall and expert reads per token. When wall tim
 (process CPU) / cores, the cores are saturated and hiding I/O behind compute cannot work.
 
 --by-method also times, per decoded token, the calls the model's thread makes into the expert
-source (pinning a layer's experts, the predictor's observe and forecast, scheduling prefetches,
-waiting for loads, reading its own misses) and the expert mixture: thread CPU and wall time each
-(their difference is time spent waiting: for a load, or for the GIL the loading threads hold).
+source (pinning a layer's experts, the predictor's observe and forecast, scheduling prefetches)
+and the expert mixture (which waits for the loads it needs and reads misses no loading thread has
+taken): thread CPU and wall time each (their difference is time spent waiting: for a load, or for
+the GIL the loading threads hold).
 Only calls on the model's thread are counted.
 """
 from __future__ import annotations
@@ -40,13 +41,14 @@ from edge.bench import text_prompt  # noqa: E402
 
 # (owner, method) pairs --by-method times, as "module:Class.method"
 TIMED_METHODS = ("streaming.source:StreamingExperts.experts", "streaming.source:StreamedLayer.__init__",
-                 "streaming.source:StreamedLayer.wait_all", "streaming.source:StreamingExperts._schedule",
-                 "streaming.prefetch:Prefetcher.load_demanded", "streaming.predictor:ExpertPredictor.observe",
-                 "streaming.predictor:ExpertPredictor.forecast", "devices.cpu.backend:CpuBackend.expert_mixture")
+                 "streaming.source:StreamingExperts._schedule", "streaming.predictor:ExpertPredictor.observe",
+                 "streaming.predictor:ExpertPredictor.forecast", "devices.cpu.backend:CpuBackend.expert_mixture",
+                 "streaming.source:StreamedLayer._wait", "streaming.prefetch:Prefetcher.load_demanded")
 METHOD_LABELS = {"StreamingExperts.experts": "expert source, all", "StreamedLayer.__init__": "  pin a layer's experts",
-                 "StreamedLayer.wait_all": "  wait for its loads", "StreamingExperts._schedule": "  schedule prefetches",
-                 "Prefetcher.load_demanded": "  read its own misses", "ExpertPredictor.observe": "  predictor observe",
-                 "ExpertPredictor.forecast": "  predictor forecast", "CpuBackend.expert_mixture": "expert mixture"}
+                 "StreamingExperts._schedule": "  schedule prefetches", "ExpertPredictor.observe": "  predictor observe",
+                 "ExpertPredictor.forecast": "  predictor forecast",
+                 "CpuBackend.expert_mixture": "expert mixture, all", "StreamedLayer._wait": "  wait for loads",
+                 "Prefetcher.load_demanded": "    read its own misses"}
 
 
 @contextlib.contextmanager

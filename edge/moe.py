@@ -68,7 +68,10 @@ class ExpertSource(Protocol):
 
     def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
                 router_logits: np.ndarray | None = None) -> Mapping[int, ExpertWeights]:
-        """Weights of every distinct id in expert_ids [T, A] of `layer`, blocking until they are loaded.
+        """Weights of every distinct id in expert_ids [T, A] of `layer`: looking one up blocks until it
+        is loaded (and raises the error of a failed load). A source that loads experts while the model
+        computes may offer `ready_run(ids, start)`: how many of the ascending ids[start:] can be taken
+        without waiting (at least one, waiting for ids[start]), so a consumer computes with those first.
 
         `residual` [T, D] is the residual stream entering the layer's feed-forward block (before its
         norm): the expert predictor applies later layers' routers to it. The call also records the

@@ -9,7 +9,11 @@ For each MoE layer the model calls `experts(layer, ids [T, A], residual [T, D])`
   2. the predictor sees the real route (it learns from it and keeps its precision/recall), then
      forecasts layers L+1..L+depth; their likeliest experts are queued as prefetches, as many as
      the cache holds beside the experts pinned for this layer;
-  3. the call returns once every needed expert is loaded; waiting is counted as I/O stall.
+  3. the call returns at once: a lookup of an expert waits for its load (reading a queued miss in
+     the calling thread rather than waiting for a pool thread), and `ready_run` tells a consumer
+     how many experts in ascending id order it can have without waiting, so the model computes
+     with the experts that are loaded while the rest arrive; waiting and reading misses count as
+     I/O stall.
 Pins are released at the next call, when the model has finished with this layer's weights.
 
 A layer whose route needs more distinct experts than the cache holds (a long prefill under a small
@@ -136,8 +140,6 @@ class StreamingExperts:
                 # the gate lookahead cannot reach (another token's input): by the next-token estimate.
                 forecast.update({first: self.predictor.need_vector(first) for first in self._next_pass_targets()})
             self._schedule(position, forecast, free_entries=room - len(ids), n_tokens=len(expert_ids))
-        if len(ids) <= room:
-            self._current.wait_all()
         return self._current
 
     def _schedule(self, position: int, forecast: dict[int, np.ndarray], free_entries: int, n_tokens: int) -> None:
@@ -210,9 +212,8 @@ class StreamedLayer(Mapping):
         self._handed_out: list[int] = []
         try:
             with source.cache.lock:  # one hold for the layer, not one per expert
-                missed = [self._acquire(expert) for expert in ids[: self.room]]
-            if any(missed):
-                source.prefetcher.load_demanded()
+                for expert in ids[: self.room]:
+                    self._acquire(expert)  # a miss is queued ahead of every prefetch, read when needed
         except BaseException:
             self.release()  # no pin may outlive a failed call
             raise
@@ -234,7 +235,9 @@ class StreamedLayer(Mapping):
     def _wait(self, entry: Entry) -> None:
         if entry.state == LOADING:
             started = time.monotonic()
-            self.source.cache.wait_loaded(entry)
+            self.source.prefetcher.load_demanded()  # misses no pool thread has taken: read them here
+            if entry.state == LOADING:
+                self.source.cache.wait_loaded(entry)
             self.source.counters.stall_seconds += time.monotonic() - started
         if entry.state == FAILED:
             cache = self.source.cache
@@ -243,10 +246,20 @@ class StreamedLayer(Mapping):
             self.release()
             raise entry.error
 
-    def wait_all(self) -> None:
-        for entry in self._entries.values():
-            self._wait(entry)
-        self._ready = {expert: entry.weights for expert, entry in self._entries.items()}
+    def ready_run(self, ids: list[int], start: int) -> int:
+        """How many of the experts ids[start:] (ascending, from this route) are loaded in a row,
+        at least one: the call waits for ids[start] if it is not loaded yet. A consumer that mixes
+        experts in ascending id order takes them run by run and computes with the loaded ones
+        while the others are read."""
+        self[ids[start]]
+        entries, n = self._entries, 1
+        while start + n < len(ids):
+            entry = entries.get(ids[start + n])
+            if entry is None or entry.state != READY:
+                break
+            self._ready[ids[start + n]] = entry.weights
+            n += 1
+        return n
 
     def release(self) -> None:
         with self.source.cache.lock:
@@ -257,13 +270,17 @@ class StreamedLayer(Mapping):
             self.source.cache.lock.notify_all()
 
     def __getitem__(self, expert: int) -> ExpertWeights:
-        weights = self._ready.get(expert)  # every expert of the route is loaded (wait_all)
+        weights = self._ready.get(expert)  # loaded and looked up before
         if weights is not None:
             return weights
         expert = int(expert)
         if expert not in self.ids:
             raise KeyError(f"layer {self.layer} expert {expert} is not in this route; it needs {self.ids}")
         entry = self._entries.get(expert)
+        if entry is not None and self.room >= len(self.ids):  # every expert of the route is pinned
+            self._wait(entry)
+            self._ready[expert] = entry.weights
+            return entry.weights
         if entry is None:  # rolling window: free the earliest expert already handed out
             if len(self._entries) >= self.room and self._handed_out:
                 oldest = self._handed_out.pop(0)

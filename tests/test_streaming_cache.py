@@ -207,7 +207,9 @@ def _replay(index, routes, **kwargs) -> dict:
     source = _source(index, **kwargs)
     try:
         for layer, ids in routes:
-            source.experts(layer, np.array([ids]), np.zeros((1, 64), np.float32))
+            chosen = source.experts(layer, np.array([ids]), np.zeros((1, 64), np.float32))
+            for expert in chosen:  # as a MoE block does: take every expert's weights
+                chosen[expert]
         return source.stats()
     finally:
         source.close()
@@ -312,8 +314,10 @@ def test_prefetch_error_surfaces_where_the_expert_is_needed(expert_file, monkeyp
         source.prefetcher.wait_idle()
         entry = source.cache.get((1, 3))
         assert entry is not None and source.cache.wait_loaded(entry, 10) and entry.state == "failed"
+        chosen = source.experts(1, np.array([[3, 4]]), np.zeros((1, 64), np.float32))
+        assert chosen[4].gate is not None  # a loaded expert is handed over; the failed one raises
         with pytest.raises(ExpertReadError) as error:
-            source.experts(1, np.array([[3, 4]]), np.zeros((1, 64), np.float32))
+            chosen[3]
         assert str(error.value) == (
             f"{expert_file.path}: reading layer 1 expert 3 ({bad.length} bytes at offset {bad.offset}) failed: "
             "[Errno 5] Input/output error; check the disk holding the checkpoint")

@@ -182,19 +182,29 @@ class CpuBackend:
 
     def _one_token_mixture(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts) -> np.ndarray:
         """A decode step's mixture: a token's A ids are distinct (top-k), so its experts in ascending id
-        order and their weights are one argsort; each expert's descriptor rows are packed once."""
+        order and their weights are one argsort; each expert's descriptor rows are packed once.
+
+        A source that streams experts (`ready_run`) hands them over run by run, as they are loaded:
+        each run is one kernel call adding to the same output in ascending id order, so the sum is
+        the same to the bit as one call over all of them."""
         order = np.argsort(ids)
-        chosen = [experts[expert] for expert in ids[order].tolist()]  # referenced until the kernel returns
-        table = np.concatenate([self._expert_table(w) for w in chosen])  # [3 * A, W_FIELDS]
-        # scratch for the largest expert packed so far (extra zero padding changes no sum)
-        shape = (len(chosen), x.shape[1], *self._largest_expert)
-        scratch = getattr(_launching, "decode_scratch", None)
-        if scratch is None or not scratch.holds(shape):
-            scratch = _launching.decode_scratch = moe_kernels.DecodeScratch(*shape)
+        ascending = ids[order].tolist()
+        coeffs = np.ascontiguousarray(weights[order], np.float32)
+        ready_run = getattr(experts, "ready_run", None)
         out = np.zeros(x.shape, np.float32)
-        work = 3 * x.shape[1] * self._largest_expert[1] * len(chosen)  # multiply-adds, at most
-        moe_kernels.mixture_decode(table, x, np.ascontiguousarray(weights[order], np.float32), self.use_threads(work),
-                                   out, scratch)
+        start = 0
+        while start < len(ascending):
+            n = ready_run(ascending, start) if ready_run is not None else len(ascending)
+            chosen = [experts[expert] for expert in ascending[start:start + n]]  # referenced until the kernel returns
+            table = np.concatenate([self._expert_table(w) for w in chosen])  # [3 * n, W_FIELDS]
+            # scratch for the largest expert packed so far (extra zero padding changes no sum)
+            shape = (len(ascending), x.shape[1], *self._largest_expert)
+            scratch = getattr(_launching, "decode_scratch", None)
+            if scratch is None or not scratch.holds(shape):
+                scratch = _launching.decode_scratch = moe_kernels.DecodeScratch(*shape)
+            work = 3 * x.shape[1] * self._largest_expert[1] * n  # multiply-adds, at most
+            moe_kernels.mixture_decode(table, x, coeffs[start:start + n], self.use_threads(work), out, scratch)
+            start += n
         return out
 
     def _expert_table(self, expert) -> np.ndarray:
