@@ -168,3 +168,35 @@ def test_a_descriptor_table_that_does_not_match_the_route_is_refused():
                                    np.ones((1, 1), np.float32), 1, out)
     assert str(error.value) == ("expert_mixture: x has 32 features but an expert's gate/up take [64] "
                                 "and its down gives [64]")
+
+
+class Arriving(dict):
+    """Expert weights that arrive one by one, as a streaming source hands them over (ready_run):
+    only the experts it has made ready may be taken."""
+
+    def __init__(self, experts, runs):
+        super().__init__(experts)
+        self.runs = list(runs)  # the run lengths ready_run answers, in turn
+        self.ready: set[int] = set()
+
+    def ready_run(self, ids, start):
+        n = min(self.runs.pop(0), len(ids) - start)
+        self.ready.update(ids[start:start + n])
+        return n
+
+    def __getitem__(self, expert):
+        assert expert in self.ready, f"expert {expert} taken before it was ready"
+        return dict.__getitem__(self, expert)
+
+
+@pytest.mark.parametrize("runs", [[1, 1, 1, 1, 1], [2, 1, 2], [1, 4], [5]])
+def test_experts_taken_as_they_arrive_give_the_same_bits_as_all_at_once(runs):
+    rng = np.random.default_rng(11)
+    experts = random_experts(rng, 8, 64, 40, "int4_affine_g64")
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    ids, weights = random_route(rng, 1, 8, 5)
+    cpu = CpuBackend(threads=2)
+    whole = cpu.expert_mixture(x, ids, weights, prepared(cpu, experts))
+    arriving = Arriving(prepared(cpu, experts), runs)
+    np.testing.assert_array_equal(cpu.expert_mixture(x, ids, weights, arriving), whole)
+    assert arriving.runs == [] and arriving.ready == set(ids[0].tolist())
