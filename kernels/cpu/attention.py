@@ -1,12 +1,13 @@
 """Causal attention with grouped KV heads (MHA/GQA/MQA) and an optional sliding window.
 
-Work is cut into items (token, KV head, KV split): an item serves every query head of its KV
-head's group, so each key and value is read once for the group. A token attends to keys whose
-position is not after its own (and, with a window W, less than W behind it). Each item computes,
-per query head, a partial softmax over its slice of the keys: the maximum score m, the sum l of
-exp(score - m), and the unnormalised output sum(exp(score - m) * v). Prefill uses one split per
-(token, KV head); decode splits the keys of its single token across threads, and the partials
-merge exactly:
+Work is cut into items. Prefill: (token, KV head), an item serving every query head of its KV
+head's group, so each key and value is read once for the group. Decode: (KV split), the keys of
+its single token cut across threads, an item serving every query head and reading its slice of
+the cache front to back, whole rows, a block at a time (`partial_attention_heads`). A token
+attends to keys whose position is not after its own (and, with a window W, less than W behind it).
+Each item computes, per query head, a partial softmax over its slice of the keys: the maximum
+score m, the sum l of exp(score - m), and the unnormalised output sum(exp(score - m) * v); the
+partials of a decode token's splits merge exactly:
 
     M = max_i m_i,    out = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i
 
@@ -44,8 +45,15 @@ def visible_range(k_positions, q_position, window):
 
 
 def scratch_floats(n_heads: int, n_keys: int, head_dim: int) -> int:
-    """Floats of per-thread scratch an item needs: scores, accumulators, maxima and sums of a group."""
-    return n_heads * (n_keys + head_dim + 2)
+    """Floats of per-thread scratch an item needs: scores, accumulators, maxima and sums of up to
+    n_heads query heads, and one block's value sum."""
+    return n_heads * (n_keys + head_dim + 2) + head_dim
+
+
+# Keys a decode item takes at a time: their K rows (then V rows), every KV head's, are read from
+# memory once, in order, and used for every query head while they are in L1/L2 (64 rows of
+# SmolLM2's 3 x 64 floats are 48 KiB).
+ROWS_PER_BLOCK = 64
 
 
 @helper
@@ -109,6 +117,84 @@ def partial_attention(q, keys, values, kv_head, s_begin, s_end, k_positions, q_p
             weighted_row_sum(first_value, row_bytes, n, scores[g * n:(g + 1) * n].ctypes.data, head_dim,
                              accs[g].ctypes.data)
     return peaks, totals, accs
+
+
+@helper
+def partial_attention_heads(q, keys, values, s_begin, s_end, k_positions, q_position, window, scale, work):
+    """Partial softmax of every query head q [Hq, Dh] over keys[s_begin:s_end] of all KV heads (a
+    decode token's slice of the cache). Returns (peaks [Hq], totals [Hq], accs [Hq, Dh]), views of
+    `work` (>= scratch_floats(Hq, n, Dh)).
+
+    The keys are taken ROWS_PER_BLOCK at a time and each block serves all query heads, so the cache
+    is read front to back once for the scores and once for the values, whole rows in order (one KV
+    head's slice of a row at a time would read the cache once per KV head, in strided pieces)."""
+    n_heads, head_dim = q.shape
+    n_kv = keys.shape[1]
+    group = n_heads // n_kv
+    n = s_end - s_begin
+    scores = work[:n_heads * n]
+    accs = work[n_heads * n:n_heads * (n + head_dim)].reshape((n_heads, head_dim))
+    peaks = work[n_heads * (n + head_dim):n_heads * (n + head_dim + 1)]
+    totals = work[n_heads * (n + head_dim + 1):n_heads * (n + head_dim + 2)]
+    block_sum = work[n_heads * (n + head_dim + 2):n_heads * (n + head_dim + 2) + head_dim]
+    accs[:] = 0.0
+    row_bytes = 4 * n_kv * head_dim
+    first_key = keys.ctypes.data + s_begin * row_bytes
+    first_value = values.ctypes.data + s_begin * row_bytes
+    for b_begin in range(0, n, ROWS_PER_BLOCK):
+        b_end = min(b_begin + ROWS_PER_BLOCK, n)
+        blocked = b_begin + (b_end - b_begin) // 4 * 4
+        for h in range(n_heads):  # four keys per call share each load of the query
+            head_keys = first_key + 4 * (h // group) * head_dim
+            query, row_scores = q[h].ctypes.data, scores[h * n:(h + 1) * n].ctypes.data
+            for s in range(b_begin, blocked, 4):
+                key_dots_4(K_F32, ACT_F32, head_keys, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, row_scores)
+            for s in range(blocked, b_end):
+                key_dots_1(K_F32, ACT_F32, head_keys, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, row_scores)
+    positions = k_positions[s_begin:s_end]
+    for h in range(n_heads):  # scale, mask, and each head's peak (vectorised: no branch per key)
+        row = scores[h * n:(h + 1) * n]
+        peak = np.float32(-np.inf)
+        for s in range(n):
+            p = positions[s]
+            visible = p <= q_position and (window == 0 or q_position - p < window)
+            score = row[s] * scale if visible else np.float32(-np.inf)
+            row[s] = score
+            peak = max(peak, score)
+        peaks[h] = peak
+    exponentiate_scores(scores, peaks, totals, n)
+    for b_begin in range(0, n, ROWS_PER_BLOCK):
+        b_end = min(b_begin + ROWS_PER_BLOCK, n)
+        for h in range(n_heads):
+            if peaks[h] == -np.inf:
+                continue
+            weighted_row_sum(first_value + b_begin * row_bytes + 4 * (h // group) * head_dim, row_bytes,
+                             b_end - b_begin, scores[h * n + b_begin:(h + 1) * n].ctypes.data, head_dim,
+                             block_sum.ctypes.data)
+            for d in range(head_dim):
+                accs[h, d] += block_sum[d]
+    return peaks, totals, accs
+
+
+@helper
+def decode_attention_item(split, n_splits, n_heads, q_rows, keys, values, q_position, k_positions, scale, window,
+                          work, peaks, totals, accs):
+    """A decode token's KV split -> the partials of every query head, stored at rows
+    h * n_splits + split of peaks/totals/accs. q_rows: [1, Hq * Dh]; work: per-thread scratch of
+    scratch_floats(Hq, S, Dh) floats."""
+    head_dim = accs.shape[1]
+    first, end = visible_range(k_positions, q_position, window)
+    length = end - first
+    s_begin = first + length * split // n_splits
+    s_end = first + length * (split + 1) // n_splits
+    q = q_rows[0, :n_heads * head_dim].reshape((n_heads, head_dim))
+    head_peaks, head_totals, head_accs = partial_attention_heads(q, keys, values, s_begin, s_end, k_positions,
+                                                                 q_position, window, scale, work)
+    for h in range(n_heads):
+        row = h * n_splits + split
+        peaks[row] = head_peaks[h]
+        totals[row] = head_totals[h]
+        accs[row] = head_accs[h]
 
 
 @helper
@@ -187,11 +273,17 @@ def attention_kernel(q_rows, keys, values, q_positions, k_positions, scale, wind
     """out [T, Hq * Dh] from q_rows [T, Hq * Dh]; scores [n_threads, scratch_floats(Hq, S, Dh)]
     scratch, peaks/totals [T * Hq * n_splits], accs [same, Dh]."""
     n_tokens, n_kv, head_dim = q_rows.shape[0], keys.shape[1], keys.shape[2]
-    n_items = n_tokens * n_kv * n_splits
-    for part in prange(n_threads):
-        for item in range(part, n_items, n_threads):
-            attention_item(item, n_splits, n_heads, n_kv, q_rows, keys, values, q_positions, k_positions, scale,
-                           window, scores[part], peaks, totals, accs)
+    if n_tokens == 1:  # decode: one item per KV split, every head
+        for part in prange(n_threads):
+            for split in range(part, n_splits, n_threads):
+                decode_attention_item(split, n_splits, n_heads, q_rows, keys, values, q_positions[0], k_positions,
+                                      scale, window, scores[part], peaks, totals, accs)
+    else:
+        n_items = n_tokens * n_kv * n_splits
+        for part in prange(n_threads):
+            for item in range(part, n_items, n_threads):
+                attention_item(item, n_splits, n_heads, n_kv, q_rows, keys, values, q_positions, k_positions,
+                               scale, window, scores[part], peaks, totals, accs)
     for t in range(n_tokens):
         for h in range(n_heads):
             first = (t * n_heads + h) * n_splits

@@ -30,7 +30,7 @@ from __future__ import annotations
 import numba
 from numba import prange, types
 
-from kernels.cpu.attention import attention_item, merge_partials
+from kernels.cpu.attention import attention_item, decode_attention_item, merge_partials
 from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_times
 from kernels.cpu.formats import W_ACTIVATIONS, W_COLS_PADDED, W_ROWS
 from kernels.cpu.intrinsics import (atomic_add, atomic_load, float32_pointer, monotonic_seconds, sleep_microseconds,
@@ -155,7 +155,7 @@ def plan(step, spec, weights, dims, n_tokens, n_out, n_threads, run_head):
     if step == S_ATTEND:
         if prefill:
             return ATTEND, min(n_tokens * dims[M_KV_HEADS], TASKS_PER_THREAD * n_threads)
-        return ATTEND, dims[M_KV_HEADS] * n_threads  # one task per (KV head, KV split), decode
+        return ATTEND, n_threads  # decode: one task per KV split, every head
     if step == S_QKV or step == S_O or step == S_GATE_UP or step == S_DOWN or step == S_HEAD:
         if (step == S_HEAD and not run_head) or (step == S_DOWN and is_moe(spec)):
             return PROJECT, 0
@@ -353,14 +353,16 @@ def run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, star
         else:  # S_HEAD
             project_rows(weights, dims[M_LM_HEAD], NO_PARAM, params, begin, end, tokens, x_natural, x_pairs, x_sums,
                          xt, tile, block, logits, 0, False, row_scratch)
-    else:  # ATTEND: items (token, KV head, KV split), see attention.py
-        n_splits = 1 if n_tokens > 1 else n_threads
-        n_items = n_tokens * n_kv * n_splits
+    else:  # ATTEND: prefill items (token, KV head), decode items (KV split), see attention.py
         window = spec[L_WINDOW]
         q_positions = key_positions[start:]  # key positions are cache indices; the new tokens' follow
-        for item in range(task, n_items, n_tasks):
-            attention_item(item, n_splits, n_heads, n_kv, qkv, keys, values, q_positions, key_positions, scale,
-                           window, scores, peaks, totals, accs)
+        if n_tokens == 1:
+            decode_attention_item(task, n_tasks, n_heads, qkv, keys, values, q_positions[0], key_positions, scale,
+                                  window, scores, peaks, totals, accs)
+        else:
+            for item in range(task, n_tokens * n_kv, n_tasks):
+                attention_item(item, 1, n_heads, n_kv, qkv, keys, values, q_positions, key_positions, scale,
+                               window, scores, peaks, totals, accs)
 
 
 @helper
