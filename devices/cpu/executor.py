@@ -105,9 +105,12 @@ class _Scratch:
         self.tokens = 0
         self.capacity = 0
         k_padded = tables.max_cols_padded
-        self.x_natural = np.zeros(k_padded, np.float32)
-        self.x_pairs = np.zeros(pairs_length(k_padded), np.float32)
-        self.x_sums = np.zeros(sums_length(k_padded), np.float32)
+        # each thread's prepared input vector (decode), and its row for a replicated step's output
+        self.x_natural = np.zeros((n_threads, k_padded), np.float32)
+        self.x_pairs = np.zeros((n_threads, pairs_length(k_padded)), np.float32)
+        self.x_sums = np.zeros((n_threads, sums_length(k_padded)), np.float32)
+        self.replicas = np.zeros((n_threads, max(spec.hidden_size, spec.num_attention_heads * spec.head_dim)),
+                                 np.float32)
         self.blocks = np.zeros((n_threads, TILE_M * TILE_T), np.float32)
         self.row_scratch = np.zeros(tables.max_rows, np.float32)
         self.embed_scratch = np.zeros((1, tables.embedding_cols_padded), np.float32)
@@ -245,5 +248,5 @@ class FusedForward:
             first, last, run_embedding, run_head, all_logits, self.backend.threads,
             s.hidden, s.normed, s.qkv, s.attn, s.gate, s.up, s.gate_t, s.up_t, s.xt, s.x_natural, s.x_pairs,
             s.x_sums, s.tiles, s.blocks, s.row_scratch, s.embed_scratch, s.scores, s.peaks, s.totals, s.accs,
-            s.key_positions, s.sync, s.clock, s.router_logits, s.logits)
+            s.key_positions, s.sync, s.clock, s.router_logits, s.logits, s.replicas)
         self._last_call = (first, last, run_embedding)
