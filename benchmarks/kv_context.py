@@ -18,9 +18,10 @@ What is measured, honestly:
   f32 activations, a small difference from a prefill through the lossy cache that does not change
   the work a decode step does).
 - Decode: `steps` greedy decode calls after the context (after one warm-up call), wall clock
-  around the calls; the median step time is reported as tokens/s. The f32 cache runs the fused
-  executor; f16/int8 run op by op on the same Numba kernels, attention reading the stored f16
-  values or int8 codes and scales directly (kernels/cpu/attention_stored.py).
+  around the calls; the median step time is reported as tokens/s. The f32 and f16 caches run the
+  fused executor (attention reading the stored f16 values directly); int8 runs op by op on the
+  same Numba kernels, attention reading the codes and scales directly
+  (kernels/cpu/attention_stored.py).
 - int8 logit error: max over positions of max |logits_int8 - logits_f32| / max |logits_f32|, a
   256-token prefill through each cache.
 The machine's load average is printed: on a shared machine other processes steal cores.

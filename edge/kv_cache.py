@@ -48,9 +48,14 @@ class SlotLayout:
         return sum(part.bytes_per_row for part in self.parts)
 
     @property
+    def full_kv(self) -> bool:
+        """Keys and values over every position (no ring buffer, no MLA latent): what fused executors take."""
+        return not self.ring and all(p.name in ("keys", "values") for p in self.parts)
+
+    @property
     def plain(self) -> bool:
-        """Float32 K/V over every position: the layout fused executors take."""
-        return not self.ring and all(p.format == "f32" and p.name in ("keys", "values") for p in self.parts)
+        """Float32 K/V over every position: the layout of a backend's allocate_kv."""
+        return self.full_kv and all(p.format == "f32" for p in self.parts)
 
 
 class KVCache:
@@ -77,6 +82,11 @@ class KVCache:
     @property
     def plain(self) -> bool:
         return all(slot.plain for slot in self.slots)
+
+    @property
+    def full_kv(self) -> bool:
+        """Every layer keeps its keys and values over every position, in the model's format."""
+        return all(slot.full_kv for slot in self.slots)
 
     def check_room(self, n_new: int, context_limit: int) -> None:
         end = self.length + n_new

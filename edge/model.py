@@ -141,9 +141,10 @@ class Transformer:
 
     def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool, observer=None) -> np.ndarray:
         """Run ids through the backend's fused executor if it has one, else op by op. Fused
-        executors read plain float32 K/V over every position; a cache with ring-buffered sliding
-        layers (a session longer than the window) runs op by op on the same backend."""
-        fused = self._fused_forward if cache.plain else None
+        executors read K/V over every position (in a format their backend compiled them for); a
+        cache with ring-buffered sliding layers (a session longer than the window) runs op by op on
+        the same backend."""
+        fused = self._fused_forward if cache.full_kv else None
         run = fused or self.forward_ops
         return run(ids, cache, all_logits, observer)
 
@@ -151,7 +152,7 @@ class Transformer:
         """Run ids like `forward` and return the greedy next token: the argmax of the last token's logits,
         ties to the lowest id. A fused executor with `next_token` picks it on the device and reads back
         only the id; otherwise it is taken from the logits."""
-        fused = self._fused_forward if cache.plain else None
+        fused = self._fused_forward if cache.full_kv else None
         pick = getattr(fused, "next_token", None)
         if pick is not None:
             return pick(ids, cache)

@@ -62,6 +62,9 @@ ACTIVATION_HELP = ("int8 quantizes each matmul input to int8 per block of 32 val
 NUMBA_KV_CODEC = KvCodec(kv_quant.quantize_int8, kv_quant.dequantize_int8, kv_quant.widen_halves)
 
 
+FUSED_KV_FORMATS = ("f32", "f16")  # K/V storage the fused executor reads
+
+
 class CpuBackend:
     name = "cpu"
     kv_formats = KV_FORMATS
@@ -233,8 +236,8 @@ class CpuBackend:
                 np.zeros((capacity, kv_heads, head_dim), np.float32))
 
     def allocate_cache(self, rows: int, heads: int, dim: int, fmt: str) -> CacheBuffer:
-        # f16 / int8 K/V and ring buffers: op-by-op attention reads them as stored (attention_over_cache);
-        # MLA latents are read back dequantized
+        # f16 / int8 K/V and ring buffers: op-by-op attention reads them as stored (attention_over_cache),
+        # the fused executor an f16 buffer over every position too; MLA latents are read back dequantized
         return CacheBuffer(rows, heads, dim, fmt, NUMBA_KV_CODEC)
 
     def head_matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -244,9 +247,9 @@ class CpuBackend:
     def compile_forward(self, transformer):
         from devices.cpu.executor import FusedForward
 
-        if transformer.spec.attention_kind != "gqa" or transformer.kv_format != "f32":
-            # the fused executor reads plain float32 K/V; MLA and compressed caches run op by op
-            # on the same Numba kernels
+        if transformer.spec.attention_kind != "gqa" or transformer.kv_format not in FUSED_KV_FORMATS:
+            # the fused executor reads float32 or float16 K/V; MLA and int8 caches run op by op on
+            # the same Numba kernels
             return None
 
         spec = transformer.spec

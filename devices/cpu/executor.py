@@ -25,6 +25,13 @@ from kernels.cpu import forward as fk
 from kernels.cpu.attention import scratch_floats
 from kernels.cpu.linear import TILE_M, TILE_ROWS, TILE_T, padded_tokens, pairs_length, sums_length
 
+KV_DTYPES = {"f32": np.float32, "f16": np.float16}  # the K/V storage the fused kernel reads
+
+
+def _kv_array(buffer) -> np.ndarray:
+    """The array of a layer's keys or values: allocate_kv's float32 array, or an f16 CacheBuffer's storage."""
+    return buffer if isinstance(buffer, np.ndarray) else buffer.storage["values"]
+
 
 class _ModelTables:
     """Descriptors, params and the layer table of one transformer (read by every call)."""
@@ -65,6 +72,7 @@ class _ModelTables:
         self.dims[fk.M_EMBED] = self._matrix(transformer.embed_tokens)
         self.dims[fk.M_LM_HEAD] = self._matrix(transformer.lm_head)  # tied: the same quantized table
         self.dims[fk.M_FINAL_NORM] = self._vector(transformer.final_norm)
+        self.dims[fk.M_KV_BYTES] = np.dtype(KV_DTYPES[transformer.kv_format]).itemsize
         self.dims[fk.M_LAYERS] = spec.num_hidden_layers
         self.descriptors = np.stack([w.descriptor for w in self.weights])
         self.params = np.concatenate(self._vectors) if self._vectors else np.zeros(0, np.float32)
@@ -175,13 +183,15 @@ class FusedForward:
         if table is None:
             spec = self.spec
             expected = (cache.capacity, spec.num_key_value_heads, spec.head_dim)
+            dtype = np.dtype(KV_DTYPES[self._transformer().kv_format])
             rows = []
-            for keys, values in cache.layers:
-                for buffer in (keys, values):
-                    if buffer.shape != expected or buffer.dtype != np.float32 or not buffer.flags.c_contiguous:
+            for layer in cache.layers:
+                arrays = [_kv_array(buffer) for buffer in layer]
+                for buffer in arrays:
+                    if buffer.shape != expected or buffer.dtype != dtype or not buffer.flags.c_contiguous:
                         raise ValueError(f"KV buffer {buffer.dtype}{list(buffer.shape)} is not the CPU backend's "
-                                         f"float32{list(expected)} layout; open sessions through this model")
-                rows.append((keys.ctypes.data, values.ctypes.data))
+                                         f"{dtype}{list(expected)} layout; open sessions through this model")
+                rows.append((arrays[0].ctypes.data, arrays[1].ctypes.data))
             table = np.array(rows, dtype=np.int64).reshape(-1, 2)
             self._kv_tables[cache] = table
         return table

@@ -19,13 +19,39 @@ import numpy as np
 from numba import prange, types
 
 from kernels.cpu.elementwise import exp_approx
-from kernels.cpu.formats import F32 as K_F32, IR_FORMATS
-from kernels.cpu.llvm_ir import ACT_F32, make_dot_rows, weighted_row_sum
+from kernels.cpu.formats import F16 as K_F16, F32 as K_F32, IR_FORMATS
+from kernels.cpu.llvm_ir import ACT_F32, make_dot_rows, weighted_half_row_sum, weighted_row_sum
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
 
 # Dot products of a query with cached keys (in cache after their first use: no software prefetch).
 key_dots_4, key_dots_1 = make_dot_rows(4, IR_FORMATS, prefetch=False), make_dot_rows(1, IR_FORMATS, prefetch=False)
+
+# The cache is read through addresses: keys and values [S, Hkv, Dh] of f32 (element_bytes 4) or
+# f16 (element_bytes 2), the layout of the backend's allocate_kv and of an f16 CacheBuffer.
+
+
+@helper
+def dot_keys(n_rows, element_bytes, first_key, row_bytes, head_dim, s, query, scores):
+    """scores[s + i] = query . key row s + i for i < n_rows (4 or 1)."""
+    if n_rows == 4:
+        if element_bytes == 2:
+            key_dots_4(K_F16, ACT_F32, first_key, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, scores)
+        else:
+            key_dots_4(K_F32, ACT_F32, first_key, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, scores)
+    elif element_bytes == 2:
+        key_dots_1(K_F16, ACT_F32, first_key, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, scores)
+    else:
+        key_dots_1(K_F32, ACT_F32, first_key, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, scores)
+
+
+@helper
+def sum_values(element_bytes, first_value, row_bytes, n_rows, weights, head_dim, out):
+    """out [Dh] = sum over i < n_rows of weights[i] * value row i."""
+    if element_bytes == 2:
+        weighted_half_row_sum(first_value, row_bytes, n_rows, weights, head_dim, out)
+    else:
+        weighted_row_sum(first_value, row_bytes, n_rows, weights, head_dim, out)
 
 
 @helper
@@ -74,10 +100,11 @@ def exponentiate_scores(scores, peaks, totals, n):
 
 
 @helper
-def partial_attention(q, keys, values, kv_head, s_begin, s_end, k_positions, q_position, window, scale, work):
+def partial_attention(q, keys, values, n_kv, element_bytes, kv_head, s_begin, s_end, k_positions, q_position, window,
+                      scale, work):
     """Partial softmax of the query heads q [G, Dh] (one KV head's group) over keys[s_begin:s_end,
-    kv_head]. Returns (peaks [G] = m, totals [G] = l, accs [G, Dh]), all views of `work` (per-thread
-    scratch, >= scratch_floats(G, n, Dh)).
+    kv_head] (the cache's addresses). Returns (peaks [G] = m, totals [G] = l, accs [G, Dh]), all
+    views of `work` (per-thread scratch, >= scratch_floats(G, n, Dh)).
 
     The dot products with the keys and the weighted sum of the values run in hand-written vector
     loops (llvm_ir.py) straight over the cache rows, one KV head's rows Hkv * Dh floats apart."""
@@ -90,16 +117,16 @@ def partial_attention(q, keys, values, kv_head, s_begin, s_end, k_positions, q_p
     accs[:] = 0.0
     peaks[:] = -np.inf
     totals[:] = 0.0
-    row_bytes = 4 * keys.shape[1] * head_dim
-    first_row = 4 * (s_begin * keys.shape[1] + kv_head) * head_dim
-    first_key, first_value = keys.ctypes.data + first_row, values.ctypes.data + first_row
+    row_bytes = element_bytes * n_kv * head_dim
+    first_row = element_bytes * (s_begin * n_kv + kv_head) * head_dim
+    first_key, first_value = keys + first_row, values + first_row
     blocked = n - n % 4
     for g in range(group):
         query, row_scores = q[g].ctypes.data, scores[g * n:(g + 1) * n].ctypes.data
         for s in range(0, blocked, 4):  # four keys per call share each load of the query
-            key_dots_4(K_F32, ACT_F32, first_key, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, row_scores)
+            dot_keys(4, element_bytes, first_key, row_bytes, head_dim, s, query, row_scores)
         for s in range(blocked, n):
-            key_dots_1(K_F32, ACT_F32, first_key, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, row_scores)
+            dot_keys(1, element_bytes, first_key, row_bytes, head_dim, s, query, row_scores)
     positions = k_positions[s_begin:s_end]
     for g in range(group):  # scale, mask, and each head's peak (vectorised: no branch per key)
         row = scores[g * n:(g + 1) * n]
@@ -114,22 +141,22 @@ def partial_attention(q, keys, values, kv_head, s_begin, s_end, k_positions, q_p
     exponentiate_scores(scores, peaks, totals, n)
     for g in range(group):
         if peaks[g] != -np.inf:
-            weighted_row_sum(first_value, row_bytes, n, scores[g * n:(g + 1) * n].ctypes.data, head_dim,
-                             accs[g].ctypes.data)
+            sum_values(element_bytes, first_value, row_bytes, n, scores[g * n:(g + 1) * n].ctypes.data, head_dim,
+                       accs[g].ctypes.data)
     return peaks, totals, accs
 
 
 @helper
-def partial_attention_heads(q, keys, values, s_begin, s_end, k_positions, q_position, window, scale, work):
+def partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end, k_positions, q_position, window,
+                            scale, work):
     """Partial softmax of every query head q [Hq, Dh] over keys[s_begin:s_end] of all KV heads (a
-    decode token's slice of the cache). Returns (peaks [Hq], totals [Hq], accs [Hq, Dh]), views of
+    decode token's slice of the cache, given by its addresses). Returns (peaks [Hq], totals [Hq], accs [Hq, Dh]), views of
     `work` (>= scratch_floats(Hq, n, Dh)).
 
     The keys are taken ROWS_PER_BLOCK at a time and each block serves all query heads, so the cache
     is read front to back once for the scores and once for the values, whole rows in order (one KV
     head's slice of a row at a time would read the cache once per KV head, in strided pieces)."""
     n_heads, head_dim = q.shape
-    n_kv = keys.shape[1]
     group = n_heads // n_kv
     n = s_end - s_begin
     scores = work[:n_heads * n]
@@ -138,19 +165,19 @@ def partial_attention_heads(q, keys, values, s_begin, s_end, k_positions, q_posi
     totals = work[n_heads * (n + head_dim + 1):n_heads * (n + head_dim + 2)]
     block_sum = work[n_heads * (n + head_dim + 2):n_heads * (n + head_dim + 2) + head_dim]
     accs[:] = 0.0
-    row_bytes = 4 * n_kv * head_dim
-    first_key = keys.ctypes.data + s_begin * row_bytes
-    first_value = values.ctypes.data + s_begin * row_bytes
+    row_bytes = element_bytes * n_kv * head_dim
+    first_key = keys + s_begin * row_bytes
+    first_value = values + s_begin * row_bytes
     for b_begin in range(0, n, ROWS_PER_BLOCK):
         b_end = min(b_begin + ROWS_PER_BLOCK, n)
         blocked = b_begin + (b_end - b_begin) // 4 * 4
         for h in range(n_heads):  # four keys per call share each load of the query
-            head_keys = first_key + 4 * (h // group) * head_dim
+            head_keys = first_key + element_bytes * (h // group) * head_dim
             query, row_scores = q[h].ctypes.data, scores[h * n:(h + 1) * n].ctypes.data
             for s in range(b_begin, blocked, 4):
-                key_dots_4(K_F32, ACT_F32, head_keys, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, row_scores)
+                dot_keys(4, element_bytes, head_keys, row_bytes, head_dim, s, query, row_scores)
             for s in range(blocked, b_end):
-                key_dots_1(K_F32, ACT_F32, head_keys, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, row_scores)
+                dot_keys(1, element_bytes, head_keys, row_bytes, head_dim, s, query, row_scores)
     positions = k_positions[s_begin:s_end]
     for h in range(n_heads):  # scale, mask, and each head's peak (vectorised: no branch per key)
         row = scores[h * n:(h + 1) * n]
@@ -168,17 +195,17 @@ def partial_attention_heads(q, keys, values, s_begin, s_end, k_positions, q_posi
         for h in range(n_heads):
             if peaks[h] == -np.inf:
                 continue
-            weighted_row_sum(first_value + b_begin * row_bytes + 4 * (h // group) * head_dim, row_bytes,
-                             b_end - b_begin, scores[h * n + b_begin:(h + 1) * n].ctypes.data, head_dim,
-                             block_sum.ctypes.data)
+            sum_values(element_bytes, first_value + b_begin * row_bytes + element_bytes * (h // group) * head_dim,
+                       row_bytes, b_end - b_begin, scores[h * n + b_begin:(h + 1) * n].ctypes.data, head_dim,
+                       block_sum.ctypes.data)
             for d in range(head_dim):
                 accs[h, d] += block_sum[d]
     return peaks, totals, accs
 
 
 @helper
-def decode_attention_item(split, n_splits, n_heads, q_rows, keys, values, q_position, k_positions, scale, window,
-                          work, peaks, totals, accs):
+def decode_attention_item(split, n_splits, n_heads, q_rows, keys, values, n_kv, element_bytes, q_position, k_positions,
+                          scale, window, work, peaks, totals, accs):
     """A decode token's KV split -> the partials of every query head, stored at rows
     h * n_splits + split of peaks/totals/accs. q_rows: [1, Hq * Dh]; work: per-thread scratch of
     scratch_floats(Hq, S, Dh) floats."""
@@ -188,8 +215,8 @@ def decode_attention_item(split, n_splits, n_heads, q_rows, keys, values, q_posi
     s_begin = first + length * split // n_splits
     s_end = first + length * (split + 1) // n_splits
     q = q_rows[0, :n_heads * head_dim].reshape((n_heads, head_dim))
-    head_peaks, head_totals, head_accs = partial_attention_heads(q, keys, values, s_begin, s_end, k_positions,
-                                                                 q_position, window, scale, work)
+    head_peaks, head_totals, head_accs = partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end,
+                                                                 k_positions, q_position, window, scale, work)
     for h in range(n_heads):
         row = h * n_splits + split
         peaks[row] = head_peaks[h]
@@ -237,19 +264,19 @@ def item_span(item, n_splits, n_heads, n_kv, q_positions, k_positions, window):
 
 
 @helper
-def attention_item(item, n_splits, n_heads, n_kv, q_rows, keys, values, q_positions, k_positions, scale, window,
-                   work, peaks, totals, accs):
+def attention_item(item, n_splits, n_heads, n_kv, q_rows, keys, values, element_bytes, q_positions, k_positions, scale,
+                   window, work, peaks, totals, accs):
     """Item = (token, KV head, split) -> the partials of its query heads, stored at rows
-    ((token * Hq + h) * n_splits + split) of peaks/totals/accs. q_rows: [T, Hq * Dh]; work:
-    per-thread scratch of scratch_floats(Hq, S, Dh) floats."""
+    ((token * Hq + h) * n_splits + split) of peaks/totals/accs. q_rows: [T, Hq * Dh]; keys, values:
+    the cache's addresses; work: per-thread scratch of scratch_floats(Hq, S, Dh) floats."""
     head_dim = accs.shape[1]
     group = n_heads // n_kv  # query heads that share one KV head
     token, kv_head, q_position, s_begin, s_end, first_row = item_span(item, n_splits, n_heads, n_kv, q_positions,
                                                                       k_positions, window)
     first_head = kv_head * group
     q = q_rows[token, first_head * head_dim:(first_head + group) * head_dim].reshape((group, head_dim))
-    group_peaks, group_totals, group_accs = partial_attention(q, keys, values, kv_head, s_begin, s_end, k_positions,
-                                                              q_position, window, scale, work)
+    group_peaks, group_totals, group_accs = partial_attention(q, keys, values, n_kv, element_bytes, kv_head, s_begin,
+                                                              s_end, k_positions, q_position, window, scale, work)
     for g in range(group):
         row = first_row + g * n_splits
         peaks[row] = group_peaks[g]
@@ -276,14 +303,14 @@ def attention_kernel(q_rows, keys, values, q_positions, k_positions, scale, wind
     if n_tokens == 1:  # decode: one item per KV split, every head
         for part in prange(n_threads):
             for split in range(part, n_splits, n_threads):
-                decode_attention_item(split, n_splits, n_heads, q_rows, keys, values, q_positions[0], k_positions,
-                                      scale, window, scores[part], peaks, totals, accs)
+                decode_attention_item(split, n_splits, n_heads, q_rows, keys.ctypes.data, values.ctypes.data, n_kv, 4,
+                                      q_positions[0], k_positions, scale, window, scores[part], peaks, totals, accs)
     else:
         n_items = n_tokens * n_kv * n_splits
         for part in prange(n_threads):
             for item in range(part, n_items, n_threads):
-                attention_item(item, n_splits, n_heads, n_kv, q_rows, keys, values, q_positions, k_positions,
-                               scale, window, scores[part], peaks, totals, accs)
+                attention_item(item, n_splits, n_heads, n_kv, q_rows, keys.ctypes.data, values.ctypes.data, 4,
+                               q_positions, k_positions, scale, window, scores[part], peaks, totals, accs)
     for t in range(n_tokens):
         for h in range(n_heads):
             first = (t * n_heads + h) * n_splits

@@ -26,7 +26,7 @@ Nothing assigns work to a particular thread, so
     takes all the tasks, and a late thread finds the counters spent and returns.
 
 Weights arrive as descriptor rows (formats.py); norm gains and biases as offsets into one f32
-`params` array; the KV cache as a (keys, values) address pair per layer, each buffer laid out
+`params` array; the KV cache as a (keys, values) address pair per layer, f32 or f16, each buffer laid out
 [capacity, Hkv, Dh] exactly as the backend's `allocate_kv` made it.
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ from numba import prange, types
 from kernels.cpu.attention import attention_item, decode_attention_item, merge_partials
 from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_times
 from kernels.cpu.formats import W_ACTIVATIONS, W_COLS_PADDED, W_ROWS
-from kernels.cpu.intrinsics import (atomic_add, atomic_load, float32_pointer, monotonic_seconds, sleep_microseconds,
-                                    spin_pause)
+from kernels.cpu.intrinsics import (atomic_add, atomic_load, float32_pointer, half_bits, monotonic_seconds,
+                                    sleep_microseconds, spin_pause, uint16_pointer)
 from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_ROWS, gemm_rows, matvec_rows, prepare_vector,
                                 transpose_tokens)
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
@@ -56,8 +56,8 @@ NO_PARAM = -1
 
 # Entries of the model vector `dims`.
 (M_HIDDEN, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_INTERMEDIATE, M_VOCAB, M_EMBED, M_LM_HEAD, M_FINAL_NORM,
- M_LAYERS) = range(10)
-MODEL_FIELDS = 10
+ M_LAYERS, M_KV_BYTES) = range(11)
+MODEL_FIELDS = 11  # M_KV_BYTES: bytes of a cached K/V element, 4 (f32) or 2 (f16)
 
 # Steps of one layer (each is one serial task or a set of parallel tasks; 0 tasks = skipped).
 (S_INPUT_NORM, S_INPUT_T, S_QKV, S_ROPE, S_ATTEND, S_MERGE, S_ATTN_T, S_O, S_POST_NORM, S_POST_T,
@@ -205,6 +205,19 @@ def transpose_input(step, spec, weights, dims):
 
 
 @helper
+def store_kv_row(cache, element_bytes, offset, row):
+    """cache[offset:offset + len(row)] = row, at the cache's address: f32, or f16 rounded to nearest even."""
+    if element_bytes == 2:
+        halves = numba.carray(uint16_pointer(cache), (offset + row.shape[0],))
+        for i in range(row.shape[0]):
+            halves[offset + i] = half_bits(row[i])
+    else:
+        floats = numba.carray(float32_pointer(cache), (offset + row.shape[0],))
+        for i in range(row.shape[0]):
+            floats[offset + i] = row[i]
+
+
+@helper
 def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, first_token, cos, sin, keys, values,
                n_threads, x_natural, x_pairs, x_sums, embed_scratch, peaks, totals, accs, hidden, normed, qkv,
                attn, gate):
@@ -238,11 +251,8 @@ def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, fir
                 elif h >= n_heads and spec[L_K_NORM] != NO_PARAM:
                     rms_norm_row(head, param(params, spec[L_K_NORM], head_dim), eps, head)
                 rope_row(head, cos[t], sin[t])
-            position = start + t
-            for h in range(n_kv):
-                for d in range(head_dim):
-                    keys[position, h, d] = row[q_width + h * head_dim + d]
-                    values[position, h, d] = row[q_width + kv_width + h * head_dim + d]
+            store_kv_row(keys, dims[M_KV_BYTES], (start + t) * kv_width, row[q_width:q_width + kv_width])
+            store_kv_row(values, dims[M_KV_BYTES], (start + t) * kv_width, row[q_width + kv_width:q_width + 2 * kv_width])
     elif step == S_MERGE:
         n_splits = 1 if n_tokens > 1 else n_threads
         for t in range(n_tokens):
@@ -399,12 +409,12 @@ def run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, star
         window = spec[L_WINDOW]
         q_positions = key_positions[start:]  # key positions are cache indices; the new tokens' follow
         if n_tokens == 1:
-            decode_attention_item(task, n_tasks, n_heads, qkv, keys, values, q_positions[0], key_positions, scale,
-                                  window, scores, peaks, totals, accs)
+            decode_attention_item(task, n_tasks, n_heads, qkv, keys, values, n_kv, dims[M_KV_BYTES], q_positions[0],
+                                  key_positions, scale, window, scores, peaks, totals, accs)
         else:
             for item in range(task, n_tokens * n_kv, n_tasks):
-                attention_item(item, 1, n_heads, n_kv, qkv, keys, values, q_positions, key_positions, scale,
-                               window, scores, peaks, totals, accs)
+                attention_item(item, 1, n_heads, n_kv, qkv, keys, values, dims[M_KV_BYTES], q_positions, key_positions,
+                               scale, window, scores, peaks, totals, accs)
 
 
 @helper
@@ -454,8 +464,7 @@ def _forward(weights, layers, params, dims, eps, scale, kv, capacity, ids, start
                     clock[1 + index] = monotonic_seconds()
                 continue
             kv_layer = max(layer, 0)
-            keys = numba.carray(float32_pointer(kv[kv_layer, 0]), (capacity, n_kv, head_dim))
-            values = numba.carray(float32_pointer(kv[kv_layer, 1]), (capacity, n_kv, head_dim))
+            keys, values = kv[kv_layer, 0], kv[kv_layer, 1]  # addresses of [capacity, Hkv, Dh] buffers
             while True:
                 task = atomic_add(counters + 8 * (index * SYNC_STRIDE + NEXT), 1)
                 if task >= n_tasks:

@@ -39,6 +39,7 @@ float32_pointer = _pointer_intrinsic(types.float32, F32, "views of scratch and K
 int8_pointer = _pointer_intrinsic(types.int8, I8, "the Q8 bytes of a prepared vector")
 int32_pointer = _pointer_intrinsic(types.int32, I32, "the zero-point lanes of a prepared vector")
 int64_pointer = _pointer_intrinsic(types.int64, I64, "a weight descriptor row, read by a kind's kernels")
+uint16_pointer = _pointer_intrinsic(types.uint16, ir.IntType(16), "f16 KV buffers (their bit patterns)")
 
 
 def _indirect_call(n_args: int):
@@ -181,5 +182,17 @@ def float_from_bits(typingctx, bits):
 
     def codegen(context, builder, sig, args):
         return builder.bitcast(args[0], F32)
+
+    return signature, codegen
+
+
+@intrinsic
+def half_bits(typingctx, value):
+    """The IEEE half bit pattern (uint16) nearest the float32 `value`, ties to even: LLVM's
+    float -> half truncation, what numpy's astype(float16) gives (the f16 KV cache's rounding)."""
+    signature = types.uint16(types.float32)
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
 
     return signature, codegen
