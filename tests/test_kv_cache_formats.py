@@ -96,6 +96,29 @@ def test_logit_error_follows_the_format(case, device, fmt, tiny_zoo):
     assert lossy.cache.bytes_per_token < exact.cache.bytes_per_token
 
 
+@pytest.mark.parametrize("case", ["llama_gqa_tied", "qwen3_qknorm"])
+def test_cpu_fused_executor_reads_an_f16_cache_as_the_op_by_op_path_does(case, tiny_zoo):
+    prompt = random_prompt(20, seed=9)
+    model = edge.load(tiny_zoo.converted(case, F32), device="cpu:f32", kv_cache="f16")
+    transformer = model.transformer
+    assert transformer._fused_forward is not None  # f16 K/V no longer sends the model op by op
+    fused, ops = transformer.new_cache(32), transformer.new_cache(32)
+    steps = [(np.asarray(prompt), True)] + [(np.array([t]), False) for t in (7, 11, 13)]
+    for ids, all_logits in steps:
+        ours = transformer.forward(ids, fused, all_logits)
+        expected = transformer.forward_ops(ids, ops, all_logits)
+        # the same kernels up to their summation order; an f16 rounding that flips on that noise
+        # changes a value by one f16 step, within the format's bound
+        assert np.abs(ours - expected).max() <= LOGIT_GAIN * kv_formats.kv_relative_error_bound("f16") * \
+            np.abs(expected).max()
+    assert fused.length == ops.length == len(prompt) + 3
+    # the first layer's keys and values come from identical inputs: the same f16 bits, written by
+    # the fused kernel's rounding and by numpy's
+    for ours, expected in zip(fused.layers[0], ops.layers[0]):
+        np.testing.assert_array_equal(ours.storage["values"][:fused.length].view(np.uint16),
+                                      expected.storage["values"][:ops.length].view(np.uint16))
+
+
 def test_int8_kv_on_smollm2(smollm2_checkpoint):
     model = edge.load(smollm2_checkpoint, device="cpu")
     quantized = edge.load(smollm2_checkpoint, device="cpu", kv_cache="int8")
