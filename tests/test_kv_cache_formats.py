@@ -25,7 +25,7 @@ from edge.errors import ZllmError
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import kv_quant
 from quant import kv_formats
-from tiny_models import random_prompt, tiny_zoo  # noqa: F401
+from tiny_models import CASE_NAMES, random_prompt, tiny_zoo  # noqa: F401
 
 LOGIT_GAIN = 8.0
 F32 = QuantPlan(weights="f32")
@@ -96,8 +96,10 @@ def test_logit_error_follows_the_format(case, device, fmt, tiny_zoo):
     assert lossy.cache.bytes_per_token < exact.cache.bytes_per_token
 
 
-@pytest.mark.parametrize("case", ["llama_gqa_tied", "qwen3_qknorm"])
+@pytest.mark.parametrize("case", [*CASE_NAMES, "mixtral", "qwen2_moe_shared"])
 def test_cpu_fused_executor_reads_an_f16_cache_as_the_op_by_op_path_does(case, tiny_zoo):
+    # every head size and grouping of the dense families (head_dim 8 to 64, MQA, MHA), MoE layers;
+    # a sliding layer's ring buffer still runs op by op
     prompt = random_prompt(20, seed=9)
     model = edge.load(tiny_zoo.converted(case, F32), device="cpu:f32", kv_cache="f16")
     transformer = model.transformer
