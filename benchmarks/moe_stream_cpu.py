@@ -108,13 +108,15 @@ def measure(path: str, label: str, budget: str, storage: str | None, threads: in
                 thread_cpu = time.thread_time() - thread_cpu
                 after_cpu, after = process.cpu_times(), model.stats()
     reads = (after.get("expert_reads") or 0) - (before.get("expert_reads") or 0)
+    read_calls = (after.get("expert_read_calls") or 0) - (before.get("expert_read_calls") or 0)
     demand_loads = (after.get("demand_loads") or 0) - (before.get("demand_loads") or 0)
     stall = (after.get("io_stall_seconds") or 0.0) - (before.get("io_stall_seconds") or 0.0)
     return {"strategy": label, "budget": "100%" if resident else budget, "tokens": new_tokens,
             "decode_tokens_per_second": new_tokens / wall, "wall_seconds": wall,
             "model_thread_cpu_seconds": thread_cpu, "process_user_seconds": after_cpu.user - cpu.user,
             "process_system_seconds": after_cpu.system - cpu.system, "io_stall_seconds": stall,
-            "expert_reads_per_token": reads / new_tokens, "demand_loads_per_token": demand_loads / new_tokens,
+            "expert_reads_per_token": reads / new_tokens, "read_calls_per_token": read_calls / new_tokens,
+            "demand_loads_per_token": demand_loads / new_tokens,
             "methods_per_token": {name: {"cpu_ms": 1e3 * cpu_s / new_tokens, "wall_ms": 1e3 * wall_s / new_tokens,
                                          "calls": calls / new_tokens}
                                   for name, (cpu_s, wall_s, calls) in methods.items()}}
@@ -137,12 +139,13 @@ def main() -> int:
                     args.by_method)
             for s in args.strategies.split(",") if s.strip()]
     print(f"{'strategy':>17} {'budget':>6} {'tok/s':>6} {'wall s':>7} {'model thread s':>14} "
-          f"{'process user s':>14} {'system s':>8} {'stall s':>7} {'reads/token':>11} {'misses/token':>12}")
+          f"{'process user s':>14} {'system s':>8} {'stall s':>7} {'reads/token':>11} {'calls/token':>11} "
+          f"{'misses/token':>12}")
     for r in rows:
         print(f"{r['strategy']:>17} {r['budget']:>6} {r['decode_tokens_per_second']:>6.1f} {r['wall_seconds']:>7.2f} "
               f"{r['model_thread_cpu_seconds']:>14.2f} {r['process_user_seconds']:>14.2f} "
               f"{r['process_system_seconds']:>8.2f} {r['io_stall_seconds']:>7.2f} {r['expert_reads_per_token']:>11.1f} "
-              f"{r['demand_loads_per_token']:>12.1f}")
+              f"{r['read_calls_per_token']:>11.1f} {r['demand_loads_per_token']:>12.1f}")
     for r in rows:
         if r["methods_per_token"]:
             print(f"{r['strategy']} at {r['budget']}, the model's thread, per token:  CPU ms   wall ms  calls")

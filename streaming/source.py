@@ -186,6 +186,7 @@ class StreamingExperts:
                       "expert_cache_peak_bytes": self.cache.peak_charged, "expert_evictions": self.cache.evictions,
                       "prefetches_evicted_unused": self.cache.unused_prefetches,
                       "prefetch_depth": self.depth, **prefetch, "expert_reads": store["reads"],
+                      "expert_read_calls": store["read_calls"],
                       "emulated_wait_seconds": store["emulated_wait_seconds"]})
         if self.predictor is not None:
             stats.update(self.predictor.stats())

@@ -67,6 +67,7 @@ class ExpertStore:
         self._retired_fds: list[int] = []
         self._open(direct_io and hasattr(os, "O_DIRECT"))
         self.reads = 0
+        self.read_calls = 0           # read system calls: records back to back share one
         self.bytes_read = 0
         self.read_seconds = 0.0       # wall time of reads, emulated waits included
         self.emulated_seconds = 0.0   # of which spent sleeping for the storage model
@@ -148,6 +149,7 @@ class ExpertStore:
         elapsed = self.clock() - started
         with self._lock:
             self.reads += 1
+            self.read_calls += 1
             self.bytes_read += got
             self.read_seconds += elapsed
             self.emulated_seconds += slept
@@ -187,7 +189,7 @@ class ExpertStore:
         got, crcs = np.empty(n_records, np.int64), np.zeros(n_records, np.uint32)
         started = self.clock()
         done = self.device.schedule_batch(sizes, started) if self.device else None
-        read_records(fd, np.fromiter((r.offset for r in records), np.int64, n_records), spans, lengths,
+        calls = read_records(fd, np.fromiter((r.offset for r in records), np.int64, n_records), spans, lengths,
                      np.fromiter((out.ctypes.data for _, _, out in requests), np.uint64, n_records), self.verify,
                      got, crcs)
         if mode == IO_DIRECT and (got >= lengths).all() and (not self.verify or all(
@@ -199,6 +201,7 @@ class ExpertStore:
         slept = self.device.wait_until(done) if self.device else 0.0
         with self._lock:
             self.reads += n_records
+            self.read_calls += calls
             self.bytes_read += n_bytes
             self.read_seconds += (self.clock() - started) * n_records
             self.emulated_seconds += slept
@@ -236,7 +239,8 @@ class ExpertStore:
     def stats(self) -> dict:
         with self._lock:
             return {"io_mode": self.io_mode, "storage": self.storage.describe() if self.storage else "native",
-                    "reads": self.reads, "bytes_read": self.bytes_read, "read_seconds": self.read_seconds,
+                    "reads": self.reads, "read_calls": self.read_calls, "bytes_read": self.bytes_read,
+                    "read_seconds": self.read_seconds,
                     "emulated_wait_seconds": self.emulated_seconds}
 
     def close(self) -> None:

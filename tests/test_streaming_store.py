@@ -217,3 +217,34 @@ def test_buffer_too_small_is_refused(expert_file):
     with ExpertStore(expert_file) as store:
         with pytest.raises(ValueError):
             store.read(0, 0, np.zeros(16, np.uint8))
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
+def test_records_back_to_back_are_read_by_one_call(expert_file, direct_io):
+    # layer 2's experts lie back to back in the file (whole pages apart, the span a direct read
+    # takes): asked in any order, 1..4 is one run; 0 and 4 are not adjacent. Compressed records are
+    # read (and decompressed) one by one.
+    with ExpertStore(expert_file, direct_io=direct_io) as store:
+        contiguous = expert_file.compression is None and (store.io_mode == IO_DIRECT or all(
+            expert_file.record(2, e).offset + expert_file.record(2, e).length == expert_file.record(2, e + 1).offset
+            for e in range(4)))
+        buffers = [store.new_buffer(2) for _ in range(4)]
+        results = store.read_batch([(2, e, b) for e, b in zip((3, 1, 4, 2), buffers)])
+        for expert, raw in zip((3, 1, 4, 2), results):
+            assert raw.tobytes() == raw_bytes(expert_file, 2, expert)
+        assert store.stats()["read_calls"] == (1 if contiguous else 4)
+        results = store.read_batch([(2, 4, buffers[0]), (2, 0, buffers[1])])
+        assert [r.tobytes() for r in results] == [raw_bytes(expert_file, 2, 4), raw_bytes(expert_file, 2, 0)]
+        stats = store.stats()
+    assert (stats["reads"], stats["read_calls"]) == (6, 3 if contiguous else 6)
+
+
+def test_a_truncated_record_inside_a_run_is_named(expert_file, tmp_path):
+    import copy
+
+    index = _damaged_copy(copy.copy(expert_file), tmp_path, 2, 3, "truncate")
+    with ExpertStore(index) as store:
+        results = store.read_batch([(2, e, store.new_buffer(2)) for e in (1, 2, 3, 4)])
+    assert [r.tobytes() for r in results[:2]] == [raw_bytes(index, 2, 1), raw_bytes(index, 2, 2)]
+    assert isinstance(results[2], ExpertChecksumError) and "layer 2 expert 3 is truncated" in str(results[2])
+    assert isinstance(results[3], ExpertChecksumError) and "layer 2 expert 4 is truncated" in str(results[3])
