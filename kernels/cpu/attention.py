@@ -83,6 +83,39 @@ ROWS_PER_BLOCK = 64
 
 
 @helper
+def item_scratch(work, n_heads, n, head_dim):
+    """Views of an item's per-thread scratch (>= scratch_floats(n_heads, n, Dh) floats): scores
+    [n_heads * n], accumulators [n_heads, Dh] zeroed, peaks [n_heads] at -inf, totals [n_heads] at
+    0, and one row [Dh]."""
+    scores = work[:n_heads * n]
+    accs = work[n_heads * n:n_heads * (n + head_dim)].reshape((n_heads, head_dim))
+    peaks = work[n_heads * (n + head_dim):n_heads * (n + head_dim + 1)]
+    totals = work[n_heads * (n + head_dim + 1):n_heads * (n + head_dim + 2)]
+    row = work[n_heads * (n + head_dim + 2):n_heads * (n + head_dim + 2) + head_dim]
+    accs[:] = 0.0
+    peaks[:] = -np.inf
+    totals[:] = 0.0
+    return scores, accs, peaks, totals, row
+
+
+@helper
+def scale_and_mask(scores, n, positions, q_position, window, scale, peaks):
+    """In place: each query head's n scores (rows of `scores`, one per entry of peaks) times `scale`,
+    -inf for a key the query may not see (after it, or a window or more behind); peaks [G] their
+    maxima. Vectorised: no branch per key."""
+    for g in range(peaks.shape[0]):
+        row = scores[g * n:(g + 1) * n]
+        peak = np.float32(-np.inf)
+        for s in range(n):
+            p = positions[s]
+            visible = p <= q_position and (window == 0 or q_position - p < window)
+            score = row[s] * scale if visible else np.float32(-np.inf)
+            row[s] = score
+            peak = max(peak, score)
+        peaks[g] = peak
+
+
+@helper
 def exponentiate_scores(scores, peaks, totals, n):
     """In place: each query head's n scores (rows of `scores`) become exp(score - peak), masked
     ones (-inf) 0, and totals [G] their sums."""
@@ -110,13 +143,7 @@ def partial_attention(q, keys, values, n_kv, element_bytes, kv_head, s_begin, s_
     loops (llvm_ir.py) straight over the cache rows, one KV head's rows Hkv * Dh floats apart."""
     group, head_dim = q.shape
     n = s_end - s_begin
-    scores = work[:group * n]
-    accs = work[group * n:group * (n + head_dim)].reshape((group, head_dim))
-    peaks = work[group * (n + head_dim):group * (n + head_dim + 1)]
-    totals = work[group * (n + head_dim + 1):group * (n + head_dim + 2)]
-    accs[:] = 0.0
-    peaks[:] = -np.inf
-    totals[:] = 0.0
+    scores, accs, peaks, totals, _ = item_scratch(work, group, n, head_dim)
     row_bytes = element_bytes * n_kv * head_dim
     first_row = element_bytes * (s_begin * n_kv + kv_head) * head_dim
     first_key, first_value = keys + first_row, values + first_row
@@ -127,17 +154,7 @@ def partial_attention(q, keys, values, n_kv, element_bytes, kv_head, s_begin, s_
             dot_keys(4, element_bytes, first_key, row_bytes, head_dim, s, query, row_scores)
         for s in range(blocked, n):
             dot_keys(1, element_bytes, first_key, row_bytes, head_dim, s, query, row_scores)
-    positions = k_positions[s_begin:s_end]
-    for g in range(group):  # scale, mask, and each head's peak (vectorised: no branch per key)
-        row = scores[g * n:(g + 1) * n]
-        peak = np.float32(-np.inf)
-        for s in range(n):
-            p = positions[s]
-            visible = p <= q_position and (window == 0 or q_position - p < window)
-            score = row[s] * scale if visible else np.float32(-np.inf)
-            row[s] = score
-            peak = max(peak, score)
-        peaks[g] = peak
+    scale_and_mask(scores, n, k_positions[s_begin:s_end], q_position, window, scale, peaks)
     exponentiate_scores(scores, peaks, totals, n)
     for g in range(group):
         if peaks[g] != -np.inf:
@@ -150,8 +167,8 @@ def partial_attention(q, keys, values, n_kv, element_bytes, kv_head, s_begin, s_
 def partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end, k_positions, q_position, window,
                             scale, work):
     """Partial softmax of every query head q [Hq, Dh] over keys[s_begin:s_end] of all KV heads (a
-    decode token's slice of the cache, given by its addresses). Returns (peaks [Hq], totals [Hq], accs [Hq, Dh]), views of
-    `work` (>= scratch_floats(Hq, n, Dh)).
+    decode token's slice of the cache, given by its addresses). Returns (peaks [Hq], totals [Hq],
+    accs [Hq, Dh]), views of `work` (>= scratch_floats(Hq, n, Dh)).
 
     The keys are taken ROWS_PER_BLOCK at a time and each block serves all query heads, so the cache
     is read front to back once for the scores and once for the values, whole rows in order (one KV
@@ -159,12 +176,7 @@ def partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end
     n_heads, head_dim = q.shape
     group = n_heads // n_kv
     n = s_end - s_begin
-    scores = work[:n_heads * n]
-    accs = work[n_heads * n:n_heads * (n + head_dim)].reshape((n_heads, head_dim))
-    peaks = work[n_heads * (n + head_dim):n_heads * (n + head_dim + 1)]
-    totals = work[n_heads * (n + head_dim + 1):n_heads * (n + head_dim + 2)]
-    block_sum = work[n_heads * (n + head_dim + 2):n_heads * (n + head_dim + 2) + head_dim]
-    accs[:] = 0.0
+    scores, accs, peaks, totals, block_sum = item_scratch(work, n_heads, n, head_dim)
     row_bytes = element_bytes * n_kv * head_dim
     first_key = keys + s_begin * row_bytes
     first_value = values + s_begin * row_bytes
@@ -178,17 +190,7 @@ def partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end
                 dot_keys(4, element_bytes, head_keys, row_bytes, head_dim, s, query, row_scores)
             for s in range(blocked, b_end):
                 dot_keys(1, element_bytes, head_keys, row_bytes, head_dim, s, query, row_scores)
-    positions = k_positions[s_begin:s_end]
-    for h in range(n_heads):  # scale, mask, and each head's peak (vectorised: no branch per key)
-        row = scores[h * n:(h + 1) * n]
-        peak = np.float32(-np.inf)
-        for s in range(n):
-            p = positions[s]
-            visible = p <= q_position and (window == 0 or q_position - p < window)
-            score = row[s] * scale if visible else np.float32(-np.inf)
-            row[s] = score
-            peak = max(peak, score)
-        peaks[h] = peak
+    scale_and_mask(scores, n, k_positions[s_begin:s_end], q_position, window, scale, peaks)
     exponentiate_scores(scores, peaks, totals, n)
     for b_begin in range(0, n, ROWS_PER_BLOCK):
         b_end = min(b_begin + ROWS_PER_BLOCK, n)

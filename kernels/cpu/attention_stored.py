@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange, types
 
-from kernels.cpu.attention import exponentiate_scores, item_span, merge_partials, scratch_floats
+from kernels.cpu.attention import exponentiate_scores, item_scratch, item_span, merge_partials, scratch_floats
 from kernels.cpu.kv_quant import half_to_single
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
@@ -63,8 +63,8 @@ def int8_dot(q, codes, scales, group):
 
 
 def stored_scratch_floats(n_heads: int, n_keys: int, head_dim: int) -> int:
-    """Per-thread scratch of an item: the f32 kernel's, plus one widened row."""
-    return scratch_floats(n_heads, n_keys, head_dim) + head_dim
+    """Per-thread scratch of an item: the f32 kernel's, whose spare row holds a widened key or value."""
+    return scratch_floats(n_heads, n_keys, head_dim)
 
 
 @helper
@@ -74,14 +74,7 @@ def partial_attention_stored(q, key_halves, key_codes, key_scales, value_halves,
     accs [G, Dh]) of the query heads q [G, Dh] over keys s_begin..s_end-1 of kv_head."""
     group, head_dim = q.shape
     n = s_end - s_begin
-    scores = work[:group * n]
-    accs = work[group * n:group * (n + head_dim)].reshape((group, head_dim))
-    peaks = work[group * (n + head_dim):group * (n + head_dim + 1)]
-    totals = work[group * (n + head_dim + 1):group * (n + head_dim + 2)]
-    row = work[group * (n + head_dim + 2):group * (n + head_dim + 2) + head_dim]
-    accs[:] = 0.0
-    peaks[:] = -np.inf
-    totals[:] = 0.0
+    scores, accs, peaks, totals, row = item_scratch(work, group, n, head_dim)
     if key_codes.shape[0] > 0:  # int8: per group, scale x (q . codes); no widened key row
         for s in range(n):
             key_index = s_begin + s
