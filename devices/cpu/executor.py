@@ -210,8 +210,7 @@ class FusedForward:
             first = 0
             for call, last in enumerate(ends):
                 self.backend.use_threads()  # a MoE block's kernels may have set fewer
-                self._run(ids, kv, cache.capacity, start, cos, sin, first, last, call == 0, call == len(ends) - 1,
-                          all_logits)
+                self._run(ids, kv, start, cos, sin, first, last, call == 0, call == len(ends) - 1, all_logits)
                 if last > first:
                     layer = last - 1
                     routing = self._mix_experts(layer, n_tokens) if layer in self.moe_layers else {}
@@ -251,10 +250,10 @@ class FusedForward:
             return []
         return fk.step_durations(self.scratch.clock, *self._last_call)
 
-    def _run(self, ids, kv, capacity, start, cos, sin, first, last, run_embedding, run_head, all_logits):
+    def _run(self, ids, kv, start, cos, sin, first, last, run_embedding, run_head, all_logits):
         t, s = self.tables, self.scratch
         fk.forward_kernel(
-            t.descriptors, t.layers, t.params, t.dims, self.eps, self.scale, kv, capacity, ids, start, cos, sin,
+            t.descriptors, t.layers, t.params, t.dims, self.eps, self.scale, kv, ids, start, cos, sin,
             first, last, run_embedding, run_head, all_logits, self.backend.threads,
             s.hidden, s.normed, s.qkv, s.attn, s.gate, s.up, s.gate_t, s.up_t, s.xt, s.x_natural, s.x_pairs,
             s.x_sums, s.tiles, s.blocks, s.row_scratch, s.embed_scratch, s.scores, s.peaks, s.totals, s.accs,

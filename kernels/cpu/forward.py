@@ -26,8 +26,8 @@ Nothing assigns work to a particular thread, so
     takes all the tasks, and a late thread finds the counters spent and returns.
 
 Weights arrive as descriptor rows (formats.py); norm gains and biases as offsets into one f32
-`params` array; the KV cache as a (keys, values) address pair per layer, f32 or f16, each buffer laid out
-[capacity, Hkv, Dh] exactly as the backend's `allocate_kv` made it.
+`params` array; the KV cache as a (keys, values) address pair per layer, each buffer laid out
+[capacity, Hkv, Dh] as the backend's `allocate_kv` (f32) or an f16 CacheBuffer made it.
 """
 from __future__ import annotations
 
@@ -182,14 +182,6 @@ def rows_per_task(rows, n_tokens, n_threads):
 
 
 @helper
-def prepare_input(x, n_tokens, k_fill, w, x_natural, x_pairs, x_sums):
-    """Decode: the forms of the one input vector that the dot products of weight w (and of the
-    weights that share its input) read, zero-padded to k_fill values (linear.prepare_vector)."""
-    if n_tokens == 1:
-        prepare_vector(x[0], x_natural[:k_fill], x_pairs, x_sums, w[W_ACTIVATIONS])
-
-
-@helper
 def transpose_input(step, spec, weights, dims):
     """Input code and K_padded (rows of xt to fill) of the projection after a TRANSPOSE step."""
     if step == S_INPUT_T:
@@ -219,8 +211,9 @@ def store_kv_row(cache, element_bytes, offset, row):
 
 @helper
 def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, first_token, cos, sin, keys, values,
-               n_threads, x_natural, x_pairs, x_sums, embed_scratch, peaks, totals, accs, hidden, normed, qkv,
-               attn, gate):
+               embed_scratch, peaks, totals, accs, hidden, normed, qkv, attn):
+    """A SERIAL step: the embedding and RoPE with the cache write in any call; prefill's norms and
+    attention merge, whose outputs the next step transposes (decode replicates those instead)."""
     d_model, n_heads, n_kv, head_dim = dims[M_HIDDEN], dims[M_HEADS], dims[M_KV_HEADS], dims[M_HEAD_DIM]
     q_width, kv_width = n_heads * head_dim, n_kv * head_dim
     if step == S_EMBED:
@@ -231,16 +224,6 @@ def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, fir
         norm = param(params, spec[L_INPUT_NORM if step == S_INPUT_NORM else L_POST_NORM], d_model)
         for t in range(n_tokens):
             rms_norm_row(hidden[t], norm, eps, normed[t])
-        if step == S_INPUT_NORM:
-            k_fill = max(weights[spec[L_Q], W_COLS_PADDED], weights[spec[L_K], W_COLS_PADDED],
-                         weights[spec[L_V], W_COLS_PADDED])
-            first_weight = spec[L_Q]
-        elif is_moe(spec):
-            k_fill, first_weight = weights[spec[L_ROUTER], W_COLS_PADDED], spec[L_ROUTER]
-        else:
-            k_fill = max(weights[spec[L_GATE], W_COLS_PADDED], weights[spec[L_UP], W_COLS_PADDED])
-            first_weight = spec[L_GATE]
-        prepare_input(normed, n_tokens, k_fill, weights[first_weight], x_natural, x_pairs, x_sums)
     elif step == S_ROPE:  # per-head q/k norm (Qwen3), rotary embedding, cache write
         for t in range(n_tokens):
             row = qkv[t]
@@ -252,26 +235,18 @@ def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, fir
                     rms_norm_row(head, param(params, spec[L_K_NORM], head_dim), eps, head)
                 rope_row(head, cos[t], sin[t])
             store_kv_row(keys, dims[M_KV_BYTES], (start + t) * kv_width, row[q_width:q_width + kv_width])
-            store_kv_row(values, dims[M_KV_BYTES], (start + t) * kv_width, row[q_width + kv_width:q_width + 2 * kv_width])
-    elif step == S_MERGE:
-        n_splits = 1 if n_tokens > 1 else n_threads
+            store_kv_row(values, dims[M_KV_BYTES], (start + t) * kv_width,
+                         row[q_width + kv_width:q_width + 2 * kv_width])
+    elif step == S_MERGE:  # prefill: one partial per (token, head)
         for t in range(n_tokens):
             for h in range(n_heads):
-                at = (t * n_heads + h) * n_splits
-                merge_partials(peaks[at:at + n_splits], totals[at:at + n_splits], accs[at:at + n_splits],
+                at = t * n_heads + h
+                merge_partials(peaks[at:at + 1], totals[at:at + 1], accs[at:at + 1],
                                attn[t, h * head_dim:(h + 1) * head_dim])
-        prepare_input(attn, n_tokens, weights[spec[L_O], W_COLS_PADDED], weights[spec[L_O]], x_natural, x_pairs,
-                      x_sums)
-    elif step == S_DOWN_INPUT:
-        prepare_input(gate, n_tokens, weights[spec[L_DOWN], W_COLS_PADDED], weights[spec[L_DOWN]], x_natural,
-                      x_pairs, x_sums)
-    elif step == S_FINAL_NORM:
-        n_out = n_tokens - first_token
+    elif step == S_FINAL_NORM:  # every token's logits: the head transposes them
         norm = param(params, dims[M_FINAL_NORM], d_model)
-        for t in range(n_out):
+        for t in range(n_tokens - first_token):
             rms_norm_row(hidden[first_token + t], norm, eps, normed[t])
-        prepare_input(normed, n_out, weights[dims[M_LM_HEAD], W_COLS_PADDED], weights[dims[M_LM_HEAD]], x_natural,
-                      x_pairs, x_sums)
 
 
 @helper
@@ -429,7 +404,7 @@ def wait_for(address, target):
             sleep_microseconds(NAP_MICROSECONDS)
 
 
-def _forward(weights, layers, params, dims, eps, scale, kv, capacity, ids, start, cos, sin, first, last,
+def _forward(weights, layers, params, dims, eps, scale, kv, ids, start, cos, sin, first, last,
              run_embedding, run_head, all_logits, n_threads, hidden, normed, qkv, attn, gate, up, gate_t, up_t, xt,
              x_natural,
              x_pairs, x_sums, tiles, blocks, row_scratch, embed_scratch, scores, peaks, totals, accs, key_positions,
@@ -437,7 +412,6 @@ def _forward(weights, layers, params, dims, eps, scale, kv, capacity, ids, start
     """clock [>= n_steps + 1] receives the call's start time (clock[0]) and the time each step's
     last task finished (clock[1 + step index]); 0 for skipped steps. A few clock reads per token."""
     n_tokens = ids.shape[0]
-    n_kv, head_dim = dims[M_KV_HEADS], dims[M_HEAD_DIM]
     first_token = 0 if all_logits else n_tokens - 1
     n_out = n_tokens - first_token
     visible_keys = key_positions[:start + n_tokens]
@@ -471,8 +445,7 @@ def _forward(weights, layers, params, dims, eps, scale, kv, capacity, ids, start
                     break
                 if kind == SERIAL:
                     run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, first_token, cos, sin,
-                               keys, values, n_threads, x_natural_own, x_pairs_own, x_sums_own, embed_scratch, peaks,
-                               totals, accs, hidden, normed, qkv, attn, gate)
+                               keys, values, embed_scratch, peaks, totals, accs, hidden, normed, qkv, attn)
                 else:
                     run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, start, n_tokens,
                              first_token, n_threads, keys, values, visible_keys, x_natural_own, x_pairs_own,
@@ -489,7 +462,7 @@ _f32_1d_ro, _f32_2d_ro = readonly(types.float32, 1), readonly(types.float32, 2)
 _f32_1d, _f32_2d, _f32_3d = mutable(types.float32, 1), mutable(types.float32, 2), mutable(types.float32, 3)
 FORWARD_SIGNATURE = types.void(
     _i64_2d_ro, _i64_2d_ro, _f32_1d_ro, _i64_1d_ro, types.float32, types.float32,  # weights .. scale
-    _i64_2d_ro, types.int64, _i64_1d_ro, types.int64, _f32_2d_ro, _f32_2d_ro,  # kv .. sin
+    _i64_2d_ro, _i64_1d_ro, types.int64, _f32_2d_ro, _f32_2d_ro,  # kv .. sin
     types.int64, types.int64, types.boolean, types.boolean, types.boolean, types.int64,  # first .. n_threads
     _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d,  # hidden .. gate up gate_t up_t xt
     _f32_2d, _f32_2d, _f32_2d, _f32_3d, _f32_2d, _f32_1d, _f32_2d,  # x_natural .. embed_scratch (x_*: per thread)
