@@ -214,14 +214,14 @@ class StreamedLayer(Mapping):
         try:
             with source.cache.lock:  # one hold for the layer, not one per expert
                 for expert in ids[: self.room]:
-                    self._acquire(expert)  # a miss is queued ahead of every prefetch, read when needed
+                    self._acquire(expert)
         except BaseException:
             self.release()  # no pin may outlive a failed call
             raise
 
-    def _acquire(self, expert: int) -> bool:
-        """Pin the expert's entry; True if it missed (its load is queued ahead of every prefetch).
-        The caller holds the cache's lock."""
+    def _acquire(self, expert: int) -> None:
+        """Pin the expert's entry; a miss is queued ahead of every prefetch (`_wait` reads it if no
+        loading thread has). The caller holds the cache's lock."""
         source = self.source
         entry, missed = source.prefetcher.demand((self.layer, expert))
         source.cache.touch(entry)
@@ -231,7 +231,6 @@ class StreamedLayer(Mapping):
             source.counters.hits += 1
             source.counters.late_prefetches += entry.state != READY and entry.state != FAILED
         self._entries[expert] = entry
-        return missed
 
     def _wait(self, entry: Entry) -> None:
         if entry.state == LOADING:
@@ -291,9 +290,7 @@ class StreamedLayer(Mapping):
                         released.pins -= 1
                     self.source.cache.lock.notify_all()
             with self.source.cache.lock:
-                missed = self._acquire(expert)
-            if missed:
-                self.source.prefetcher.load_demanded()
+                self._acquire(expert)
             entry = self._entries[expert]
         self._wait(entry)
         if expert not in self._handed_out:

@@ -53,6 +53,16 @@ def random_route(rng, n_tokens: int, n_experts: int, top_k: int) -> tuple[np.nda
     return ids, weights
 
 
+def mixture_case(seed: int, n_experts: int, intermediate: int, scheme_name: str, n_tokens: int, top_k: int,
+                 d_model: int = 64):
+    """(a 2-thread CPU backend, stored experts, x [T, D], route ids and weights [T, A]) of a random case."""
+    rng = np.random.default_rng(seed)
+    experts = random_experts(rng, n_experts, d_model, intermediate, scheme_name)
+    x = rng.standard_normal((n_tokens, d_model)).astype(np.float32)
+    ids, weights = random_route(rng, n_tokens, n_experts, top_k)
+    return CpuBackend(threads=2), experts, x, ids, weights
+
+
 def mixtures(scheme_name, n_tokens, top_k, d_model, intermediate, threads=2, seed=0, activations="f32"):
     """(the CPU backend's mixture, the numpy oracle's) on random experts and routes."""
     rng = np.random.default_rng(seed)
@@ -108,11 +118,7 @@ def test_mixture_does_not_depend_on_the_thread_count(n_tokens):
 
 def test_mixture_does_not_depend_on_which_objects_hold_the_weights():
     # the same experts prepared twice (as a cache reload would) give the same bits
-    rng = np.random.default_rng(5)
-    experts = random_experts(rng, 4, 64, 48, "int8_sym_g32")
-    x = rng.standard_normal((1, 64)).astype(np.float32)
-    ids, weights = random_route(rng, 1, 4, 3)
-    cpu = CpuBackend(threads=2)
+    cpu, experts, x, ids, weights = mixture_case(5, 4, 48, "int8_sym_g32", n_tokens=1, top_k=3)
     first = cpu.expert_mixture(x, ids, weights, prepared(cpu, experts))
     again = cpu.expert_mixture(x, ids, weights, {e: w for e, w in reversed(prepared(cpu, experts).items())})
     np.testing.assert_array_equal(first, again)
@@ -139,11 +145,7 @@ class Windowed(dict):
 
 @pytest.mark.parametrize("n_tokens", [1, 9])
 def test_a_window_of_experts_gives_the_same_bits_as_all_of_them(n_tokens):
-    rng = np.random.default_rng(7)
-    experts = random_experts(rng, 6, 64, 40, "int4_sym_g32")
-    x = rng.standard_normal((n_tokens, 64)).astype(np.float32)
-    ids, weights = random_route(rng, n_tokens, 6, 4)
-    cpu = CpuBackend(threads=2)
+    cpu, experts, x, ids, weights = mixture_case(7, 6, 40, "int4_sym_g32", n_tokens=n_tokens, top_k=4)
     whole = cpu.expert_mixture(x, ids, weights, prepared(cpu, experts))
     windowed = Windowed(prepared(cpu, experts), window_size=2)
     np.testing.assert_array_equal(cpu.expert_mixture(x, ids, weights, windowed), whole)
@@ -191,11 +193,7 @@ class Arriving(dict):
 
 @pytest.mark.parametrize("runs", [[1, 1, 1, 1, 1], [2, 1, 2], [1, 4], [5]])
 def test_experts_taken_as_they_arrive_give_the_same_bits_as_all_at_once(runs):
-    rng = np.random.default_rng(11)
-    experts = random_experts(rng, 8, 64, 40, "int4_affine_g64")
-    x = rng.standard_normal((1, 64)).astype(np.float32)
-    ids, weights = random_route(rng, 1, 8, 5)
-    cpu = CpuBackend(threads=2)
+    cpu, experts, x, ids, weights = mixture_case(11, 8, 40, "int4_affine_g64", n_tokens=1, top_k=5)
     whole = cpu.expert_mixture(x, ids, weights, prepared(cpu, experts))
     arriving = Arriving(prepared(cpu, experts), runs)
     np.testing.assert_array_equal(cpu.expert_mixture(x, ids, weights, arriving), whole)

@@ -62,9 +62,6 @@ ACTIVATION_HELP = ("int8 quantizes each matmul input to int8 per block of 32 val
 NUMBA_KV_CODEC = KvCodec(kv_quant.quantize_int8, kv_quant.dequantize_int8, kv_quant.widen_halves)
 
 
-FUSED_KV_FORMATS = ("f32", "f16")  # K/V storage the fused executor reads
-
-
 class CpuBackend:
     name = "cpu"
     kv_formats = KV_FORMATS
@@ -245,9 +242,9 @@ class CpuBackend:
         return attention_kernels.head_matmul(x, w)
 
     def compile_forward(self, transformer):
-        from devices.cpu.executor import FusedForward
+        from devices.cpu.executor import KV_DTYPES, FusedForward
 
-        if transformer.spec.attention_kind != "gqa" or transformer.kv_format not in FUSED_KV_FORMATS:
+        if transformer.spec.attention_kind != "gqa" or transformer.kv_format not in KV_DTYPES:
             # the fused executor reads float32 or float16 K/V; MLA and int8 caches run op by op on
             # the same Numba kernels
             return None

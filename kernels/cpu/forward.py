@@ -256,28 +256,28 @@ def run_replicated(step, spec, weights, params, dims, eps, first_token, n_thread
     input (x_natural, x_pairs, x_sums); thread 0 also leaves a norm's output in `normed`, where the
     caller reads it (a MoE layer's experts take it as their input)."""
     d_model, n_heads, head_dim = dims[M_HIDDEN], dims[M_HEADS], dims[M_HEAD_DIM]
+    # the vector is padded as wide as prefill's transpose fills xt for the same projection
     if step == S_INPUT_NORM or step == S_POST_NORM or step == S_FINAL_NORM:
         if step == S_FINAL_NORM:
-            norm, w = param(params, dims[M_FINAL_NORM], d_model), weights[dims[M_LM_HEAD]]
-            k_fill = w[W_COLS_PADDED]
+            norm, fed, transposed = dims[M_FINAL_NORM], dims[M_LM_HEAD], S_HEAD_T
         elif step == S_INPUT_NORM:
-            norm, w = param(params, spec[L_INPUT_NORM], d_model), weights[spec[L_Q]]
-            k_fill = max(w[W_COLS_PADDED], weights[spec[L_K], W_COLS_PADDED], weights[spec[L_V], W_COLS_PADDED])
+            norm, fed, transposed = spec[L_INPUT_NORM], spec[L_Q], S_INPUT_T
         else:
-            norm, w = param(params, spec[L_POST_NORM], d_model), weights[ffn_input_weight(spec)]
-            k_fill = w[W_COLS_PADDED] if is_moe(spec) else max(w[W_COLS_PADDED], weights[spec[L_UP], W_COLS_PADDED])
+            norm, fed, transposed = spec[L_POST_NORM], ffn_input_weight(spec), S_POST_T
         x = replica[:d_model]
-        rms_norm_row(hidden[first_token], norm, eps, x)
+        rms_norm_row(hidden[first_token], param(params, norm, d_model), eps, x)
         if thread == 0:
             normed[0, :d_model] = x
-        prepare_vector(x, x_natural[:k_fill], x_pairs, x_sums, w[W_ACTIVATIONS])
+        k_fill = transpose_input(transposed, spec, weights, dims)[1]
+        prepare_vector(x, x_natural[:k_fill], x_pairs, x_sums, weights[fed, W_ACTIVATIONS])
     elif step == S_MERGE:
         for h in range(n_heads):
             at = h * n_threads
             merge_partials(peaks[at:at + n_threads], totals[at:at + n_threads], accs[at:at + n_threads],
                            replica[h * head_dim:(h + 1) * head_dim])
-        w = weights[spec[L_O]]
-        prepare_vector(replica[:n_heads * head_dim], x_natural[:w[W_COLS_PADDED]], x_pairs, x_sums, w[W_ACTIVATIONS])
+        k_fill = transpose_input(S_ATTN_T, spec, weights, dims)[1]
+        prepare_vector(replica[:n_heads * head_dim], x_natural[:k_fill], x_pairs, x_sums,
+                       weights[spec[L_O], W_ACTIVATIONS])
     else:  # S_DOWN_INPUT
         w = weights[spec[L_DOWN]]
         prepare_vector(gate[0], x_natural[:w[W_COLS_PADDED]], x_pairs, x_sums, w[W_ACTIVATIONS])
