@@ -64,6 +64,9 @@ class KVCache:
         self.length = 0
         self.slots = slots
         self.layers = [self._allocate(backend, slot) for slot in slots]
+        # every layer keeps its keys and values over every position, in the model's format (asked on
+        # every forward call, so settled once: a cache's layout never changes)
+        self.full_kv = all(slot.full_kv for slot in slots)
 
     def _allocate(self, backend, slot: SlotLayout) -> tuple:
         if slot.plain:
@@ -78,15 +81,6 @@ class KVCache:
                     f"(kv_cache='f32', no MLA); use device 'cpu' or 'reference'"
                 )
         return tuple(backend.allocate_cache(slot.rows(self.capacity), p.heads, p.dim, p.format) for p in slot.parts)
-
-    @property
-    def plain(self) -> bool:
-        return all(slot.plain for slot in self.slots)
-
-    @property
-    def full_kv(self) -> bool:
-        """Every layer keeps its keys and values over every position, in the model's format."""
-        return all(slot.full_kv for slot in self.slots)
 
     def check_room(self, n_new: int, context_limit: int) -> None:
         end = self.length + n_new

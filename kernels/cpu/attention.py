@@ -19,6 +19,7 @@ import numpy as np
 from numba import prange, types
 
 from kernels.cpu.elementwise import exp_approx
+from kernels.cpu.intrinsics import prefetch_bytes_l2
 from kernels.cpu.formats import F16 as K_F16, F32 as K_F32, IR_FORMATS
 from kernels.cpu.llvm_ir import ACT_F32, make_dot_rows, weighted_half_row_sum, weighted_row_sum
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
@@ -79,7 +80,7 @@ def scratch_floats(n_heads: int, n_keys: int, head_dim: int) -> int:
 # Keys a decode item takes at a time: their K rows (then V rows), every KV head's, are read from
 # memory once, in order, and used for every query head while they are in L1/L2 (64 rows of
 # SmolLM2's 3 x 64 floats are 48 KiB).
-ROWS_PER_BLOCK = 64
+ROWS_PER_BLOCK = 32
 
 
 @helper
@@ -164,6 +165,21 @@ def partial_attention(q, keys, values, n_kv, element_bytes, kv_head, s_begin, s_
 
 
 @helper
+def prefetch_share(first_key, first_value, row_bytes, n, next_row, share, n_shares):
+    """Request share `share` of n_shares of the next block's rows: rows [next_row, next_row +
+    ROWS_PER_BLOCK) of the item's keys then values, read as one sequence of 2n rows (the values
+    follow the keys). Spread over a block's query heads, the requests overlap the arithmetic
+    instead of waiting in one burst."""
+    begin = min(next_row + ROWS_PER_BLOCK * share // n_shares, 2 * n)
+    end = min(next_row + ROWS_PER_BLOCK * (share + 1) // n_shares, 2 * n)
+    if begin < n:
+        prefetch_bytes_l2(first_key + begin * row_bytes, (min(end, n) - begin) * row_bytes)
+    if end > n:
+        first = max(begin, n)
+        prefetch_bytes_l2(first_value + (first - n) * row_bytes, (end - first) * row_bytes)
+
+
+@helper
 def partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end, k_positions, q_position, window,
                             scale, work):
     """Partial softmax of every query head q [Hq, Dh] over keys[s_begin:s_end] of all KV heads (a
@@ -180,10 +196,12 @@ def partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end
     row_bytes = element_bytes * n_kv * head_dim
     first_key = keys + s_begin * row_bytes
     first_value = values + s_begin * row_bytes
+    prefetch_bytes_l2(first_key, min(n, ROWS_PER_BLOCK) * row_bytes)
     for b_begin in range(0, n, ROWS_PER_BLOCK):
         b_end = min(b_begin + ROWS_PER_BLOCK, n)
         blocked = b_begin + (b_end - b_begin) // 4 * 4
         for h in range(n_heads):  # four keys per call share each load of the query
+            prefetch_share(first_key, first_value, row_bytes, n, b_end, h, n_heads)
             head_keys = first_key + element_bytes * (h // group) * head_dim
             query, row_scores = q[h].ctypes.data, scores[h * n:(h + 1) * n].ctypes.data
             for s in range(b_begin, blocked, 4):
@@ -195,6 +213,7 @@ def partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end
     for b_begin in range(0, n, ROWS_PER_BLOCK):
         b_end = min(b_begin + ROWS_PER_BLOCK, n)
         for h in range(n_heads):
+            prefetch_share(first_key, first_value, row_bytes, n, n + b_end, h, n_heads)
             if peaks[h] == -np.inf:
                 continue
             sum_values(element_bytes, first_value + b_begin * row_bytes + element_bytes * (h // group) * head_dim,

@@ -416,8 +416,11 @@ def _forward(weights, layers, params, dims, eps, scale, kv, ids, start, cos, sin
     n_out = n_tokens - first_token
     visible_keys = key_positions[:start + n_tokens]
     n_steps = (1 if run_embedding else 0) + (last - first) * LAYER_STEPS + HEAD_STEPS
-    sync[:n_steps] = 0
-    clock[:n_steps + 1] = 0.0
+    # plain loops: in a parallel kernel a slice assignment is a parallel region of its own
+    for index in range(n_steps):
+        for counter in range(SYNC_STRIDE):
+            sync[index, counter] = 0
+        clock[1 + index] = 0.0
     clock[0] = monotonic_seconds()
     counters = sync.ctypes.data
     for thread in prange(n_threads):

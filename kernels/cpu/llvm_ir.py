@@ -133,16 +133,17 @@ class Emitter:
     def loop(self, count):
         return cgutils.for_range(self.b, count)
 
-    def prefetch_range(self, begin, n_bytes):
+    def prefetch_range(self, begin, n_bytes, locality: int = 2):
         """Hint the lines of [begin, begin + n_bytes) into cache (llvm.prefetch never faults, so
-        addresses past the end of a matrix are harmless)."""
+        addresses past the end of a matrix are harmless). Locality 3 asks for every level (x86's
+        prefetcht0), 2 for L2 and beyond (prefetcht1)."""
         prefetch = cgutils.get_or_insert_function(
             self.b.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
         n_lines = self.b.udiv(self.b.add(n_bytes, self.i64(63)), self.i64(64))
         with self.loop(n_lines) as line_loop:
             address = self.address(begin, (line_loop.index, 64))
             self.b.call(prefetch, [self.b.inttoptr(address, I8.as_pointer()), ir.Constant(I32, 0),
-                                   ir.Constant(I32, 3), ir.Constant(I32, 1)])
+                                   ir.Constant(I32, locality), ir.Constant(I32, 1)])
 
     def unpack_int4(self, packed):
         """<16 x i8> bytes -> (low nibbles, high nibbles): weights 2j and 2j+1 of the chunk."""
@@ -187,7 +188,7 @@ def _quantized_chunk_dot(e: Emitter, fmt: IrFormat, row_data, chunk, x, xp):
 
 # Decode streams the weights once per token: while one block of rows is multiplied, the block
 # PREFETCH_BLOCKS ahead is requested, so that memory latency overlaps the arithmetic.
-PREFETCH_BLOCKS = 4
+PREFETCH_BLOCKS = 8
 
 
 def _prefetch_rows_ahead(e: Emitter, n_rows: int, row0, row_bytes, arrays_and_row_sizes):
