@@ -86,8 +86,8 @@ class CpuBackend:
     def use_threads(self, work: int | None = None) -> int:
         """Set the thread count of the next kernel launch and return it: this backend's, or 1 for a
         launch of fewer than PARALLEL_MIN_WORK multiply-adds. Op-by-op decode launches dozens of small
-        kernels per layer, and waking a sleeping pool thread (the OpenMP wait policy is passive,
-        kernels/cpu/runtime.py) costs more than such a kernel saves by splitting. Numba's count is per
+        kernels per layer, and handing work to a pool thread (which may have gone to sleep after its
+        spin, kernels/cpu/runtime.py) costs more than such a kernel saves by splitting. Numba's count is per
         calling thread, and setting it costs more than a small kernel: only when it changes."""
         threads = self.threads if work is None or work >= PARALLEL_MIN_WORK else 1
         if getattr(_launching, "threads", None) != threads:
