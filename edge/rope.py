@@ -91,9 +91,20 @@ class RopeTable:
 
     def __init__(self, spec: LlamaSpec):
         self.inv_freq, self.attention_factor = rope_inv_freq(spec)
+        self._cos, self._sin = self.cos_sin(np.arange(0))  # positions [0, n) computed so far
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         angles = np.asarray(positions, dtype=np.float64)[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
         cos = (np.cos(angles) * self.attention_factor).astype(np.float32)
         sin = (np.sin(angles) * self.attention_factor).astype(np.float32)
         return cos, sin
+
+    def cos_sin_span(self, start: int, n_positions: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos_sin(arange(start, start + n_positions)) from a table grown as positions are asked for
+        (the same values: each row depends on its position only); read-only views."""
+        end = start + n_positions
+        if end > len(self._cos):
+            cos, sin = self.cos_sin(np.arange(max(end, 2 * len(self._cos), 256)))
+            cos.flags.writeable = sin.flags.writeable = False
+            self._cos, self._sin = cos, sin
+        return self._cos[start:end], self._sin[start:end]

@@ -197,30 +197,39 @@ class FusedForward:
         return table
 
     def __call__(self, ids, cache, all_logits: bool, observer=None) -> np.ndarray:
+        with self._lock:
+            logits = self._forward(ids, cache, all_logits, observer)
+            return logits[:len(ids)].copy() if all_logits else logits[0].copy()
+
+    def next_token(self, ids, cache) -> int:
+        """Run ids like __call__ and return the greedy next token (the argmax of the last token's
+        logits, ties to the lowest id), read from the scratch logits without copying them."""
+        with self._lock:
+            return int(np.argmax(self._forward(ids, cache, False, None)[0]))
+
+    def _forward(self, ids, cache, all_logits: bool, observer) -> np.ndarray:
+        """Run ids (with the lock held); the logits stay in scratch (row 0: the last token's)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         n_tokens = len(ids)
         start = cache.length
-        cos, sin = self.rope.cos_sin(np.arange(start, start + n_tokens))
+        cos, sin = self.rope.cos_sin_span(start, n_tokens)
         n_layers = self.spec.num_hidden_layers
-        with self._lock:
-            kv = self._kv_table(cache)
-            scratch = self.scratch
-            scratch.ensure(n_tokens, cache.capacity)
-            ends = self._call_ends(n_layers, per_layer=observer is not None)
-            first = 0
-            for call, last in enumerate(ends):
-                self.backend.use_threads()  # a MoE block's kernels may have set fewer
-                self._run(ids, kv, start, cos, sin, first, last, call == 0, call == len(ends) - 1, all_logits)
-                if last > first:
-                    layer = last - 1
-                    routing = self._mix_experts(layer, n_tokens) if layer in self.moe_layers else {}
-                    if observer is not None:
-                        observer(layer, scratch.hidden[:n_tokens].copy(), **routing)
-                first = last
-            cache.length = start + n_tokens
-            if all_logits:
-                return scratch.logits[:n_tokens].copy()
-            return scratch.logits[0].copy()
+        kv = self._kv_table(cache)
+        scratch = self.scratch
+        scratch.ensure(n_tokens, cache.capacity)
+        ends = self._call_ends(n_layers, per_layer=observer is not None)
+        first = 0
+        for call, last in enumerate(ends):
+            self.backend.use_threads()  # a MoE block's kernels may have set fewer
+            self._run(ids, kv, start, cos, sin, first, last, call == 0, call == len(ends) - 1, all_logits)
+            if last > first:
+                layer = last - 1
+                routing = self._mix_experts(layer, n_tokens) if layer in self.moe_layers else {}
+                if observer is not None:
+                    observer(layer, scratch.hidden[:n_tokens].copy(), **routing)
+            first = last
+        cache.length = start + n_tokens
+        return scratch.logits
 
     def _call_ends(self, n_layers: int, per_layer: bool) -> list[int]:
         """Where each compiled call of a forward pass stops: after every MoE layer (or every layer),

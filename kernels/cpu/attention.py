@@ -73,8 +73,16 @@ def visible_range(k_positions, q_position, window):
 
 def scratch_floats(n_heads: int, n_keys: int, head_dim: int) -> int:
     """Floats of per-thread scratch an item needs: scores, accumulators, maxima and sums of up to
-    n_heads query heads, and one block's value sum."""
-    return n_heads * (n_keys + head_dim + 2) + head_dim
+    n_heads query heads, one block's value sum, and a decode item's own copy of the query heads
+    (decode_query)."""
+    return n_heads * (n_keys + 2 * head_dim + 2) + head_dim
+
+
+@helper
+def decode_query(work, q_width):
+    """The last q_width floats of an item's scratch: where a fused decode item keeps the query heads
+    it rotates for itself (item_scratch uses the front, up to the keys the item reads)."""
+    return work[work.shape[0] - q_width:]
 
 
 # Keys a decode item takes at a time: their K rows (then V rows), every KV head's, are read from

@@ -34,7 +34,7 @@ from __future__ import annotations
 import numba
 from numba import prange, types
 
-from kernels.cpu.attention import attention_item, decode_attention_item, merge_partials
+from kernels.cpu.attention import attention_item, decode_attention_item, decode_query, merge_partials
 from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_times
 from kernels.cpu.formats import W_ACTIVATIONS, W_COLS_PADDED, W_ROWS
 from kernels.cpu.intrinsics import (atomic_add, atomic_load, float32_pointer, half_bits, monotonic_seconds,
@@ -148,8 +148,10 @@ def projection_rows(step, spec, weights, dims):
 def plan(step, spec, weights, dims, n_tokens, n_out, n_threads, run_head):
     """(kind, number of tasks) of a step. Every thread computes this for itself."""
     prefill = n_tokens > 1
-    if step == S_EMBED or step == S_ROPE:
+    if step == S_EMBED:
         return SERIAL, 1
+    if step == S_ROPE:  # decode does it within the attention step (run_task)
+        return SERIAL, 1 if prefill else 0
     if step == S_INPUT_NORM or step == S_MERGE or step == S_POST_NORM:
         return (SERIAL if prefill else REPLICATED), 1
     if step == S_DOWN_INPUT:
@@ -210,6 +212,26 @@ def store_kv_row(cache, element_bytes, offset, row):
 
 
 @helper
+def norm_and_rope_heads(row, first_head, end_head, n_heads, spec, params, eps, head_dim, cos, sin):
+    """In place on a token's q|k|v row: heads [first_head, end_head) of its n_heads query heads and
+    then KV heads get their per-head norm (q_norm / k_norm, Qwen3), then the rotary embedding."""
+    for h in range(first_head, end_head):
+        head = row[h * head_dim:(h + 1) * head_dim]
+        if h < n_heads and spec[L_Q_NORM] != NO_PARAM:
+            rms_norm_row(head, param(params, spec[L_Q_NORM], head_dim), eps, head)
+        elif h >= n_heads and spec[L_K_NORM] != NO_PARAM:
+            rms_norm_row(head, param(params, spec[L_K_NORM], head_dim), eps, head)
+        rope_row(head, cos, sin)
+
+
+@helper
+def write_kv(row, keys, values, kv_bytes, position, q_width, kv_width):
+    """A token's key and value (from its q|k|v row) into the cache at `position`."""
+    store_kv_row(keys, kv_bytes, position * kv_width, row[q_width:q_width + kv_width])
+    store_kv_row(values, kv_bytes, position * kv_width, row[q_width + kv_width:q_width + 2 * kv_width])
+
+
+@helper
 def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, first_token, cos, sin, keys, values,
                embed_scratch, peaks, totals, accs, hidden, normed, qkv, attn):
     """A SERIAL step: the embedding and RoPE with the cache write in any call; prefill's norms and
@@ -224,19 +246,10 @@ def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, fir
         norm = param(params, spec[L_INPUT_NORM if step == S_INPUT_NORM else L_POST_NORM], d_model)
         for t in range(n_tokens):
             rms_norm_row(hidden[t], norm, eps, normed[t])
-    elif step == S_ROPE:  # per-head q/k norm (Qwen3), rotary embedding, cache write
+    elif step == S_ROPE:  # prefill: per-head q/k norm (Qwen3), rotary embedding, cache write
         for t in range(n_tokens):
-            row = qkv[t]
-            for h in range(n_heads + n_kv):
-                head = row[h * head_dim:(h + 1) * head_dim]
-                if h < n_heads and spec[L_Q_NORM] != NO_PARAM:
-                    rms_norm_row(head, param(params, spec[L_Q_NORM], head_dim), eps, head)
-                elif h >= n_heads and spec[L_K_NORM] != NO_PARAM:
-                    rms_norm_row(head, param(params, spec[L_K_NORM], head_dim), eps, head)
-                rope_row(head, cos[t], sin[t])
-            store_kv_row(keys, dims[M_KV_BYTES], (start + t) * kv_width, row[q_width:q_width + kv_width])
-            store_kv_row(values, dims[M_KV_BYTES], (start + t) * kv_width,
-                         row[q_width + kv_width:q_width + 2 * kv_width])
+            norm_and_rope_heads(qkv[t], 0, n_heads + n_kv, n_heads, spec, params, eps, head_dim, cos[t], sin[t])
+            write_kv(qkv[t], keys, values, dims[M_KV_BYTES], start + t, q_width, kv_width)
     elif step == S_MERGE:  # prefill: one partial per (token, head)
         for t in range(n_tokens):
             for h in range(n_heads):
@@ -326,8 +339,8 @@ def project_part(weights, params, w_index, bias_offset, offset, begin, end, n_to
 
 
 @helper
-def run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, start, n_tokens, first_token, n_threads,
-             keys, values, key_positions, x_natural, x_pairs, x_sums, xt, tile, block, row_scratch, scores, peaks,
+def run_task(kind, step, task, n_tasks, spec, weights, params, dims, eps, scale, start, n_tokens, first_token,
+             n_threads, cos, sin, keys, values, key_positions, x_natural, x_pairs, x_sums, xt, tile, block, row_scratch, scores, peaks,
              totals, accs, hidden, normed, qkv, attn, gate, up, gate_t, up_t, router_logits, logits):
     n_heads, n_kv, head_dim = dims[M_HEADS], dims[M_KV_HEADS], dims[M_HEAD_DIM]
     if kind == TRANSPOSE:
@@ -384,8 +397,20 @@ def run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, star
         window = spec[L_WINDOW]
         q_positions = key_positions[start:]  # key positions are cache indices; the new tokens' follow
         if n_tokens == 1:
-            decode_attention_item(task, n_tasks, n_heads, qkv, keys, values, n_kv, dims[M_KV_BYTES], q_positions[0],
-                                  key_positions, scale, window, scores, peaks, totals, accs)
+            # the step before left q|k|v as projected: each split normalises and rotates the query
+            # heads for itself, and the split that ends at the new token (the only one that reads
+            # it) first does the same to its key and writes it and its value into the cache
+            q_width, kv_width = n_heads * head_dim, n_kv * head_dim
+            if task == n_tasks - 1:
+                norm_and_rope_heads(qkv[0], n_heads, n_heads + n_kv, n_heads, spec, params, eps, head_dim, cos[0],
+                                    sin[0])
+                write_kv(qkv[0], keys, values, dims[M_KV_BYTES], start, q_width, kv_width)
+            query = decode_query(scores, q_width)
+            query[:] = qkv[0, :q_width]
+            norm_and_rope_heads(query, 0, n_heads, n_heads, spec, params, eps, head_dim, cos[0], sin[0])
+            decode_attention_item(task, n_tasks, n_heads, query.reshape((1, q_width)), keys, values, n_kv,
+                                  dims[M_KV_BYTES], q_positions[0], key_positions, scale, window, scores, peaks,
+                                  totals, accs)
         else:
             for item in range(task, n_tokens * n_kv, n_tasks):
                 attention_item(item, 1, n_heads, n_kv, qkv, keys, values, dims[M_KV_BYTES], q_positions, key_positions,
@@ -450,8 +475,8 @@ def _forward(weights, layers, params, dims, eps, scale, kv, ids, start, cos, sin
                     run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, first_token, cos, sin,
                                keys, values, embed_scratch, peaks, totals, accs, hidden, normed, qkv, attn)
                 else:
-                    run_task(kind, step, task, n_tasks, spec, weights, params, dims, scale, start, n_tokens,
-                             first_token, n_threads, keys, values, visible_keys, x_natural_own, x_pairs_own,
+                    run_task(kind, step, task, n_tasks, spec, weights, params, dims, eps, scale, start, n_tokens,
+                             first_token, n_threads, cos, sin, keys, values, visible_keys, x_natural_own, x_pairs_own,
                              x_sums_own, xt,
                              tiles[thread], blocks[thread], row_scratch, scores[thread], peaks, totals, accs, hidden,
                              normed, qkv, attn, gate, up, gate_t, up_t, router_logits, logits)
