@@ -11,7 +11,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.cpu.llvm_ir import F32, I8, I32, I64, INT64_ARGS, Emitter
+from kernels.cpu.llvm_ir import F32, I32, I64, INT64_ARGS, Emitter
 
 
 # --------------------------------------------------------------------------------------------
@@ -36,8 +36,6 @@ def _pointer_intrinsic(numba_type, llvm_type, purpose: str):
 
 
 float32_pointer = _pointer_intrinsic(types.float32, F32, "views of scratch and KV buffers")
-int8_pointer = _pointer_intrinsic(types.int8, I8, "the Q8 bytes of a prepared vector")
-int32_pointer = _pointer_intrinsic(types.int32, I32, "the zero-point lanes of a prepared vector")
 int64_pointer = _pointer_intrinsic(types.int64, I64, "a weight descriptor row, read by a kind's kernels")
 uint16_pointer = _pointer_intrinsic(types.uint16, ir.IntType(16), "f16 KV buffers (their bit patterns)")
 

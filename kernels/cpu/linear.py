@@ -26,11 +26,10 @@ import numpy as np
 from numba import prange, types
 
 from kernels.cpu import formats as wf
-from kernels.cpu.intrinsics import (call_dequantize, call_gemm, call_matvec, float32_pointer, int8_pointer,
-                                    int32_pointer, int64_pointer, prefetch_bytes)
-from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, Q8_INT4_ORDER, Q8_INT4_ZERO_LANES, Q8_INT8_ZERO_LANES,
-                                 Q8_SCALES, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS, make_dequantize_rows,
-                                 make_dot_rows, make_tile_times_tokens)
+from kernels.cpu.intrinsics import (call_dequantize, call_gemm, call_matvec, float32_pointer, int64_pointer,
+                                    prefetch_bytes)
+from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS,
+                                 make_dequantize_rows, make_dot_rows, make_tile_times_tokens, quantize_chunk)
 from kernels.cpu.runtime import FASTMATH, helper, kernel, mutable, readonly, use_cache_dir
 
 TILE_M = 6  # weight rows per micro-kernel call
@@ -278,46 +277,14 @@ def prepare_vector(x, x_natural, x_pairs, x_sums, style):
 
 
 Q8_SUPERBLOCK_FLOATS = Q8_SUPERBLOCK_BYTES // 4
-INT4_ZERO_POINT = wf.IR_FORMATS[wf.INT4_SYM].zero_point
-INT8_ZERO_POINT = wf.IR_FORMATS[wf.INT8_SYM].zero_point
 
 
 @helper
 def quantize_activations(x_natural, q8, chunk_sums):
     """x_natural [K_padded] -> q8 (f32 storage of llvm_ir's Q8 layout: int8 q per chunk of 32 with
     d = max|x| / 127, q = round(x / d)) and chunk_sums[c] = d * sum(q over chunk c)."""
-    n_chunks = x_natural.shape[0] // CHUNK
-    q = numba.carray(int8_pointer(q8.ctypes.data), (4 * q8.shape[0],))
-    for chunk in range(n_chunks):
-        values = x_natural[chunk * CHUNK:(chunk + 1) * CHUNK]
-        peak = np.float32(0.0)
-        for i in range(CHUNK):
-            peak = max(peak, abs(values[i]))
-        inverse = np.float32(127.0) / peak if peak > 0 else np.float32(0.0)
-        superblock, place = chunk // Q8_SUPERBLOCK_CHUNKS, chunk % Q8_SUPERBLOCK_CHUNKS
-        block = superblock * Q8_SUPERBLOCK_BYTES
-        natural = block + place * CHUNK
-        even = block + Q8_INT4_ORDER + place * (CHUNK // 2)  # the odd values follow 64 bytes later
-        # zero-point lanes (llvm_ir's Q8 layout): an int8 lane sums 4 natural values, an int4 lane 8
-        int4_lanes = numba.carray(int32_pointer(q8.ctypes.data + block + Q8_INT4_ZERO_LANES + 16 * place), (4,))
-        int8_lanes = numba.carray(int32_pointer(q8.ctypes.data + block + Q8_INT8_ZERO_LANES + 32 * place), (8,))
-        total = previous_sum = 0
-        for lane in range(CHUNK // 4):
-            lane_sum = 0
-            for k in range(4):
-                i = 4 * lane + k
-                code = np.int32(np.rint(values[i] * inverse))
-                q[natural + i] = code
-                q[even + (64 if i % 2 else 0) + i // 2] = code
-                lane_sum += code
-            int8_lanes[lane] = -INT8_ZERO_POINT * lane_sum
-            if lane % 2:
-                int4_lanes[lane // 2] = -INT4_ZERO_POINT * (previous_sum + lane_sum)
-            previous_sum = lane_sum
-            total += lane_sum
-        scale = peak / np.float32(127.0)
-        q8[superblock * Q8_SUPERBLOCK_FLOATS + Q8_SCALES // 4 + place] = scale
-        chunk_sums[chunk] = scale * np.float32(total)
+    for chunk in range(x_natural.shape[0] // CHUNK):
+        chunk_sums[chunk] = quantize_chunk(x_natural.ctypes.data + 4 * CHUNK * chunk, q8.ctypes.data, chunk)
 
 
 def pairs_length(padded_cols: int) -> int:

@@ -432,6 +432,66 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, native: bo
                       zero_point_applied=True)
 
 
+@intrinsic
+def quantize_chunk(typingctx, values, q8, chunk):
+    """Quantize the 32 f32 values at `values` into chunk `chunk` of the Q8 layout at `q8` (module
+    notes above): d = max|x| / 127, codes round(x * (127 / max|x|)) (0 for an all-zero chunk) in
+    natural and int4 order, d, and the zero-point lanes. Returns d * sum(codes), the chunk's sum
+    of the quantized x. Plain IEEE arithmetic (no fast-math): the codes are those numpy gives."""
+    signature = types.float32(INT64_ARGS, INT64_ARGS, INT64_ARGS)
+
+    def codegen(context, builder, sig, args):
+        values, q8, chunk = args
+        e = Emitter(builder)
+        b = e.b
+        superblock = b.udiv(chunk, e.i64(Q8_SUPERBLOCK_CHUNKS))
+        place = b.urem(chunk, e.i64(Q8_SUPERBLOCK_CHUNKS))
+        block = e.address(q8, (superblock, Q8_SUPERBLOCK_BYTES))
+        low, high = e.load(V16F, values, 4), e.load(V16F, e.address(values, e.i64(64)), 4)
+
+        def intrinsic_call(name, result, operands):
+            fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(result, [o.type for o in operands]), name)
+            return b.call(fn, operands)
+
+        magnitudes = intrinsic_call("llvm.maxnum.v16f32", V16F, [intrinsic_call("llvm.fabs.v16f32", V16F, [low]),
+                                                                  intrinsic_call("llvm.fabs.v16f32", V16F, [high])])
+        peak = intrinsic_call("llvm.vector.reduce.fmax.v16f32", F32, [magnitudes])
+        positive = b.fcmp_ordered(">", peak, ir.Constant(F32, 0.0))
+        inverse = b.select(positive, b.fdiv(ir.Constant(F32, 127.0), peak), ir.Constant(F32, 0.0))
+        codes = [b.fptosi(intrinsic_call("llvm.rint.v16f32", V16F, [b.fmul(half, e.splat(inverse))]), V16I32)
+                 for half in (low, high)]
+        all_codes = b.shuffle_vector(codes[0], codes[1], ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+        bytes_ = b.trunc(all_codes, V32I8)
+        e.store(bytes_, e.address(block, (place, CHUNK)), 1)
+        int4_order = e.address(block, e.i64(Q8_INT4_ORDER), (place, CHUNK // 2))
+        for parity in (0, 1):  # the 16 even values, then 64 bytes on the 16 odd ones
+            picked = b.shuffle_vector(bytes_, bytes_, ir.Constant(ir.VectorType(I32, 16), list(range(parity, 32, 2))))
+            e.store(picked, e.address(int4_order, e.i64(64 * parity)), 1)
+
+        def sums_of(vector, width):  # <n x i32> -> <n / width x i32>: sums of `width` neighbours
+            count = vector.type.count // width
+            terms = [b.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(I32, count),
+                                                                  list(range(k, vector.type.count, width))))
+                     for k in range(width)]
+            total = terms[0]
+            for term in terms[1:]:
+                total = b.add(total, term)
+            return total
+
+        fours = sums_of(all_codes, 4)  # <8 x i32>: an int8 lane's natural values
+        eights = sums_of(fours, 2)  # <4 x i32>: an int4 lane's
+        int8_zero = ir.Constant(ir.VectorType(I32, 8), [-(1 << 7)] * 8)
+        int4_zero = ir.Constant(ir.VectorType(I32, 4), [-(1 << 3)] * 4)
+        e.store(b.mul(fours, int8_zero), e.address(block, e.i64(Q8_INT8_ZERO_LANES), (place, 32)), 4)
+        e.store(b.mul(eights, int4_zero), e.address(block, e.i64(Q8_INT4_ZERO_LANES), (place, 16)), 4)
+        scale = b.fdiv(peak, ir.Constant(F32, 127.0))
+        e.store(scale, e.address(block, e.i64(Q8_SCALES), (place, 4)), 4)
+        total = intrinsic_call("llvm.vector.reduce.add.v8i32", I32, [fours])
+        return b.fmul(scale, b.sitofp(total, F32))
+
+    return signature, codegen
+
+
 def _load_float_weights(e: Emitter, fmt: IrFormat, address):
     if fmt.bits == 32:
         return e.load(V16F, address, 4)
