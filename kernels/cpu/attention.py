@@ -19,7 +19,7 @@ import numpy as np
 from numba import prange, types
 
 from kernels.cpu.elementwise import exp_approx
-from kernels.cpu.intrinsics import prefetch_bytes_l2
+from kernels.cpu.intrinsics import prefetch_bytes
 from kernels.cpu.formats import F16 as K_F16, F32 as K_F32, IR_FORMATS
 from kernels.cpu.llvm_ir import ACT_F32, make_dot_rows, weighted_half_row_sum, weighted_row_sum
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
@@ -181,10 +181,10 @@ def prefetch_share(first_key, first_value, row_bytes, n, next_row, share, n_shar
     begin = min(next_row + ROWS_PER_BLOCK * share // n_shares, 2 * n)
     end = min(next_row + ROWS_PER_BLOCK * (share + 1) // n_shares, 2 * n)
     if begin < n:
-        prefetch_bytes_l2(first_key + begin * row_bytes, (min(end, n) - begin) * row_bytes)
+        prefetch_bytes(first_key + begin * row_bytes, (min(end, n) - begin) * row_bytes)
     if end > n:
         first = max(begin, n)
-        prefetch_bytes_l2(first_value + (first - n) * row_bytes, (end - first) * row_bytes)
+        prefetch_bytes(first_value + (first - n) * row_bytes, (end - first) * row_bytes)
 
 
 @helper
@@ -204,7 +204,7 @@ def partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end
     row_bytes = element_bytes * n_kv * head_dim
     first_key = keys + s_begin * row_bytes
     first_value = values + s_begin * row_bytes
-    prefetch_bytes_l2(first_key, min(n, ROWS_PER_BLOCK) * row_bytes)
+    prefetch_bytes(first_key, min(n, ROWS_PER_BLOCK) * row_bytes)
     for b_begin in range(0, n, ROWS_PER_BLOCK):
         b_end = min(b_begin + ROWS_PER_BLOCK, n)
         blocked = b_begin + (b_end - b_begin) // 4 * 4

@@ -101,25 +101,18 @@ def atomic_load(typingctx, address):
     return signature, codegen
 
 
-def _prefetch_intrinsic(locality: int, where: str):
-    @intrinsic
-    def prefetch(typingctx, address, n_bytes):
-        signature = types.void(types.int64, types.int64)
+@intrinsic
+def prefetch_bytes(typingctx, address, n_bytes):
+    """Hint the cache lines of [address, address + n_bytes) into L2 (llvm.prefetch: never faults).
+    L2, not L1: a burst of requests (a block of KV rows, a matrix's first rows) would overflow L1 and
+    its few miss buffers, while L2 keeps more misses in flight."""
+    signature = types.void(types.int64, types.int64)
 
-        def codegen(context, builder, sig, args):
-            Emitter(builder).prefetch_range(*args, locality=locality)
-            return context.get_dummy_value()
+    def codegen(context, builder, sig, args):
+        Emitter(builder).prefetch_range(*args)
+        return context.get_dummy_value()
 
-        return signature, codegen
-
-    prefetch.__doc__ = f"Hint the cache lines of [address, address + n_bytes) into {where} (llvm.prefetch: never faults)."
-    return prefetch
-
-
-prefetch_bytes = _prefetch_intrinsic(3, "every cache level")
-# Into L2 only: many lines at once (a block of KV rows) would overflow L1 and its few miss
-# buffers; L2 tracks more misses in flight, so the requests stream at a higher rate.
-prefetch_bytes_l2 = _prefetch_intrinsic(2, "L2 and beyond")
+    return signature, codegen
 
 
 @intrinsic

@@ -133,18 +133,17 @@ class Emitter:
     def loop(self, count):
         return cgutils.for_range(self.b, count)
 
-    def prefetch_range(self, begin, n_bytes, locality: int = 2):
-        """Hint the lines of [begin, begin + n_bytes) into cache (llvm.prefetch never faults, so
-        addresses past the end of a matrix are harmless). Locality 3 asks for every level (x86's
-        prefetcht0), 2 for L2 and beyond (prefetcht1): L2 keeps more misses in flight than L1's
-        few miss buffers, so a stream of requests runs faster into L2."""
+    def prefetch_range(self, begin, n_bytes):
+        """Hint the lines of [begin, begin + n_bytes) into L2 (llvm.prefetch never faults, so
+        addresses past the end of a matrix are harmless). Locality 2, x86's prefetcht1: L2 keeps
+        more misses in flight than L1's few miss buffers, so a stream of requests runs faster."""
         prefetch = cgutils.get_or_insert_function(
             self.b.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
         n_lines = self.b.udiv(self.b.add(n_bytes, self.i64(63)), self.i64(64))
         with self.loop(n_lines) as line_loop:
             address = self.address(begin, (line_loop.index, 64))
             self.b.call(prefetch, [self.b.inttoptr(address, I8.as_pointer()), ir.Constant(I32, 0),
-                                   ir.Constant(I32, locality), ir.Constant(I32, 1)])
+                                   ir.Constant(I32, 2), ir.Constant(I32, 1)])
 
     def unpack_int4(self, packed):
         """<16 x i8> bytes -> (low nibbles, high nibbles): weights 2j and 2j+1 of the chunk."""
@@ -188,7 +187,7 @@ def _quantized_chunk_dot(e: Emitter, fmt: IrFormat, row_data, chunk, x, xp):
 
 
 # Decode streams the weights once per token: while one block of rows is multiplied, the block
-# PREFETCH_BLOCKS ahead is requested (into L2: prefetch_range's default locality), so that memory
+# PREFETCH_BLOCKS ahead is requested (into L2, prefetch_range), so that memory
 # latency overlaps the arithmetic. Measured on Zen 4 (matrices past the L3 cache, int8
 # activations): requests into L1 (prefetcht0) held one thread to 15-20 GB/s, into L2 18-26, and
 # 8 blocks ahead rather than 4 gained another few percent (2 threads: 31-36 GB/s of a ~36 GB/s
