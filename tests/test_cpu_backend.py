@@ -143,6 +143,21 @@ def test_one_and_two_threads_give_the_same_tokens(load):
     assert one == two
 
 
+@pytest.mark.parametrize("case", ["llama_rope_yarn", "qwen3_qknorm"])
+def test_greedy_next_token_is_the_argmax_of_the_decoded_logits(load, case):
+    """session.next_token (the fused executor picks the argmax from its scratch logits) gives the
+    tokens that decode's copied logits give, step for step, and leaves the same position."""
+    model = load(case, PLANS["int4_affine_g32"], "cpu", threads=2)
+    prompt = random_prompt(12, seed=8)
+    _, decoded, by_logits = run_protocol(model, prompt, n_decode=8)
+    session = model.session(capacity=64)
+    picked = [session.next_token(prompt)]
+    for _ in range(7):
+        picked.append(session.next_token([picked[-1]]))
+    assert picked == decoded
+    assert session.position == by_logits.position - 1  # run_protocol also fed its last token
+
+
 def test_observer_sees_every_layer_like_the_reference(load):
     prompt = random_prompt(9, seed=6)
     seen = {}

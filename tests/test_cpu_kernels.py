@@ -116,6 +116,54 @@ def test_decode_with_int8_activations_multiplies_the_quantized_input(scheme, int
         assert np.all(np.abs(ours - exact) <= rounding + 2 * (k + 2) * EPS * magnitudes), f"{scheme} N={n} K={k}"
 
 
+@pytest.mark.parametrize("k", [32, 70, 576, 1536])
+def test_prepared_int8_vector_holds_the_q8_layout_exactly(k):
+    """prepare_vector's int8 form, byte for byte against llvm_ir's Q8 layout built in numpy: per chunk
+    of 32 the codes round(x * 127 / max|x|) in natural and int4 order, d = max|x| / 127, the
+    zero-point lanes (-128 x sums of 4 natural codes, -8 x sums of 8), and the group sums of d * codes
+    (an all-zero chunk gives zero codes and d = 0). Codes and lanes are exact; d and the sums are
+    within an ulp of numpy's (fast-math lets LLVM divide by 127 as a multiplication by 1/127)."""
+    from kernels.cpu.linear import pairs_length, prepare_vector, sums_length
+    from kernels.cpu.llvm_ir import (ACT_INT8_VNNI, Q8_INT4_ORDER, Q8_INT4_ZERO_LANES, Q8_INT8_ZERO_LANES,
+                                     Q8_SCALES, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS)
+
+    rng = np.random.default_rng(k)
+    x = (rng.standard_normal(k) * rng.uniform(0.01, 10.0, k)).astype(np.float32)
+    x[: min(k, 32)] = 0.0 if k > 32 else x[:32]  # an all-zero chunk first (when there are others)
+    padded = -(-k // 32) * 32
+    x_natural, x_pairs = np.full(padded, np.nan, np.float32), np.zeros(pairs_length(padded), np.float32)
+    x_sums = np.full(sums_length(padded), np.nan, np.float32)
+    prepare_vector(x, x_natural, x_pairs, x_sums, ACT_INT8_VNNI)
+
+    chunks = np.zeros(padded, np.float32)
+    chunks[:k] = x
+    chunks = chunks.reshape(-1, 32)
+    q8 = x_pairs.view(np.uint8)
+    expected_sums = []
+    for c, values in enumerate(chunks):
+        peak = np.abs(values).max()
+        inverse = np.float32(127.0) / peak if peak > 0 else np.float32(0.0)
+        codes = np.rint(values * inverse).astype(np.int32)
+        d = peak / np.float32(127.0)
+        block, place = (c // Q8_SUPERBLOCK_CHUNKS) * Q8_SUPERBLOCK_BYTES, c % Q8_SUPERBLOCK_CHUNKS
+
+        def at(offset, n_bytes, dtype):
+            return q8[block + offset:block + offset + n_bytes].view(dtype)
+
+        np.testing.assert_array_equal(at(32 * place, 32, np.int8), codes)
+        np.testing.assert_array_equal(at(Q8_INT4_ORDER + 16 * place, 16, np.int8), codes[0::2])
+        np.testing.assert_array_equal(at(Q8_INT4_ORDER + 64 + 16 * place, 16, np.int8), codes[1::2])
+        np.testing.assert_array_max_ulp(at(Q8_SCALES + 4 * place, 4, np.float32)[0], d, maxulp=1)
+        np.testing.assert_array_equal(at(Q8_INT4_ZERO_LANES + 16 * place, 16, np.int32),
+                                      -8 * codes.reshape(4, 8).sum(axis=1))
+        np.testing.assert_array_equal(at(Q8_INT8_ZERO_LANES + 32 * place, 32, np.int32),
+                                      -128 * codes.reshape(8, 4).sum(axis=1))
+        expected_sums.append(d * np.float32(codes.sum()))
+    np.testing.assert_array_equal(x_natural, chunks.reshape(-1))
+    n = len(chunks)
+    np.testing.assert_array_max_ulp(x_sums[:n], np.array(expected_sums, np.float32), maxulp=2)
+
+
 @pytest.mark.parametrize("scheme", QUANTIZED, ids=str)
 def test_int8_variant_keeps_f32_activations_for_prefill(backend, scheme):
     """Only decode quantizes its input: several tokens go through the f32 tiles, bit for bit as in the
@@ -164,6 +212,23 @@ def test_rope_matches_reference(backend):
     ours, expected = backend.rope(x, cos, sin), reference.rope(x, cos, sin)
     np.testing.assert_allclose(ours, expected, rtol=0, atol=4 * EPS * np.abs(x).max())
     assert not np.shares_memory(ours, x)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}])
+def test_rope_table_spans_equal_the_direct_cos_sin(scaling):
+    """The CPU executor's RoPE rows come from a table grown on demand (cos_sin_span): the same values
+    as cos_sin of those positions, before and after the table grows, and read-only."""
+    from types import SimpleNamespace
+
+    from edge.rope import RopeTable
+
+    table = RopeTable(SimpleNamespace(head_dim=16, rope_theta=10000.0, rope_scaling=scaling))
+    for start, n in [(0, 5), (3, 1), (250, 20), (1000, 1), (0, 1500), (1499, 1)]:
+        cos, sin = table.cos_sin_span(start, n)
+        expected_cos, expected_sin = table.cos_sin(np.arange(start, start + n))
+        np.testing.assert_array_equal(cos, expected_cos)
+        np.testing.assert_array_equal(sin, expected_sin)
+        assert not cos.flags.writeable and not sin.flags.writeable
 
 
 def test_swiglu_and_softmax_match_reference(backend):
