@@ -19,8 +19,8 @@ import numpy as np
 from numba import prange, types
 
 from kernels.cpu.elementwise import exp_approx
-from kernels.cpu.intrinsics import prefetch_bytes
 from kernels.cpu.formats import F16 as K_F16, F32 as K_F32, IR_FORMATS
+from kernels.cpu.intrinsics import prefetch_bytes
 from kernels.cpu.llvm_ir import ACT_F32, make_dot_rows, weighted_half_row_sum, weighted_row_sum
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
@@ -86,8 +86,11 @@ def decode_query(work, q_width):
 
 
 # Keys a decode item takes at a time: their K rows (then V rows), every KV head's, are read from
-# memory once, in order, and used for every query head while they are in L1/L2 (64 rows of
-# SmolLM2's 3 x 64 floats are 48 KiB).
+# memory once, in order, and used for every query head while they are in L1/L2 (32 rows of
+# SmolLM2's 3 x 64 floats are 24 KiB), while the next block is requested (prefetch_share). The
+# cache comes from memory (the weights streamed since its last use evict it): one thread, 176 keys
+# of SmolLM2 in cache 10 us, from memory 33 us without requests ahead, 23 us requesting 64-row
+# blocks, 19.5 us 32-row blocks.
 ROWS_PER_BLOCK = 32
 
 

@@ -340,8 +340,9 @@ def project_part(weights, params, w_index, bias_offset, offset, begin, end, n_to
 
 @helper
 def run_task(kind, step, task, n_tasks, spec, weights, params, dims, eps, scale, start, n_tokens, first_token,
-             n_threads, cos, sin, keys, values, key_positions, x_natural, x_pairs, x_sums, xt, tile, block, row_scratch, scores, peaks,
-             totals, accs, hidden, normed, qkv, attn, gate, up, gate_t, up_t, router_logits, logits):
+             n_threads, cos, sin, keys, values, key_positions, x_natural, x_pairs, x_sums, xt, tile, block,
+             row_scratch, scores, peaks, totals, accs, hidden, normed, qkv, attn, gate, up, gate_t, up_t,
+             router_logits, logits):
     n_heads, n_kv, head_dim = dims[M_HEADS], dims[M_KV_HEADS], dims[M_HEAD_DIM]
     if kind == TRANSPOSE:
         source, k_fill = transpose_input(step, spec, weights, dims)
@@ -477,9 +478,8 @@ def _forward(weights, layers, params, dims, eps, scale, kv, ids, start, cos, sin
                 else:
                     run_task(kind, step, task, n_tasks, spec, weights, params, dims, eps, scale, start, n_tokens,
                              first_token, n_threads, cos, sin, keys, values, visible_keys, x_natural_own, x_pairs_own,
-                             x_sums_own, xt,
-                             tiles[thread], blocks[thread], row_scratch, scores[thread], peaks, totals, accs, hidden,
-                             normed, qkv, attn, gate, up, gate_t, up_t, router_logits, logits)
+                             x_sums_own, xt, tiles[thread], blocks[thread], row_scratch, scores[thread], peaks, totals,
+                             accs, hidden, normed, qkv, attn, gate, up, gate_t, up_t, router_logits, logits)
                 if atomic_add(counters + 8 * (index * SYNC_STRIDE + DONE), 1) == n_tasks - 1:
                     clock[1 + index] = monotonic_seconds()  # this was the step's last task
             previous, previous_tasks = index, n_tasks

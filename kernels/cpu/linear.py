@@ -28,8 +28,8 @@ from numba import prange, types
 from kernels.cpu import formats as wf
 from kernels.cpu.intrinsics import (call_dequantize, call_gemm, call_matvec, float32_pointer, int64_pointer,
                                     prefetch_bytes)
-from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS,
-                                 make_dequantize_rows, make_dot_rows, make_tile_times_tokens, quantize_chunk, PREFETCH_BLOCKS)
+from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, PREFETCH_BLOCKS, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS,
+                                 make_dequantize_rows, make_dot_rows, make_tile_times_tokens, quantize_chunk)
 from kernels.cpu.runtime import FASTMATH, helper, kernel, mutable, readonly, use_cache_dir
 
 TILE_M = 6  # weight rows per micro-kernel call
