@@ -39,8 +39,8 @@ from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_time
 from kernels.cpu.formats import W_ACTIVATIONS, W_COLS_PADDED, W_ROWS
 from kernels.cpu.intrinsics import (atomic_add, atomic_load, float32_pointer, half_bits, monotonic_seconds,
                                     sleep_microseconds, spin_pause, uint16_pointer)
-from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_ROWS, gemm_rows, matvec_rows, prepare_vector,
-                                transpose_tokens)
+from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_ROWS, gemm_rows, matvec_rows, prefetch_matvec_head,
+                                prepare_vector, transpose_tokens)
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
 # Columns of the layer table. Weights are row indices into the descriptor table; norms and biases
@@ -181,6 +181,47 @@ def rows_per_task(rows, n_tokens, n_threads):
         return PREFILL_ROWS_PER_TASK
     per_task = max(DECODE_MIN_ROWS_PER_TASK, ceil_div(rows, DECODE_TASKS_PER_THREAD * n_threads))
     return ceil_div(per_task, MATVEC_BLOCK) * MATVEC_BLOCK
+
+
+@helper
+def projection_after(step):
+    """The PROJECT step a decode REPLICATED step prepares the input of."""
+    if step == S_INPUT_NORM:
+        return S_QKV
+    if step == S_MERGE:
+        return S_O
+    if step == S_POST_NORM:
+        return S_GATE_UP
+    if step == S_DOWN_INPUT:
+        return S_DOWN
+    return S_HEAD  # S_FINAL_NORM
+
+
+@helper
+def request_projection_head(step, spec, weights, dims, n_threads, thread):
+    """Request the first rows of the decode PROJECT step `step` that this thread's task reads (a
+    thread usually takes the task of its own index), while the replicated step before it runs."""
+    rows = projection_rows(step, spec, weights, dims)
+    per_task = rows_per_task(rows, 1, n_threads)
+    begin = min(thread * per_task, rows)
+    end = min(begin + per_task, rows)
+    if step == S_QKV:  # the first of q | k | v the rows reach
+        offset = 0
+        for w_index in (spec[L_Q], spec[L_K], spec[L_V]):
+            n = weights[w_index, W_ROWS]
+            if begin < offset + n:
+                prefetch_matvec_head(weights[w_index], begin - offset, min(end - offset, n))
+                return
+            offset += n
+    elif step == S_O:
+        prefetch_matvec_head(weights[spec[L_O]], begin, end)
+    elif step == S_GATE_UP and not is_moe(spec):
+        prefetch_matvec_head(weights[spec[L_GATE]], begin, end)
+        prefetch_matvec_head(weights[spec[L_UP]], begin, end)
+    elif step == S_DOWN:
+        prefetch_matvec_head(weights[spec[L_DOWN]], begin, end)
+    elif step == S_HEAD:
+        prefetch_matvec_head(weights[dims[M_LM_HEAD]], begin, end)
 
 
 @helper
@@ -458,6 +499,8 @@ def _forward(weights, layers, params, dims, eps, scale, kv, ids, start, cos, sin
             kind, n_tasks = plan(step, spec, weights, dims, n_tokens, n_out, n_threads, run_head)
             if n_tasks == 0:
                 continue
+            if kind == REPLICATED:  # the projection after it: its first rows, requested before the wait
+                request_projection_head(projection_after(step), spec, weights, dims, n_threads, thread)
             if previous >= 0:  # a step starts when every task of the one before has finished
                 wait_for(counters + 8 * (previous * SYNC_STRIDE + DONE), previous_tasks)
             if kind == REPLICATED:  # every thread, for itself; the next step needs no barrier after it

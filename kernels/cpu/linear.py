@@ -88,14 +88,9 @@ def _matvec_for(kind: int, style: int):
         w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
         data, row_bytes, scales, offsets = w[W_DATA], w[W_ROW_BYTES], w[W_SCALES], w[W_OFFSETS]
         n_groups, chunks, cols = w[W_GROUPS], w[W_CHUNKS_PER_GROUP], w[W_COLS]
-        if style == ACT_F32:
-            rows = 4 if 4 * row_bytes <= BLOCK_BYTES else (2 if 2 * row_bytes <= BLOCK_BYTES else 1)
-        else:
-            rows = 4 if 4 * row_bytes <= INT8_BLOCK_BYTES else 1
+        rows = block_rows(style, row_bytes)
         n_blocks = (row_end - row_begin) // rows
-        # the row dots request the block PREFETCH_BLOCKS ahead of theirs; the blocks before that are
-        # requested here, at once, so that their loads overlap instead of waiting one after another
-        prefetch_rows(w, row_begin, min(PREFETCH_BLOCKS * rows, row_end - row_begin))
+        prefetch_matvec_head(w, row_begin, row_end)
         for b in range(n_blocks):
             r = row_begin + rows * b
             if rows == 4:
@@ -360,6 +355,24 @@ def prefetch_rows(w, row_begin, n_rows):
         prefetch_bytes(w[W_SCALES] + 2 * row_begin * w[W_GROUPS], 2 * rows * w[W_GROUPS])
     if w[W_OFFSETS] != 0:
         prefetch_bytes(w[W_OFFSETS] + 2 * row_begin * w[W_GROUPS], 2 * rows * w[W_GROUPS])
+
+
+@helper
+def block_rows(style, row_bytes):
+    """Rows a decode row dot reads together, for weights of activation style `style` and rows of
+    row_bytes (the measurements above BLOCK_BYTES)."""
+    if style == ACT_F32:
+        return 4 if 4 * row_bytes <= BLOCK_BYTES else (2 if 2 * row_bytes <= BLOCK_BYTES else 1)
+    return 4 if 4 * row_bytes <= INT8_BLOCK_BYTES else 1
+
+
+@helper
+def prefetch_matvec_head(w, row_begin, row_end):
+    """Request the blocks a matvec of rows [row_begin, row_end) reads before its row dots' own
+    requests (PREFETCH_BLOCKS ahead) take over: at once, so that their loads overlap instead of
+    waiting one after another."""
+    rows = block_rows(w[W_ACTIVATIONS], w[W_ROW_BYTES])
+    prefetch_rows(w, row_begin, min(PREFETCH_BLOCKS * rows, row_end - row_begin))
 
 
 @helper
