@@ -13,7 +13,8 @@ items): a number of independent tasks. In decode the serial steps that only prep
 projection's input (norms, the attention merge, the down projection's input) are replicated:
 every thread does that microsecond of work into its own buffers rather than wait for one thread
 to do it and hand it over, which saves a barrier each (int8 SmolLM2, 2 threads: decode 163 -> 172
-tok/s, `zllm-edge bench`, alternating runs). All P threads enter one parallel region and walk the
+tok/s, `zllm-edge bench`, alternating runs); decode's RoPE and cache write happen inside the
+attention step, each KV split rotating the query heads for itself. All P threads enter one parallel region and walk the
 steps together; in each step a thread takes the next task number from the step's atomic counter
 until none is left, and a step starts only when every task of the previous one has finished.
 Nothing assigns work to a particular thread, so

@@ -121,10 +121,15 @@ class Emitter:
         """a * b + c; with 'contract' LLVM fuses it into one instruction."""
         return self.fadd(self.fmul(a, b), c)
 
+    def intrinsic(self, name: str, result_type, operands, **call_options):
+        """A call of the LLVM intrinsic `name` (declared on first use, typed by its operands)."""
+        function = cgutils.get_or_insert_function(self.b.module,
+                                                  ir.FunctionType(result_type, [o.type for o in operands]), name)
+        return self.b.call(function, operands, **call_options)
+
     def hsum(self, vector):
-        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(F32, [F32, vector.type]),
-                                            f"llvm.vector.reduce.fadd.v{vector.type.count}f32")
-        return self.b.call(fn, [ir.Constant(F32, 0.0), vector], fastmath=IR_FASTMATH)
+        return self.intrinsic(f"llvm.vector.reduce.fadd.v{vector.type.count}f32", F32,
+                              [ir.Constant(F32, 0.0), vector], fastmath=IR_FASTMATH)
 
     def variable(self, initial):
         """A mutable local (an alloca in the entry block; mem2reg turns it into a register)."""
@@ -137,13 +142,12 @@ class Emitter:
         """Hint the lines of [begin, begin + n_bytes) into L2 (llvm.prefetch never faults, so
         addresses past the end of a matrix are harmless). Locality 2, x86's prefetcht1: L2 keeps
         more misses in flight than L1's few miss buffers, so a stream of requests runs faster."""
-        prefetch = cgutils.get_or_insert_function(
-            self.b.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
         n_lines = self.b.udiv(self.b.add(n_bytes, self.i64(63)), self.i64(64))
         with self.loop(n_lines) as line_loop:
             address = self.address(begin, (line_loop.index, 64))
-            self.b.call(prefetch, [self.b.inttoptr(address, I8.as_pointer()), ir.Constant(I32, 0),
-                                   ir.Constant(I32, 2), ir.Constant(I32, 1)])
+            self.intrinsic("llvm.prefetch.p0", ir.VoidType(), [self.b.inttoptr(address, I8.as_pointer()),
+                                                                ir.Constant(I32, 0), ir.Constant(I32, 2),
+                                                                ir.Constant(I32, 1)])
 
     def unpack_int4(self, packed):
         """<16 x i8> bytes -> (low nibbles, high nibbles): weights 2j and 2j+1 of the chunk."""
@@ -216,8 +220,7 @@ def _quantized_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
 
 def _group_shift(e: Emitter, chunks_per_group):
     """log2(chunks per group): a group is 32 << shift values."""
-    cttz = cgutils.get_or_insert_function(e.b.module, ir.FunctionType(I64, [I64, ir.IntType(1)]), "llvm.cttz.i64")
-    return e.b.call(cttz, [chunks_per_group, ir.Constant(ir.IntType(1), 1)])
+    return e.intrinsic("llvm.cttz.i64", I64, [chunks_per_group, ir.Constant(ir.IntType(1), 1)])
 
 
 def _emit_quantized_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
@@ -303,15 +306,15 @@ def _store_row_totals(e: Emitter, fmt: IrFormat, n_rows: int, rows, accumulators
 Q8_SUPERBLOCK_CHUNKS = 4
 Q8_SUPERBLOCK_BYTES = 464
 Q8_INT4_ORDER, Q8_SCALES, Q8_INT4_ZERO_LANES, Q8_INT8_ZERO_LANES = 128, 256, 272, 336
+Q8_INT4_ZERO_POINT, Q8_INT8_ZERO_POINT = 8, 128  # the symmetric codes' zero points the lanes fold in
 V64I8, V64I16, V64I32 = ir.VectorType(I8, 64), ir.VectorType(I16, 64), ir.VectorType(I32, 64)
 
 
 def byte_dot(e: Emitter, acc, unsigned_bytes, signed_bytes, native: bool):
     """acc (<n/4 x i32>) + the sums of each 4 consecutive products unsigned_bytes[i] * signed_bytes[i]."""
     if native:
-        dpbusd = cgutils.get_or_insert_function(e.b.module, ir.FunctionType(V16I32, [V16I32] * 3),
-                                                "llvm.x86.avx512.vpdpbusd.512")
-        return e.b.call(dpbusd, [acc, e.b.bitcast(unsigned_bytes, V16I32), e.b.bitcast(signed_bytes, V16I32)])
+        return e.intrinsic("llvm.x86.avx512.vpdpbusd.512", V16I32,
+                           [acc, e.b.bitcast(unsigned_bytes, V16I32), e.b.bitcast(signed_bytes, V16I32)])
     n = unsigned_bytes.type.count
     i16s, i32s = ir.VectorType(I16, n), ir.VectorType(I32, n // 2)
     # 255 * 127 < 2^15: each product is exact in 16 bits; pairs are summed in 32 (the vpmaddwd idiom)
@@ -365,11 +368,9 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, native: bo
     def step_codes(address, mask=None):
         if mask is None:
             return e.load(V64I8, address, 1)
-        masked_load = cgutils.get_or_insert_function(
-            e.b.module, ir.FunctionType(V64I8, [I8.as_pointer(), I32, ir.VectorType(ir.IntType(1), 64), V64I8]),
-            "llvm.masked.load.v64i8.p0")
-        return e.b.call(masked_load, [e.b.inttoptr(address, I8.as_pointer()), ir.Constant(I32, 1), mask,
-                                      ir.Constant(V64I8, [0] * 64)])
+        return e.intrinsic("llvm.masked.load.v64i8.p0", V64I8, [e.b.inttoptr(address, I8.as_pointer()),
+                                                                  ir.Constant(I32, 1), mask,
+                                                                  ir.Constant(V64I8, [0] * 64)])
 
     def accumulate_step(first_chunk, step_index, row_factors, mask=None):
         """Every row's integer sums over the step's 64 bytes of codes, scaled into its accumulator."""
@@ -448,16 +449,12 @@ def quantize_chunk(typingctx, values, q8, chunk):
         block = e.address(q8, (superblock, Q8_SUPERBLOCK_BYTES))
         low, high = e.load(V16F, values, 4), e.load(V16F, e.address(values, e.i64(64)), 4)
 
-        def intrinsic_call(name, result, operands):
-            fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(result, [o.type for o in operands]), name)
-            return b.call(fn, operands)
-
-        magnitudes = intrinsic_call("llvm.maxnum.v16f32", V16F, [intrinsic_call("llvm.fabs.v16f32", V16F, [low]),
-                                                                  intrinsic_call("llvm.fabs.v16f32", V16F, [high])])
-        peak = intrinsic_call("llvm.vector.reduce.fmax.v16f32", F32, [magnitudes])
+        magnitudes = e.intrinsic("llvm.maxnum.v16f32", V16F, [e.intrinsic("llvm.fabs.v16f32", V16F, [low]),
+                                                                e.intrinsic("llvm.fabs.v16f32", V16F, [high])])
+        peak = e.intrinsic("llvm.vector.reduce.fmax.v16f32", F32, [magnitudes])
         positive = b.fcmp_ordered(">", peak, ir.Constant(F32, 0.0))
         inverse = b.select(positive, b.fdiv(ir.Constant(F32, 127.0), peak), ir.Constant(F32, 0.0))
-        codes = [b.fptosi(intrinsic_call("llvm.rint.v16f32", V16F, [b.fmul(half, e.splat(inverse))]), V16I32)
+        codes = [b.fptosi(e.intrinsic("llvm.rint.v16f32", V16F, [b.fmul(half, e.splat(inverse))]), V16I32)
                  for half in (low, high)]
         all_codes = b.shuffle_vector(codes[0], codes[1], ir.Constant(ir.VectorType(I32, 32), list(range(32))))
         bytes_ = b.trunc(all_codes, V32I8)
@@ -479,13 +476,13 @@ def quantize_chunk(typingctx, values, q8, chunk):
 
         fours = sums_of(all_codes, 4)  # <8 x i32>: an int8 lane's natural values
         eights = sums_of(fours, 2)  # <4 x i32>: an int4 lane's
-        int8_zero = ir.Constant(ir.VectorType(I32, 8), [-(1 << 7)] * 8)
-        int4_zero = ir.Constant(ir.VectorType(I32, 4), [-(1 << 3)] * 4)
+        int8_zero = ir.Constant(ir.VectorType(I32, 8), [-Q8_INT8_ZERO_POINT] * 8)
+        int4_zero = ir.Constant(ir.VectorType(I32, 4), [-Q8_INT4_ZERO_POINT] * 4)
         e.store(b.mul(fours, int8_zero), e.address(block, e.i64(Q8_INT8_ZERO_LANES), (place, 32)), 4)
         e.store(b.mul(eights, int4_zero), e.address(block, e.i64(Q8_INT4_ZERO_LANES), (place, 16)), 4)
         scale = b.fdiv(peak, ir.Constant(F32, 127.0))
         e.store(scale, e.address(block, e.i64(Q8_SCALES), (place, 4)), 4)
-        total = intrinsic_call("llvm.vector.reduce.add.v8i32", I32, [fours])
+        total = e.intrinsic("llvm.vector.reduce.add.v8i32", I32, [fours])
         return b.fmul(scale, b.sitofp(total, F32))
 
     return signature, codegen
