@@ -132,7 +132,9 @@ class NextUsePolicy:
 
     An entry's key, the absolute layer position of its expected next use, only changes when its layer
     is visited; so it is computed when the entry is admitted and again after each visit of its layer,
-    and kept in a heap whose stale items are skipped (and dropped when they outnumber live ones)."""
+    and kept in a heap whose stale items are skipped (and dropped when they outnumber live ones).
+    A visited layer is re-ranked when the next victim is chosen, not when the visit ends: the key is
+    absolute, so it comes out the same, and a cache that has room (a large budget) never ranks."""
     name = "nextuse"
 
     def __init__(self, layers_until: Callable[[int], int], n_layers: int, position: Callable[[], int]):
@@ -140,6 +142,7 @@ class NextUsePolicy:
         self.n_layers = n_layers
         self.position = position          # the model's absolute layer position
         self.visits: dict[int, int] = {}
+        self._visited: set[int] = set()   # layers visited since their entries were last ranked
         self._heap: list[tuple] = []
         self._sequence = itertools.count()
         self.cache: ExpertCache | None = None
@@ -151,15 +154,15 @@ class NextUsePolicy:
         """Rank these entries of `layer` by their expected next use and push them."""
         position = self.position()
         next_visit = position + self.layers_until(layer) % self.n_layers  # the layer computed now: 0
-        visits, uses, n = self.visits.get(layer, 0) + 2, self.cache.uses, self.n_layers
+        visits, uses, n, heap = self.visits.get(layer, 0) + 2, self.cache.uses, self.n_layers, self._heap
         for entry in entries:
             if entry.needed_at >= position:  # prefetched for a layer ahead: expected where the predictor placed it
                 expected = float(entry.needed_at)
             else:  # (a prefetch its layer passed over is re-ranked like any other entry)
                 p = (uses.get(entry.key, 0) + 1) / visits
                 expected = next_visit + n * (1.0 - p) / p
-            entry.rank_item = (-expected, entry.last_use, next(self._sequence), entry)
-            heapq.heappush(self._heap, entry.rank_item)
+            entry.rank_item = item = (-expected, entry.last_use, next(self._sequence), entry)
+            heapq.heappush(heap, item)
 
     def admitted(self, entry: Entry) -> None:
         self._push_layer(entry.key[0], (entry,))
@@ -167,12 +170,19 @@ class NextUsePolicy:
     def layer_done(self, layer: int) -> None:
         """The model finished a visit of `layer`: its entries' next visit is a cycle later."""
         self.visits[layer] = self.visits.get(layer, 0) + 1
-        self._push_layer(layer, self.cache.by_layer.get(layer, {}).values())
+        self._visited.add(layer)
+
+    def _rank_visited(self) -> None:
+        for layer in self._visited:
+            self._push_layer(layer, self.cache.by_layer.get(layer, {}).values())
+        self._visited.clear()
         if len(self._heap) > 4 * len(self.cache.entries) + 64:
             self._heap = [entry.rank_item for entry in self.cache.entries.values() if entry.rank_item is not None]
             heapq.heapify(self._heap)
 
     def victim(self, by_layer: dict[int, dict[int, Entry]], for_prefetch: bool, position: int) -> Entry | None:
+        if self._visited:
+            self._rank_visited()
         passed_over = []
         try:
             while self._heap:
@@ -255,6 +265,24 @@ class ExpertCache:
         entry.last_use = self._clock
         entry.needed_at = -1
         self.uses[entry.key] = self.uses.get(entry.key, 0) + 1
+
+    def pin_cached(self, layer: int, experts: list[int]) -> tuple[dict[int, Entry], list[int]]:
+        """Pin and touch the entries of these experts of `layer` that are cached (ready or loading):
+        -> ({expert: entry}, the experts not cached). A layer's whole route in one pass, for the hits."""
+        cached, found, missing = self.by_layer.get(layer, {}), {}, []
+        uses, clock = self.uses, self._clock
+        for expert in experts:
+            entry = cached.get(expert)
+            if entry is None:
+                missing.append(expert)
+                continue
+            entry.pins += 1
+            clock += 1
+            entry.last_use, entry.needed_at = clock, -1
+            uses[entry.key] = uses.get(entry.key, 0) + 1
+            found[expert] = entry
+        self._clock = clock
+        return found, missing
 
     # --- making room --------------------------------------------------------------------------
     @staticmethod

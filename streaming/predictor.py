@@ -34,6 +34,7 @@ import numpy as np
 from devices.reference import rms_norm, softmax
 from edge.errors import ZllmError
 from edge.moe import MoeConfig
+from kernels.cpu.forecast import count_decode_route, gate_forecast, learn_decode_drift
 
 SIGNALS = ("gate", "temporal", "spatial", "frequency")
 PREDICTOR_FILE = "predictor.json"
@@ -42,6 +43,9 @@ PREDICTOR_VERSION = 1
 SMOOTHING = 0.1  # Laplace pseudo-count per transition: unseen transitions keep a little mass
 SIGMOID_CLIP = 1e-6  # keeps logit(sigmoid(l) + bias) finite for DeepSeek's corrected scores
 DRIFT_RATE = 0.1  # weight of the newest token in the moving average of the lookahead's logit drift
+_DRIFT_RATE_F32 = np.float32(DRIFT_RATE)
+_NO_IDS = np.zeros(0, np.int64)            # count_decode_route's "no route"
+_NO_COUNTS = np.zeros((0, 0), np.float64)  # ... and "no spatial counts" (the first MoE layer)
 
 
 class PredictorError(ZllmError):
@@ -165,6 +169,14 @@ def predictor_inputs(spec, tensors: dict) -> tuple[dict[int, MoeConfig], dict[in
     return layers, routers
 
 
+def _ids_within(ids: np.ndarray, num_experts: int) -> bool:
+    """Every id of a route in [0, num_experts) (a decode step's few ids compared as Python ints)."""
+    if len(ids) == 1:
+        row = ids[0].tolist()
+        return min(row) >= 0 and max(row) < num_experts
+    return ids.min(initial=0) >= 0 and ids.max(initial=0) < num_experts
+
+
 def _row_normalized(counts: np.ndarray) -> np.ndarray:
     smoothed = counts + SMOOTHING
     return smoothed / smoothed.sum(axis=-1, keepdims=True)
@@ -184,11 +196,6 @@ def top_sets(scores: np.ndarray, size: int) -> np.ndarray:
 
 def set_hits(predicted: np.ndarray, actual: np.ndarray) -> int:
     """How many of each token's actual experts [T, A] are in its predicted set [T, k], summed over tokens."""
-    if len(actual) == 1:  # a decode step: sets of a few ids
-        chosen, row = set(predicted[0].tolist()), actual[0].tolist()
-        if len(set(row)) == len(row):  # distinct ids (a top-k route)
-            return len(chosen.intersection(row))
-        return sum(expert in chosen for expert in row)
     return int((predicted[:, :, None] == actual[:, None, :]).any(axis=1).sum())
 
 
@@ -228,6 +235,7 @@ class _DecodePlan:
     mix: np.ndarray       # [n] f64: the gate's weight in each target's mix
     top_k: np.ndarray     # [n] int64
     distance: np.ndarray  # [n] int64: MoE layers ahead
+    spans: list[tuple[int, int, int, int, int]]  # per target: (target, begin, end, distance, top_k), Python ints
 
 
 class ExpertPredictor:
@@ -254,6 +262,7 @@ class ExpertPredictor:
         self._mix_arrays: dict[int, np.ndarray] = {}  # distance -> the mix as an array [S]
         self._plans: dict[tuple, tuple] = {}  # (layer, targets) -> _forecast_plan
         self.eps = rms_norm_eps
+        self._eps_f32 = np.float32(rms_norm_eps)
         self.routers = {}
         for layer, config in self.configs.items():
             gain, router, bias = routers[layer]
@@ -311,7 +320,7 @@ class ExpertPredictor:
         learn how far the lookahead of earlier layers drifted from this layer's real logits."""
         config = self._config(layer)
         ids = np.asarray(expert_ids, dtype=np.int64)
-        if ids.ndim != 2 or ids.shape[1] == 0 or ids.min(initial=0) < 0 or ids.max(initial=0) >= config.num_experts:
+        if ids.ndim != 2 or ids.shape[1] == 0 or not _ids_within(ids, config.num_experts):
             raise PredictorError(f"layer {layer}: route must be [tokens, active] ids in [0, {config.num_experts}), "
                                  f"got shape {ids.shape}")
         position = self.position[layer]
@@ -322,39 +331,41 @@ class ExpertPredictor:
             router_logits = self.raw_logits(layer, residual)
         self._learn_drift(layer, router_logits)
 
-        # temporal: token t-1 -> token t at this layer; the first token's predecessor is the last token seen
-        previous = self.previous_token_route[layer]
-        if previous is None:
-            before, after = ids[:-1], ids[1:]
-        elif len(ids) == 1:  # a decode step
-            before, after = previous[None], ids
+        if len(ids) == 1:  # a decode step: the counts below in one compiled call
+            previous = self.previous_token_route[layer]
+            before = self._pass_routes.get(self.order[position - 1]) if position > 0 else None
+            spatial = self.spatial.get(layer, _NO_COUNTS)
+            count_decode_route(ids[0], _NO_IDS if previous is None else previous, self.temporal[layer],
+                               _NO_IDS if before is None or len(before) != 1 else before[0], spatial,
+                               self.frequency[layer])
         else:
-            before, after = np.concatenate([previous[None], ids[:-1]]), ids
-        self._count_pairs(self.temporal[layer], before, after)
-        # spatial: this token's experts at the previous MoE layer -> at this one
-        if position > 0:
-            prev_layer = self.order[position - 1]
-            prev_ids = self._pass_routes.get(prev_layer)
-            if prev_ids is not None and len(prev_ids) == len(ids):
-                self._count_pairs(self.spatial[layer], prev_ids, ids)
-        if len(ids) == 1 and len(set(ids[0].tolist())) == ids.shape[1]:
-            self.frequency[layer][ids[0]] += 1.0  # distinct ids: what add.at gives
-        else:
-            np.add.at(self.frequency[layer], ids.reshape(-1), 1.0)
+            self._count_route(layer, position, ids)
         self.previous_token_route[layer] = ids[-1].copy()
         self._pass_routes[layer] = ids
         self._current_layer = layer
         # forecasts for layers ahead stay; every other layer's need is recomputed on demand
         self._need = {target: need for target, need in self._need.items() if self.position[target] > position}
 
+    def _count_route(self, layer: int, position: int, ids: np.ndarray) -> None:
+        """The counts a route [T, A] of several tokens teaches (count_decode_route for one token)."""
+        # temporal: token t-1 -> token t at this layer; the first token's predecessor is the last token seen
+        previous = self.previous_token_route[layer]
+        if previous is None:
+            before, after = ids[:-1], ids[1:]
+        else:
+            before, after = np.concatenate([previous[None], ids[:-1]]), ids
+        self._count_pairs(self.temporal[layer], before, after)
+        # spatial: this token's experts at the previous MoE layer -> at this one
+        if position > 0:
+            prev_ids = self._pass_routes.get(self.order[position - 1])
+            if prev_ids is not None and len(prev_ids) == len(ids):
+                self._count_pairs(self.spatial[layer], prev_ids, ids)
+        np.add.at(self.frequency[layer], ids.reshape(-1), 1.0)
+
     @staticmethod
     def _count_pairs(counts: np.ndarray, before: np.ndarray, after: np.ndarray) -> None:
         """counts[i, j] += 1 for every expert i of a token in `before` and j of the same row in `after`."""
         if len(before) == 0:
-            return
-        if len(before) == 1 and len(set(before[0].tolist())) == before.shape[1] and \
-                len(set(after[0].tolist())) == after.shape[1]:
-            counts[before[0][:, None], after[0][None, :]] += 1.0  # one token, distinct ids (a decode step)
             return
         rows = np.broadcast_to(before[:, :, None], (len(before), before.shape[1], after.shape[1]))
         cols = np.broadcast_to(after[:, None, :], rows.shape)
@@ -369,17 +380,30 @@ class ExpertPredictor:
             if len(lookahead) != len(actual):
                 continue  # made for another forward call
             drift = self.drift(source, layer)  # a view: updated in place
-            drift *= (1.0 - DRIFT_RATE) ** len(actual)
             if len(actual) == 1:  # a decode step
-                drift += DRIFT_RATE * (actual[0] - lookahead[0])
+                learn_decode_drift(drift, actual[0], lookahead[0], _DRIFT_RATE_F32)
                 continue
+            drift *= (1.0 - DRIFT_RATE) ** len(actual)
             # the moving average over these tokens in order, in closed form: the newest weighs DRIFT_RATE
             decay = (1.0 - DRIFT_RATE) ** np.arange(len(actual) - 1, -1, -1, dtype=np.float32)  # [T]
             drift += DRIFT_RATE * decay @ (actual - lookahead)
 
     def _score_forecasts(self, layer: int, ids: np.ndarray) -> None:
-        phase = "decode" if len(ids) == 1 else "prefill"
-        for distance, predicted in self._pending.pop(layer, {}).items():
+        pending = self._pending.pop(layer, None)
+        if not pending:
+            return
+        if len(ids) == 1:  # a decode step: sets of a few Python ints
+            row = ids[0].tolist()
+            actual = set(row)
+            for distance, predicted in pending.items():
+                if len(predicted) == 1:  # (else made for another forward call)
+                    chosen = predicted[0].tolist()
+                    hits = len(actual.intersection(chosen)) if len(actual) == len(row) else \
+                        sum(expert in set(chosen) for expert in row)
+                    self.accuracy.add("decode", distance, hits, len(chosen), len(row))
+            return
+        phase = "prefill"
+        for distance, predicted in pending.items():
             if len(predicted) != len(ids):
                 continue  # made for another forward call
             self.accuracy.add(phase, distance, set_hits(predicted, ids), predicted.size, ids.size)
@@ -523,27 +547,26 @@ class ExpertPredictor:
                                          for bias, size in zip(biases, sizes)]).astype(np.float32),
                     mix=np.array([mix[0] for mix in mixes], np.float64),
                     top_k=np.array([c.top_k for c in configs], np.int64),
-                    distance=np.array([self.position[target] - position for target in targets], np.int64))
+                    distance=np.array([self.position[target] - position for target in targets], np.int64),
+                    spans=[(target, begin, begin + size, self.position[target] - position, c.top_k)
+                           for target, begin, size, c in zip(targets, np.cumsum([0, *sizes]).tolist(), sizes, configs)])
         self._decode_plans[layer] = plan
         return plan
 
     def _forecast_decode(self, layer: int, x: np.ndarray, plan: "_DecodePlan") -> dict[int, np.ndarray]:
         """forecast_from_lookahead(lookahead_logits(...)) for one token and the gate alone, in one
         compiled call (kernels/cpu/forecast.py); the same bookkeeping of what was predicted."""
-        from kernels.cpu.forecast import gate_forecast
-
         n_experts = int(plan.offsets[-1])
         raw, need = np.empty(n_experts, np.float32), np.empty(n_experts, np.float64)
-        sets = np.empty((len(plan.targets), int(plan.top_k.max())), np.int64)
-        gate_forecast(x, self._stacked_routers[layer], plan.bias, self._drift_blocks[layer], np.float32(self.eps),
+        sets = np.empty((len(plan.spans), max(span[4] for span in plan.spans)), np.int64)
+        gate_forecast(x, self._stacked_routers[layer], plan.bias, self._drift_blocks[layer], self._eps_f32,
                       plan.mix, plan.top_k, plan.distance, plan.offsets, raw, need, sets)
         out = {}
-        for i, target in enumerate(plan.targets):
-            begin, end = int(plan.offsets[i]), int(plan.offsets[i + 1])
+        for i, (target, begin, end, distance, top_k) in enumerate(plan.spans):
             self._looked_ahead.setdefault(target, {})[layer] = raw[None, begin:end]
-            self._pending.setdefault(target, {})[int(plan.distance[i])] = sets[i:i + 1, :plan.top_k[i]]
-            self.predictions_made += 1
+            self._pending.setdefault(target, {})[distance] = sets[i:i + 1, :top_k]
             out[target] = self._need[target] = need[begin:end]
+        self.predictions_made += len(plan.spans)
         return out
 
     def drift(self, layer: int, target: int) -> np.ndarray:

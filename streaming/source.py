@@ -161,15 +161,19 @@ class StreamingExperts:
                 continue
             next_pass = self._ordinal[target] <= here  # a decode step of one token follows this pass
             tokens = 1 if next_pass else n_tokens
-            width = min(len(need), int(np.ceil(self.layers[target].top_k * tokens * self.prefetch_width)))
+            width = min(len(need), int(np.ceil(self.layers[target].top_k * tokens * self.prefetch_width)),
+                        free_entries)
             likeliest = np.argsort(-need, kind="stable")[:width]
+            scores = need[likeliest]
+            if scores[-1] <= 0:
+                likeliest, scores = likeliest[scores > 0], scores[scores > 0]  # (descending: a prefix)
+            free_entries -= len(likeliest)  # cached ones too: each takes its share of the room
             cached = self.cache.by_layer.get(target, {})
-            for expert, score in zip(likeliest.tolist(), need[likeliest].tolist()):
-                if free_entries <= 0 or score <= 0:
-                    break
-                if expert not in cached:  # (prefetch would skip it too; it still takes its share of room)
+            if len(cached) == len(need):
+                continue  # every expert of the layer is cached already
+            for expert, score in zip(likeliest.tolist(), scores.tolist()):
+                if expert not in cached:  # (prefetch would skip it too)
                     self.prefetcher.prefetch((target, expert), position + distance, distance, score)
-                free_entries -= 1
 
     def begin_request(self) -> None:
         """A new request starts: the predictor restarts its per-request frequencies (the cache stays)."""
@@ -208,12 +212,15 @@ class StreamedLayer(Mapping):
     def __init__(self, source: StreamingExperts, layer: int, ids: list[int], room: int):
         self.source, self.layer, self.ids = source, layer, ids
         self.room = max(room, 1)
-        self._entries: dict[int, Entry] = {}
+        self._entries: dict[int, Entry] = {}  # pinned, by expert
         self._ready: dict[int, ExpertWeights] = {}
         self._handed_out: list[int] = []
         try:
             with source.cache.lock:  # one hold for the layer, not one per expert
-                for expert in ids[: self.room]:
+                self._entries, missing = source.cache.pin_cached(layer, ids[: self.room])
+                source.counters.hits += len(self._entries)
+                source.counters.late_prefetches += sum(entry.state == LOADING for entry in self._entries.values())
+                for expert in missing:
                     self._acquire(expert)
         except BaseException:
             self.release()  # no pin may outlive a failed call

@@ -284,3 +284,43 @@ def test_one_token_gate_forecast_is_the_general_one():
     np.testing.assert_allclose(compiled.drift(1, 2), general.drift(1, 2), rtol=1e-5, atol=1e-6)
     assert compiled.stats()["predictor_recall"] == general.stats()["predictor_recall"]
     assert compiled._decode_plans[LAYERS[0]] is not None
+
+
+def test_one_token_observe_counts_every_transition():
+    """A decode step counts its transitions and frequencies in one compiled call
+    (kernels/cpu/forecast.py `count_decode_route`): the counts np.add.at gives over the whole
+    sequence of routes, a repeated id counted once per occurrence."""
+    rng = np.random.default_rng(11)
+    routers = {layer: (np.ones(D, np.float32), rng.normal(0, 1, (E, D)).astype(np.float32), None) for layer in LAYERS}
+    predictor = ExpertPredictor(configs(), routers, depth=2)
+    routes = synthetic_routes("random", 30, seed=5)
+    routes[7, 2] = [3, 3]  # a route may repeat an id
+    for t in range(len(routes)):
+        residual = rng.normal(0, 1, (1, D)).astype(np.float32)
+        for m, layer in enumerate(LAYERS):
+            predictor.observe(layer, routes[t:t + 1, m], residual)
+            predictor.forecast(layer, residual)
+    for m, layer in enumerate(LAYERS):
+        temporal, spatial, frequency = np.zeros((E, E)), np.zeros((E, E)), np.zeros(E)
+        for t in range(len(routes)):
+            np.add.at(frequency, routes[t, m], 1.0)
+            if t > 0:
+                np.add.at(temporal, (np.repeat(routes[t - 1, m], A), np.tile(routes[t, m], A)), 1.0)
+            if m > 0:
+                np.add.at(spatial, (np.repeat(routes[t, m - 1], A), np.tile(routes[t, m], A)), 1.0)
+        np.testing.assert_array_equal(predictor.temporal[layer], temporal)
+        np.testing.assert_array_equal(predictor.frequency[layer], frequency)
+        if m > 0:
+            np.testing.assert_array_equal(predictor.spatial[layer], spatial)
+    assert predictor.frequency[LAYERS[2]][3] >= 2
+
+
+def test_one_token_drift_step_is_the_moving_average():
+    """`learn_decode_drift`: drift <- (1 - rate) drift + rate (actual - lookahead), in float32."""
+    from kernels.cpu.forecast import learn_decode_drift
+
+    rng = np.random.default_rng(2)
+    drift, actual, lookahead = (rng.normal(0, 1, 37).astype(np.float32) for _ in range(3))
+    expected = np.float32(0.9) * drift + np.float32(0.1) * (actual - lookahead)
+    learn_decode_drift(drift, actual, lookahead, np.float32(0.1))
+    np.testing.assert_allclose(drift, expected, rtol=1e-6, atol=1e-7)

@@ -61,3 +61,33 @@ def gate_forecast(x, routers, bias, drift, eps, mix, top_k, distance, offsets, r
             sets[t, k] = best - begin
         for s in range(begin, end):
             need[s] = min(1.0, top_k[t] * need[s] / score_sum) / distance[t]
+
+
+_I64 = mutable(types.int64, 1)
+
+
+@kernel(types.void(_I64, _I64, mutable(types.float64, 2), _I64, mutable(types.float64, 2), mutable(types.float64, 1)))
+def count_decode_route(ids, previous, temporal, before, spatial, frequency):
+    """What one decode token's route `ids` [A] at a layer teaches the predictor's counts
+    (streaming/predictor.py `observe`), each pair counted once per occurrence (as np.add.at):
+
+        temporal[i, j]  += 1   i in `previous` (the layer's route for the token before; empty: none)
+        spatial[i, j]   += 1   i in `before` (this token's route at the MoE layer before; empty: none)
+        frequency[j]    += 1   for every j in ids"""
+    for i in previous:
+        for j in ids:
+            temporal[i, j] += 1.0
+    for i in before:
+        for j in ids:
+            spatial[i, j] += 1.0
+    for j in ids:
+        frequency[j] += 1.0
+
+
+@kernel(types.void(mutable(types.float32, 1), _F32_RO, mutable(types.float32, 1), types.float32))
+def learn_decode_drift(drift, actual, lookahead, rate):
+    """drift <- (1 - rate) drift + rate (actual - lookahead): one decode token's step of the moving
+    average of how far a layer's real router logits [E] drift from those looked ahead."""
+    keep = np.float32(1.0) - rate
+    for e in range(drift.shape[0]):
+        drift[e] = keep * drift[e] + rate * (actual[e] - lookahead[e])
