@@ -117,6 +117,19 @@ def release_pages(mapped: np.memmap | None, begin: int, end: int) -> None:
         mapped._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
+def release_view(array: np.ndarray) -> None:
+    """release_pages for the bytes of `array` when it is a view of a file mapping (an np.memmap or a
+    view of one); a no-op for any other array."""
+    mapped = array
+    while isinstance(mapped, np.ndarray) and getattr(mapped, "_mmap", None) is None:
+        mapped = mapped.base
+    mapping = getattr(mapped, "_mmap", None)
+    if mapping is None or mapping.closed:
+        return
+    begin = array.ctypes.data - np.frombuffer(mapping, np.uint8).ctypes.data  # offset in the mapping
+    release_pages(mapped, begin, begin + array.nbytes)
+
+
 def _read_header(path: str) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     name = os.path.basename(path)
     file_size = os.path.getsize(path)

@@ -53,12 +53,14 @@ class Transformer:
         self.mla_form: str | None = None  # MLA: None = naive prefill + absorbed decode; or force one form
         self.experts = experts  # where MoE layers get their routed experts' weights
 
+        load_weight = getattr(backend, "load_weight", backend.prepare_weight)  # (a backend may place them)
+
         def weight(name: str, required: bool = True):
             if name not in tensors:
                 if required:
                     raise KeyError(name)
                 return None
-            return backend.prepare_weight(tensors[name])
+            return load_weight(tensors[name])
 
         def float_weight(name: str) -> np.ndarray:
             if name not in tensors:

@@ -352,3 +352,27 @@ def test_smollm2_one_and_two_threads_give_the_same_tokens(smollm2_checkpoint, sm
         one = single.generate(ids, max_new_tokens=12)
         list(one)
     assert one.result.tokens == two.result.tokens
+
+
+def test_weights_are_copied_into_huge_pages_and_experts_streamed_in_place(load):
+    """Where the system has transparent huge pages the CPU backend copies a model's weights into them
+    once (devices/cpu/memory.py): read-only, equal to the checkpoint's bytes, cache-line aligned (the
+    parity tests above run on these copies). prepare_weight (streamed experts) never copies."""
+    from devices.cpu.memory import HugePageArena, huge_pages_available
+    from devices.cpu.weights import prepare_weight
+
+    arena = HugePageArena(chunk_bytes=1 << 20)
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 255, (n, 24), dtype=np.uint8) for n in (5, 300, 2000)]  # the last needs its own chunk
+    copies = [arena.copy(a) for a in arrays]
+    for array, copy in zip(arrays, copies):
+        np.testing.assert_array_equal(copy, array)
+        assert not copy.flags.writeable and copy.ctypes.data % 64 == 0 and copy.ctypes.data != array.ctypes.data
+    assert arena.copied_bytes == sum(a.nbytes for a in arrays)
+
+    model = load("llama_mha", PLANS["int4_affine_g32"], "cpu", threads=1)
+    info = model.device_info()
+    assert (info["weight_bytes_in_huge_pages"] > 0) == huge_pages_available()
+    weight = model.checkpoint.tensors["model.layers.0.mlp.up_proj.weight"]
+    prepared = prepare_weight(weight)
+    assert prepared.arrays[0].ctypes.data == weight.qweight.ctypes.data  # a view, not a copy

@@ -14,6 +14,7 @@ import numpy as np
 
 from devices.base import DeviceUnavailableError
 from devices.cache_buffers import CacheBuffer, KvCodec, StoredRows
+from devices.cpu.memory import HugePageArena, huge_pages_available
 from devices.cpu.weights import CpuWeight, as_vector, prepare_weight
 from quant.kv_formats import KV_FORMATS
 
@@ -79,6 +80,7 @@ class CpuBackend:
         else:
             self.activation_style = ACT_INT8_VNNI if runs_vnni() else ACT_INT8
         self.threads = _thread_count(threads)
+        self.weight_arena = HugePageArena() if huge_pages_available() else None
         self._largest_expert = (0, 0, 0)  # (K_max, I, padded I) over the experts packed (_expert_table)
         numba.set_num_threads(self.threads)
         _launching.threads = self.threads
@@ -98,6 +100,12 @@ class CpuBackend:
     # --- weights -------------------------------------------------------------------------------
     def prepare_weight(self, weight):
         return prepare_weight(weight, self.activation_style)
+
+    def load_weight(self, weight):
+        """prepare_weight for a weight the model holds for its lifetime: a matrix's arrays are copied
+        once into huge pages where the system has them (devices/cpu/memory.py), streamed experts
+        (prepare_weight on views of the expert cache's buffers) never are."""
+        return prepare_weight(weight, self.activation_style, self.weight_arena)
 
     def _matrix(self, weight) -> CpuWeight:
         if not isinstance(weight, CpuWeight):
@@ -269,6 +277,9 @@ class CpuBackend:
             "cpu": llvm.get_host_cpu_name(),
             "machine": platform.machine(),
             "cores": os.cpu_count(),
+            # where the model's weights live: copied into transparent huge pages, or views of the mmap
+            "weight_pages": "2 MB (transparent huge pages)" if self.weight_arena else "4 KB (mmap of the checkpoint)",
+            "weight_bytes_in_huge_pages": self.weight_arena.copied_bytes if self.weight_arena else 0,
             "activations": self.activations,
             "int8_dot": {ACT_F32: None, ACT_INT8: "generic LLVM IR", ACT_INT8_VNNI: "avx512 vnni"}[
                 self.activation_style],

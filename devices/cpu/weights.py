@@ -1,5 +1,6 @@
-"""Weights as the CPU kernels take them: the checkpoint's own arrays (mmap views, never copied,
-never expanded to f32) plus the descriptor row that tells a kernel where they are.
+"""Weights as the CPU kernels take them: the checkpoint's own arrays (mmap views, or for a model's
+resident weights one copy of them in huge pages: devices/cpu/memory.py; never expanded to f32) plus
+the descriptor row that tells a kernel where they are.
 
 A CpuWeight keeps its arrays referenced for as long as it lives: descriptors hold raw addresses,
 so the arrays must not be freed (or their mmap closed) while a kernel may read them.
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from devices.base import DeviceUnavailableError
+from devices.cpu.memory import HugePageArena
 from kernels.cpu import formats as wf
 from kernels.cpu.linear import attach_kernels
 from kernels.cpu.llvm_ir import ACT_F32
@@ -45,14 +47,17 @@ class CpuWeight:
         return f"CpuWeight({self.scheme}, shape={self.shape})"
 
 
-def _contiguous(array: np.ndarray) -> np.ndarray:
+def _contiguous(array: np.ndarray, arena: HugePageArena | None = None) -> np.ndarray:
     # Checkpoint views are C-contiguous already; anything else is copied once, here, never per call.
+    if arena is not None:
+        return arena.copy(array)
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
-def prepare_weight(weight, activations: int = ACT_F32):
+def prepare_weight(weight, activations: int = ACT_F32, arena: HugePageArena | None = None):
     """QuantizedTensor or float matrix -> CpuWeight whose decode input is prepared in activation
-    style `activations` (kernels/cpu/llvm_ir.py ACT_*); a float vector (norm gain, bias) -> float32 array."""
+    style `activations` (kernels/cpu/llvm_ir.py ACT_*); a float vector (norm gain, bias) -> float32 array.
+    With an `arena` a matrix's arrays are copied into its huge pages (devices/cpu/memory.py)."""
     if isinstance(weight, QuantizedTensor):
         scheme = weight.scheme
         kind = wf.QUANTIZED_KINDS.get((scheme.dtype, scheme.symmetric))
@@ -61,16 +66,16 @@ def prepare_weight(weight, activations: int = ACT_F32):
                 f"device 'cpu' has no kernel for a weight stored as {scheme} (shape {weight.shape}); "
                 f"its kernels cover {supported_formats()}. Convert the model with a supported --weights, "
                 f"or load it with device='reference'")
-        codes = _contiguous(weight.qweight)
-        scales = _contiguous(weight.scales).view(np.uint16)  # Numba has no float16: kernels read the bits
-        offsets = None if weight.offsets is None else _contiguous(weight.offsets).view(np.uint16)
+        codes = _contiguous(weight.qweight, arena)
+        scales = _contiguous(weight.scales, arena).view(np.uint16)  # Numba has no float16: kernels read the bits
+        offsets = None if weight.offsets is None else _contiguous(weight.offsets, arena).view(np.uint16)
         descriptor = wf.describe_quantized(kind, weight.shape, scheme.group_size, codes, scales, offsets)
         attach_kernels(descriptor, activations)
         return CpuWeight(descriptor, (codes, scales, offsets), str(scheme), weight.shape)
     if isinstance(weight, np.ndarray) and weight.ndim == 1 and weight.dtype.kind == "f":
         return np.ascontiguousarray(weight, dtype=np.float32)  # a few KB; kernels read f32 vectors
     if isinstance(weight, np.ndarray) and weight.ndim == 2 and weight.dtype in wf.FLOAT_KINDS:
-        matrix = _contiguous(weight)
+        matrix = _contiguous(weight, arena)
         view = matrix.view(np.uint16) if matrix.dtype == np.float16 else matrix
         descriptor = attach_kernels(wf.describe_float(matrix), activations)
         return CpuWeight(descriptor, (matrix, view), wf.KIND_NAMES[wf.FLOAT_KINDS[matrix.dtype]], matrix.shape)

@@ -1,0 +1,77 @@
+"""Memory the CPU kernels stream through, in 2 MB pages where the operating system offers them.
+
+Decode reads every weight once per token. Read from the checkpoint's mmap, each 4 KB page is a TLB
+entry of its own and the hardware prefetcher stops at every page boundary; the same bytes in
+transparent huge pages (2 MB) stream faster (SmolLM2 INT8, 2 threads, five alternating runs of
+`zllm-edge bench`: decode median 201 -> 218 tok/s). So the CPU backend copies the weights a model keeps for its lifetime into
+anonymous memory advised MADV_HUGEPAGE, once at load, and drops its own mapping of the file pages it
+copied: they stay in the page cache, but the process does not hold the weights twice.
+
+Where the kernel has no transparent huge pages (not Linux, or THP "never") the weights stay views
+of the mmap, as they are on the other devices; `huge_pages_available` says which, and the bench
+reports it.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+
+import numpy as np
+
+from converters.safetensors_io import release_view
+
+HUGE_PAGE = 2 << 20
+CHUNK_BYTES = 64 << 20  # address space reserved at a time; only the pages written are ever allocated
+ALIGNMENT = 64          # a cache line: every copy starts on one
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_pages_available() -> bool:
+    """Whether memory advised MADV_HUGEPAGE gets 2 MB pages: Linux with THP "always" or "madvise"."""
+    if not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return False
+    try:
+        with open(THP_SETTING) as f:
+            setting = f.read()
+    except OSError:
+        return False
+    return "[always]" in setting or "[madvise]" in setting
+
+
+class HugePageArena:
+    """Read-only copies of arrays, packed into anonymous private mappings advised MADV_HUGEPAGE.
+
+    Copies are never freed one by one: the arena lives as long as the arrays it handed out (each
+    holds its mapping), which is the model's lifetime."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES):
+        self.chunk_bytes = chunk_bytes
+        self._chunk: np.ndarray | None = None  # the mapping being filled, as bytes
+        self._used = 0
+        self._lock = threading.Lock()
+        self.copied_bytes = 0
+
+    def _reserve(self, n_bytes: int) -> np.ndarray:
+        """n_bytes of a mapping, starting at a multiple of ALIGNMENT."""
+        start = -(-self._used // ALIGNMENT) * ALIGNMENT
+        if self._chunk is None or start + n_bytes > len(self._chunk):
+            size = max(self.chunk_bytes, -(-n_bytes // HUGE_PAGE) * HUGE_PAGE)
+            mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+            whole = np.frombuffer(mapping, np.uint8)
+            skip = (-whole.ctypes.data) % HUGE_PAGE  # huge pages cover 2 MB-aligned ranges only
+            self._chunk, start = whole[skip:skip + size], 0
+        self._used = start + n_bytes
+        return self._chunk[start:start + n_bytes]
+
+    def copy(self, array: np.ndarray) -> np.ndarray:
+        """A read-only, C-contiguous copy of `array` in huge pages; the caller's mapping of the
+        original's file pages (if it is a view of one) is dropped."""
+        with self._lock:
+            target = self._reserve(array.nbytes)
+        out = target.view(array.dtype).reshape(array.shape)
+        out[...] = array
+        out.flags.writeable = False
+        self.copied_bytes += array.nbytes
+        release_view(array)
+        return out
