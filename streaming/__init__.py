@@ -21,7 +21,8 @@ def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: in
     if strategy == "resident":
         from streaming.resident import ResidentExperts
 
-        return ResidentExperts(index, backend.prepare_weight, verify=verify)
+        # held for the model's lifetime, like its dense weights (a backend may place them: load_weight)
+        return ResidentExperts(index, getattr(backend, "load_weight", backend.prepare_weight), verify=verify)
     if strategy == "mmap":
         from streaming.paging import MappedExperts
 

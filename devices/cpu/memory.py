@@ -3,9 +3,10 @@
 Decode reads every weight once per token. Read from the checkpoint's mmap, each 4 KB page is a TLB
 entry of its own and the hardware prefetcher stops at every page boundary; the same bytes in
 transparent huge pages (2 MB) stream faster (SmolLM2 INT8, 2 threads, five alternating runs of
-`zllm-edge bench`: decode median 201 -> 218 tok/s). So the CPU backend copies the weights a model keeps for its lifetime into
-anonymous memory advised MADV_HUGEPAGE, once at load, and drops its own mapping of the file pages it
-copied: they stay in the page cache, but the process does not hold the weights twice.
+`zllm-edge bench`: decode median 201 -> 218 tok/s). So the CPU backend copies the weights a model
+keeps for its lifetime into anonymous memory advised MADV_HUGEPAGE, once at load, and drops its own
+mapping of the file pages it copied: they stay in the page cache, but the process does not hold the
+weights twice.
 
 Where the kernel has no transparent huge pages (not Linux, or THP "never") the weights stay views
 of the mmap, as they are on the other devices; `huge_pages_available` says which, and the bench
