@@ -40,10 +40,11 @@ def huge_pages_available() -> bool:
 
 
 class HugePageArena:
-    """Read-only copies of arrays, packed into anonymous private mappings advised MADV_HUGEPAGE.
+    """Read-only copies of arrays, carved in order out of anonymous private mappings advised
+    MADV_HUGEPAGE. Only the pages written are ever allocated.
 
-    Copies are never freed one by one: the arena lives as long as the arrays it handed out (each
-    holds its mapping), which is the model's lifetime."""
+    Nothing is freed one by one: the mappings live as long as the arrays handed out (each holds
+    its mapping), which is the model's lifetime."""
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES):
         self.chunk_bytes = chunk_bytes
@@ -52,25 +53,25 @@ class HugePageArena:
         self._lock = threading.Lock()
         self.copied_bytes = 0
 
-    def _reserve(self, n_bytes: int) -> np.ndarray:
-        """n_bytes of a mapping, starting at a multiple of ALIGNMENT."""
-        start = -(-self._used // ALIGNMENT) * ALIGNMENT
-        if self._chunk is None or start + n_bytes > len(self._chunk):
-            size = max(self.chunk_bytes, -(-n_bytes // HUGE_PAGE) * HUGE_PAGE)
-            mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-            whole = np.frombuffer(mapping, np.uint8)
-            skip = (-whole.ctypes.data) % HUGE_PAGE  # huge pages cover 2 MB-aligned ranges only
-            self._chunk, start = whole[skip:skip + size], 0
-        self._used = start + n_bytes
-        return self._chunk[start:start + n_bytes]
+    def allocate(self, n_bytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
+        """n_bytes of writable, zero-filled uint8 memory starting at a multiple of `alignment` (a
+        power of two up to HUGE_PAGE)."""
+        with self._lock:
+            start = -(-self._used // alignment) * alignment
+            if self._chunk is None or start + n_bytes > len(self._chunk):
+                size = max(self.chunk_bytes, -(-n_bytes // HUGE_PAGE) * HUGE_PAGE)
+                mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                mapping.madvise(mmap.MADV_HUGEPAGE)
+                whole = np.frombuffer(mapping, np.uint8)
+                skip = (-whole.ctypes.data) % HUGE_PAGE  # huge pages cover 2 MB-aligned ranges only
+                self._chunk, start = whole[skip:skip + size], 0
+            self._used = start + n_bytes
+            return self._chunk[start:start + n_bytes]
 
     def copy(self, array: np.ndarray) -> np.ndarray:
         """A read-only, C-contiguous copy of `array` in huge pages; the caller's mapping of the
         original's file pages (if it is a view of one) is dropped."""
-        with self._lock:
-            target = self._reserve(array.nbytes)
-        out = target.view(array.dtype).reshape(array.shape)
+        out = self.allocate(array.nbytes).view(array.dtype).reshape(array.shape)
         out[...] = array
         out.flags.writeable = False
         self.copied_bytes += array.nbytes
