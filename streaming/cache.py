@@ -270,18 +270,14 @@ class ExpertCache:
         """Pin and touch the entries of these experts of `layer` that are cached (ready or loading):
         -> ({expert: entry}, the experts not cached). A layer's whole route in one pass, for the hits."""
         cached, found, missing = self.by_layer.get(layer, {}), {}, []
-        uses, clock = self.uses, self._clock
         for expert in experts:
             entry = cached.get(expert)
             if entry is None:
                 missing.append(expert)
                 continue
             entry.pins += 1
-            clock += 1
-            entry.last_use, entry.needed_at = clock, -1
-            uses[entry.key] = uses.get(entry.key, 0) + 1
+            self.touch(entry)
             found[expert] = entry
-        self._clock = clock
         return found, missing
 
     # --- making room --------------------------------------------------------------------------

@@ -319,7 +319,7 @@ class ExpertPredictor:
         [T, D] entering the layer's FFN (or the layer's raw router logits [T, E] computed from it), also
         learn how far the lookahead of earlier layers drifted from this layer's real logits."""
         config = self._config(layer)
-        ids = np.asarray(expert_ids, dtype=np.int64)
+        ids = np.ascontiguousarray(expert_ids, dtype=np.int64)  # (its rows go to compiled calls)
         if ids.ndim != 2 or ids.shape[1] == 0 or not _ids_within(ids, config.num_experts):
             raise PredictorError(f"layer {layer}: route must be [tokens, active] ids in [0, {config.num_experts}), "
                                  f"got shape {ids.shape}")
@@ -375,7 +375,7 @@ class ExpertPredictor:
         looked_ahead = self._looked_ahead.pop(layer, {})
         if router_logits is None:
             return
-        actual = np.asarray(router_logits, np.float32).reshape(-1, self.configs[layer].num_experts)
+        actual = np.ascontiguousarray(router_logits, np.float32).reshape(-1, self.configs[layer].num_experts)
         for source, lookahead in looked_ahead.items():
             if len(lookahead) != len(actual):
                 continue  # made for another forward call
