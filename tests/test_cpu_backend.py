@@ -99,7 +99,9 @@ def test_tiny_model_matches_reference(load, case, plan, device):
     assert_matches_reference(ours, tokens, expected, expected_tokens, tolerance)
     if device == "cpu:f32":
         assert tokens == expected_tokens
-    assert relative_error(ours[0], expected[0]) <= REL_TOL  # prefill keeps f32 activations in every variant
+    # prefill: f32 tiles and inputs in cpu:f32; in cpu, bf16 ones on quantized weights where the CPU
+    # runs AVX-512 BF16 (inside the same per-matmul budget as decode's int8 inputs)
+    assert relative_error(ours[0], expected[0]) <= (REL_TOL if device == "cpu:f32" else tolerance)
     assert session.position == session.cache.length == len(prompt) + N_DECODE
     # a prefill that asks only for the last token's logits (what generation does): its LM head is a
     # one-token product, which an int8 variant computes like decode

@@ -164,17 +164,32 @@ def test_prepared_int8_vector_holds_the_q8_layout_exactly(k):
     np.testing.assert_array_max_ulp(x_sums[:n], np.array(expected_sums, np.float32), maxulp=2)
 
 
+def bf16_rounded(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), as float32."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("n_tokens", [3, 17, 40])  # one short block, one block of 32, two blocks
 @pytest.mark.parametrize("scheme", QUANTIZED, ids=str)
-def test_int8_variant_keeps_f32_activations_for_prefill(backend, scheme):
-    """Only decode quantizes its input: several tokens go through the f32 tiles, bit for bit as in the
-    f32 variant, while one token of the same input takes the int8 path and differs."""
+def test_int8_variant_prefill_multiplies_bf16_tiles(backend, scheme, n_tokens):
+    """The default variant's prefill on a CPU that runs AVX-512 BF16: the weight's tile and the
+    input rounded to bf16, products summed in f32 (kernels/cpu/linear.py gemm); elsewhere the
+    f32 tiles of cpu:f32, bit for bit. One token (decode) takes the int8 path either way."""
     from devices.cpu import CpuBackend
 
     int8_backend = CpuBackend(threads=2, variant="int8")
-    weight = make_weight(scheme, (20, 70), seed=5)
-    x = np.random.default_rng(6).standard_normal((3, 70)).astype(np.float32)
+    weight = make_weight(scheme, (100, 70), seed=5)  # 100 rows: three tiles of 48
+    x = np.random.default_rng(6).standard_normal((n_tokens, 70)).astype(np.float32)
     prefill = int8_backend.linear(x, int8_backend.prepare_weight(weight))
-    np.testing.assert_array_equal(prefill, backend.linear(x, backend.prepare_weight(weight)))
+    f32_prefill = backend.linear(x, backend.prepare_weight(weight))
+    if int8_backend.bf16_prefill:
+        expected = bf16_rounded(x).astype(np.float64) @ bf16_rounded(weight.dequantize()).astype(np.float64).T
+        np.testing.assert_allclose(prefill, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
+        assert not np.array_equal(prefill, f32_prefill)
+        assert np.abs(prefill - f32_prefill).max() <= 2.0 ** -7 * np.abs(f32_prefill).max()
+    else:
+        np.testing.assert_array_equal(prefill, f32_prefill)
     assert not np.array_equal(int8_backend.linear(x[:1], int8_backend.prepare_weight(weight)), prefill[:1])
 
 

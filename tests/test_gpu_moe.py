@@ -212,9 +212,10 @@ def test_bench_reports_gpu_upload_time_and_memory_beside_cpu(gpu_available, tiny
     from edge.bench import format_table, run_bench
 
     path = tiny_zoo.converted("qwen2_moe_shared", MIXED)
-    # --threads reaches the cpu; the gpu, which takes no thread count, runs beside it
-    report = run_bench(path, ["cpu", "gpu"], threads=1, prompt_tokens=8, new_tokens=4, repeats=1)
-    cpu, gpu = report["devices"]["cpu"], report["devices"]["gpu"]
+    # --threads reaches the cpu; the gpu, which takes no thread count, runs beside it. cpu:f32 keeps
+    # f32 inputs (no int8 decode or bf16 prefill rounding), so a random model's greedy tokens agree.
+    report = run_bench(path, ["cpu:f32", "gpu"], threads=1, prompt_tokens=8, new_tokens=4, repeats=1)
+    cpu, gpu = report["devices"]["cpu:f32"], report["devices"]["gpu"]
     assert cpu["device_upload_seconds"] is None and cpu["device_memory_bytes"] is None
     memory = gpu["device_memory"]
     assert gpu["device_upload_seconds"] > 0

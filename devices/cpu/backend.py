@@ -25,7 +25,7 @@ try:
     from kernels.cpu import attention_stored as stored_attention_kernels
     from kernels.cpu import elementwise, kv_quant, linear as linear_kernels
     from kernels.cpu import moe as moe_kernels
-    from kernels.cpu.cpu_probe import runs_vnni
+    from kernels.cpu.cpu_probe import runs_bf16, runs_vnni
     from kernels.cpu.llvm_ir import ACT_F32, ACT_INT8, ACT_INT8_VNNI
     from kernels.cpu.runtime import threading_info
 except ImportError as exc:  # pragma: no cover - numba is a declared dependency
@@ -79,6 +79,9 @@ class CpuBackend:
             self.activation_style = ACT_F32
         else:
             self.activation_style = ACT_INT8_VNNI if runs_vnni() else ACT_INT8
+        # prefill of quantized weights in bf16 (f32 sums) where the CPU runs AVX-512 BF16; cpu:f32 keeps
+        # f32 everywhere (the parity tests' variant)
+        self.bf16_prefill = activations != "f32" and runs_bf16()
         self.threads = _thread_count(threads)
         self.weight_arena = HugePageArena() if huge_pages_available() else None
         self._largest_expert = (0, 0, 0)  # (K_max, I, padded I) over the experts packed (_expert_table)
@@ -99,13 +102,13 @@ class CpuBackend:
 
     # --- weights -------------------------------------------------------------------------------
     def prepare_weight(self, weight):
-        return prepare_weight(weight, self.activation_style)
+        return prepare_weight(weight, self.activation_style, bf16_prefill=self.bf16_prefill)
 
     def load_weight(self, weight):
         """prepare_weight for a weight the model holds for its lifetime: a matrix's arrays are copied
         once into huge pages where the system has them (devices/cpu/memory.py), streamed experts
         (prepare_weight on views of the expert cache's buffers) never are."""
-        return prepare_weight(weight, self.activation_style, self.weight_arena)
+        return prepare_weight(weight, self.activation_style, self.weight_arena, self.bf16_prefill)
 
     def _matrix(self, weight) -> CpuWeight:
         if not isinstance(weight, CpuWeight):
@@ -283,12 +286,14 @@ class CpuBackend:
             "activations": self.activations,
             "int8_dot": {ACT_F32: None, ACT_INT8: "generic LLVM IR", ACT_INT8_VNNI: "avx512 vnni"}[
                 self.activation_style],
-            # for `zllm-edge diff`: f32 sums, weights dequantized exactly into f32; the inputs of
-            # decode's quantized matmuls rounded to int8 per block of 32 (half a step of 127) or kept
+            # for `zllm-edge diff`: f32 sums; the inputs of decode's quantized matmuls rounded to int8
+            # per block of 32 (half a step of 127) or kept; prefill's quantized matmuls in bf16 (inputs
+            # within int8's budget, the dequantized weights rounded by up to 2^-8) or in f32
             "arithmetic": {"accumulation": 2.0 ** -24,
                            "activations": {"f32": 0.0, "f16": 0.0,
                                            "quantized": 0.0 if self.activation_style == ACT_F32 else 1.0 / 254.0},
-                           "weights": {"f32": 0.0, "f16": 0.0, "quantized": 0.0}},
+                           "weights": {"f32": 0.0, "f16": 0.0, "quantized": 2.0 ** -8 if self.bf16_prefill else 0.0}},
+            "prefill_tiles": "bf16 (AVX-512 BF16)" if self.bf16_prefill else "f32",
             "numba": numba.__version__,
             "llvm": ".".join(map(str, llvm.llvm_version_info)),
             "numba_cache_dir": numba.config.CACHE_DIR,

@@ -23,7 +23,7 @@ from edge.moe import routed_experts, shared_experts
 from kernels.cpu import formats as wf
 from kernels.cpu import forward as fk
 from kernels.cpu.attention import scratch_floats
-from kernels.cpu.linear import TILE_M, TILE_ROWS, TILE_T, padded_tokens, pairs_length, sums_length
+from kernels.cpu.linear import TILE_M, TILE_T, padded_tokens, pairs_length, sums_length, tile_scratch_rows
 
 KV_DTYPES = {"f32": np.float32, "f16": np.float16}  # the K/V storage the fused kernel reads
 
@@ -147,7 +147,7 @@ class _Scratch:
             self.logits = np.zeros((t, spec.vocab_size), np.float32)
             self.xt = np.zeros((self.tables.max_cols_padded, padded_tokens(t)), np.float32)
             # prefill tiles only when a call has more than one token
-            tile_rows = TILE_ROWS if t > 1 else 1
+            tile_rows = tile_scratch_rows(t) if t > 1 else 1
             self.tiles = np.zeros((n, tile_rows, self.tables.max_cols_padded), np.float32)
             n_items = t * spec.num_attention_heads * max(n, 1)
             self.peaks = np.zeros(n_items, np.float32)

@@ -54,9 +54,11 @@ def _contiguous(array: np.ndarray, arena: HugePageArena | None = None) -> np.nda
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
-def prepare_weight(weight, activations: int = ACT_F32, arena: HugePageArena | None = None):
+def prepare_weight(weight, activations: int = ACT_F32, arena: HugePageArena | None = None,
+                   bf16_prefill: bool = False):
     """QuantizedTensor or float matrix -> CpuWeight whose decode input is prepared in activation
-    style `activations` (kernels/cpu/llvm_ir.py ACT_*); a float vector (norm gain, bias) -> float32 array.
+    style `activations` (kernels/cpu/llvm_ir.py ACT_*) and whose prefill tiles are bf16 when
+    `bf16_prefill` (quantized weights only); a float vector (norm gain, bias) -> float32 array.
     With an `arena` a matrix's arrays are copied into its huge pages (devices/cpu/memory.py)."""
     if isinstance(weight, QuantizedTensor):
         scheme = weight.scheme
@@ -70,7 +72,7 @@ def prepare_weight(weight, activations: int = ACT_F32, arena: HugePageArena | No
         scales = _contiguous(weight.scales, arena).view(np.uint16)  # Numba has no float16: kernels read the bits
         offsets = None if weight.offsets is None else _contiguous(weight.offsets, arena).view(np.uint16)
         descriptor = wf.describe_quantized(kind, weight.shape, scheme.group_size, codes, scales, offsets)
-        attach_kernels(descriptor, activations)
+        attach_kernels(descriptor, activations, bf16_prefill)
         return CpuWeight(descriptor, (codes, scales, offsets), str(scheme), weight.shape)
     if isinstance(weight, np.ndarray) and weight.ndim == 1 and weight.dtype.kind == "f":
         return np.ascontiguousarray(weight, dtype=np.float32)  # a few KB; kernels read f32 vectors

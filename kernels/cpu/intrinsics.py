@@ -37,7 +37,8 @@ def _pointer_intrinsic(numba_type, llvm_type, purpose: str):
 
 float32_pointer = _pointer_intrinsic(types.float32, F32, "views of scratch and KV buffers")
 int64_pointer = _pointer_intrinsic(types.int64, I64, "a weight descriptor row, read by a kind's kernels")
-uint16_pointer = _pointer_intrinsic(types.uint16, ir.IntType(16), "f16 KV buffers (their bit patterns)")
+uint16_pointer = _pointer_intrinsic(types.uint16, ir.IntType(16), "f16 KV buffers and bf16 tiles (their bit patterns)")
+uint32_pointer = _pointer_intrinsic(types.uint32, I32, "f32 values as bit patterns, and pairs of bf16")
 
 
 def _indirect_call(n_args: int):

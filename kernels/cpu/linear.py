@@ -27,9 +27,10 @@ from numba import prange, types
 
 from kernels.cpu import formats as wf
 from kernels.cpu.intrinsics import (call_dequantize, call_gemm, call_matvec, float32_pointer, int64_pointer,
-                                    prefetch_bytes)
+                                    prefetch_bytes, uint16_pointer, uint32_pointer)
 from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, PREFETCH_BLOCKS, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS,
-                                 make_dequantize_rows, make_dot_rows, make_tile_times_tokens, quantize_chunk)
+                                 make_bf16_tile_times_tokens, make_dequantize_rows, make_dot_rows,
+                                 make_tile_times_tokens, quantize_chunk)
 from kernels.cpu.runtime import FASTMATH, helper, kernel, mutable, readonly, use_cache_dir
 
 TILE_M = 6  # weight rows per micro-kernel call
@@ -71,6 +72,8 @@ dequantize_int8_affine = make_dequantize_rows(wf.IR_FORMATS[K_INT8_AFFINE])
 tile_times_tokens = make_tile_times_tokens(TILE_M, TILE_T // LANES)
 # Short prompts (<= 16 tokens) take one vector of tokens per call: half the padding of TILE_T.
 tile_times_16_tokens = make_tile_times_tokens(TILE_M, 1)
+bf16_tile_times_tokens = make_bf16_tile_times_tokens(TILE_M, TILE_T // LANES)
+bf16_tile_times_16_tokens = make_bf16_tile_times_tokens(TILE_M, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,59 +139,104 @@ def _dequantize_for(kind: int):
     return dequantize
 
 
-def gemm(descriptor, row_begin, row_end, xt, xt_stride, n_tokens, tile, tile_stride, block, out, out_stride,
-         out_col, accumulate, transposed):
-    """out[t, out_col + r - row_begin] (+)= dot(W[r], x[t]) for r in [row_begin, row_end), t < n_tokens;
-    with `transposed`, out[out_col + r - row_begin, t] instead (tokens minor: whole rows of a block
-    are stored at once, and the result is already the next projection's xt).
+def tile_scratch_rows(n_tokens: int) -> int:
+    """Rows of K_max floats each thread's `tile` scratch needs for gemm over n_tokens: the f32 tile,
+    and for bf16 prefill the tile's bf16 copy and x transposed into bf16 pairs."""
+    return TILE_ROWS + TILE_ROWS // 2 + padded_tokens(n_tokens) // 2
 
-    xt: x transposed, [>= K_padded rows, xt_stride (padded tokens) columns], zero-padded. tile:
-    [TILE_ROWS, tile_stride >= K_padded] and block: [TILE_M * TILE_T], both private to the caller's
-    thread. out: [>= n_tokens, out_stride] (transposed: [>= out_col + rows, out_stride]). The same
-    for every kind: the tile is filled by the kind's dequantize callback, found through the
-    descriptor."""
-    w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
-    depth = w[W_COLS_PADDED]
-    tiles = numba.carray(float32_pointer(tile), (TILE_ROWS, tile_stride))
-    results = numba.carray(float32_pointer(block), (TILE_M * TILE_T,))
-    out_rows = out_col + row_end - row_begin if transposed else n_tokens
-    outputs = numba.carray(float32_pointer(out), (out_rows, out_stride))
-    for tile_begin in range(row_begin, row_end, TILE_ROWS):
-        n_rows = min(TILE_ROWS, row_end - tile_begin)
-        call_dequantize(w[W_DEQUANTIZE_FN], descriptor, tile_begin, n_rows, tile, tile_stride)
-        filled = -(-n_rows // TILE_M) * TILE_M
-        for r in range(filled - n_rows):  # rows of the last micro-block that W does not have
-            for k in range(depth):
-                tiles[n_rows + r, k] = 0.0
-        short = n_tokens <= LANES
-        for t_begin in range(0, n_tokens, TILE_T):
-            n_t = min(TILE_T, n_tokens - t_begin)
-            for m_begin in range(0, n_rows, TILE_M):
-                if short:  # results: block[m * 16 + t]
-                    tile_times_16_tokens(tile + 4 * m_begin * tile_stride, tile_stride, xt + 4 * t_begin, xt_stride,
-                                         depth, block)
-                else:  # results: block[m * 32 + t]
-                    tile_times_tokens(tile + 4 * m_begin * tile_stride, tile_stride, xt + 4 * t_begin, xt_stride,
-                                      depth, block)
-                block_stride = LANES if short else TILE_T
-                n_m = min(TILE_M, n_rows - m_begin)
-                first_col = out_col + tile_begin - row_begin + m_begin
-                for m in range(n_m):
-                    col = first_col + m
-                    if transposed:
-                        destination = outputs[col, t_begin:t_begin + n_t]
-                        if accumulate:
+
+@helper
+def bf16_bits(bits):
+    """The bf16 nearest (ties to even) to the f32 with these bits, as the high half of its bits."""
+    return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+
+@helper
+def pair_tokens(xt, xt_stride, depth, xp):
+    """xp[i, t] = bf16(x[t, 2i]) | bf16(x[t, 2i + 1]) << 16 for 2i < depth and every column of xt
+    (xt: f32 bits [>= depth, xt_stride] at address xt; xp: uint32 [depth / 2, xt_stride])."""
+    values = numba.carray(uint32_pointer(xt), (depth, xt_stride))
+    pairs = numba.carray(uint32_pointer(xp), (depth // 2, xt_stride))
+    for i in range(depth // 2):
+        for t in range(xt_stride):
+            pairs[i, t] = bf16_bits(values[2 * i, t]) | (bf16_bits(values[2 * i + 1, t]) << np.uint32(16))
+
+
+def _gemm_for(bf16: bool):
+    """The gemm callback: f32 tiles and inputs, or (bf16) both rounded to bf16 with f32 sums."""
+
+    def gemm(descriptor, row_begin, row_end, xt, xt_stride, n_tokens, tile, tile_stride, block, out, out_stride,
+             out_col, accumulate, transposed):
+        """out[t, out_col + r - row_begin] (+)= dot(W[r], x[t]) for r in [row_begin, row_end), t < n_tokens;
+        with `transposed`, out[out_col + r - row_begin, t] instead (tokens minor: whole rows of a block
+        are stored at once, and the result is already the next projection's xt).
+
+        xt: x transposed, [>= K_padded rows, xt_stride (padded tokens) columns], zero-padded. tile:
+        [tile_scratch_rows(n_tokens), tile_stride >= K_padded] and block: [TILE_M * TILE_T], both
+        private to the caller's thread. out: [>= n_tokens, out_stride] (transposed: [>= out_col + rows,
+        out_stride]). The same for every kind: the tile is filled by the kind's dequantize callback,
+        found through the descriptor. bf16 rounds the tile and x to bf16 (8 significant bits), sums in
+        f32; its copies live in the tile scratch past the f32 tile."""
+        w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
+        depth = w[W_COLS_PADDED]
+        tiles = numba.carray(float32_pointer(tile), (TILE_ROWS, tile_stride))
+        results = numba.carray(float32_pointer(block), (TILE_M * TILE_T,))
+        out_rows = out_col + row_end - row_begin if transposed else n_tokens
+        outputs = numba.carray(float32_pointer(out), (out_rows, out_stride))
+        bf16_tile = tile + 4 * TILE_ROWS * tile_stride  # uint16 [TILE_ROWS, tile_stride]
+        x_pairs = bf16_tile + 2 * TILE_ROWS * tile_stride  # uint32 [depth / 2, xt_stride]
+        if bf16:
+            pair_tokens(xt, xt_stride, depth, x_pairs)
+        for tile_begin in range(row_begin, row_end, TILE_ROWS):
+            n_rows = min(TILE_ROWS, row_end - tile_begin)
+            call_dequantize(w[W_DEQUANTIZE_FN], descriptor, tile_begin, n_rows, tile, tile_stride)
+            filled = -(-n_rows // TILE_M) * TILE_M
+            for r in range(filled - n_rows):  # rows of the last micro-block that W does not have
+                for k in range(depth):
+                    tiles[n_rows + r, k] = 0.0
+            if bf16:
+                values = numba.carray(uint32_pointer(tile), (TILE_ROWS, tile_stride))
+                rounded = numba.carray(uint16_pointer(bf16_tile), (TILE_ROWS, tile_stride))
+                for r in range(filled):
+                    for k in range(depth):
+                        rounded[r, k] = np.uint16(bf16_bits(values[r, k]))
+            short = n_tokens <= LANES
+            for t_begin in range(0, n_tokens, TILE_T):
+                n_t = min(TILE_T, n_tokens - t_begin)
+                for m_begin in range(0, n_rows, TILE_M):
+                    if bf16 and short:  # results: block[m * 16 + t]
+                        bf16_tile_times_16_tokens(bf16_tile + 2 * m_begin * tile_stride, tile_stride,
+                                                  x_pairs + 4 * t_begin, xt_stride, depth, block)
+                    elif bf16:  # results: block[m * 32 + t]
+                        bf16_tile_times_tokens(bf16_tile + 2 * m_begin * tile_stride, tile_stride,
+                                               x_pairs + 4 * t_begin, xt_stride, depth, block)
+                    elif short:
+                        tile_times_16_tokens(tile + 4 * m_begin * tile_stride, tile_stride, xt + 4 * t_begin,
+                                             xt_stride, depth, block)
+                    else:
+                        tile_times_tokens(tile + 4 * m_begin * tile_stride, tile_stride, xt + 4 * t_begin, xt_stride,
+                                          depth, block)
+                    block_stride = LANES if short else TILE_T
+                    n_m = min(TILE_M, n_rows - m_begin)
+                    first_col = out_col + tile_begin - row_begin + m_begin
+                    for m in range(n_m):
+                        col = first_col + m
+                        if transposed:
+                            destination = outputs[col, t_begin:t_begin + n_t]
+                            if accumulate:
+                                for t in range(n_t):
+                                    destination[t] += results[m * block_stride + t]
+                            else:
+                                for t in range(n_t):
+                                    destination[t] = results[m * block_stride + t]
+                        elif accumulate:
                             for t in range(n_t):
-                                destination[t] += results[m * block_stride + t]
+                                outputs[t_begin + t, col] += results[m * block_stride + t]
                         else:
                             for t in range(n_t):
-                                destination[t] = results[m * block_stride + t]
-                    elif accumulate:
-                        for t in range(n_t):
-                            outputs[t_begin + t, col] += results[m * block_stride + t]
-                    else:
-                        for t in range(n_t):
-                            outputs[t_begin + t, col] = results[m * block_stride + t]
+                                outputs[t_begin + t, col] = results[m * block_stride + t]
+
+    return gemm
 
 
 class _KindKernels:
@@ -198,22 +246,23 @@ class _KindKernels:
         self._lock = threading.Lock()
         self._matvecs: dict[tuple[int, int], object] = {}  # (kind, activation style) -> cfunc
         self._dequantizers: dict[int, object] = {}  # kind -> cfunc
-        self._gemm = None
+        self._gemms: dict[bool, object] = {}  # bf16 -> cfunc
 
-    def addresses(self, kind: int, style: int) -> tuple[int, int, int]:
+    def addresses(self, kind: int, style: int, bf16_prefill: bool = False) -> tuple[int, int, int]:
         """(matvec, gemm, dequantize) addresses for a kind whose decode input is prepared in activation
-        style `style`; the cfunc objects stay referenced here."""
+        style `style` and whose prefill runs on f32 or bf16 tiles; the cfunc objects stay referenced here."""
         options = dict(cache=True, fastmath=set(FASTMATH), error_model="numpy")
         with self._lock:
-            if (kind, style) not in self._matvecs or kind not in self._dequantizers or self._gemm is None:
+            if (kind, style) not in self._matvecs or kind not in self._dequantizers or bf16_prefill not in self._gemms:
                 use_cache_dir()
             if (kind, style) not in self._matvecs:
                 self._matvecs[kind, style] = numba.cfunc(_MATVEC_SIGNATURE, **options)(_matvec_for(kind, style))
             if kind not in self._dequantizers:
                 self._dequantizers[kind] = numba.cfunc(_DEQUANTIZE_SIGNATURE, **options)(_dequantize_for(kind))
-            if self._gemm is None:
-                self._gemm = numba.cfunc(_GEMM_SIGNATURE, **options)(gemm)
-            return self._matvecs[kind, style].address, self._gemm.address, self._dequantizers[kind].address
+            if bf16_prefill not in self._gemms:
+                self._gemms[bf16_prefill] = numba.cfunc(_GEMM_SIGNATURE, **options)(_gemm_for(bf16_prefill))
+            return (self._matvecs[kind, style].address, self._gemms[bf16_prefill].address,
+                    self._dequantizers[kind].address)
 
     def compiled_kinds(self) -> list[str]:
         return [wf.KIND_NAMES[kind] for kind in sorted(self._dequantizers)]
@@ -222,15 +271,17 @@ class _KindKernels:
 KIND_KERNELS = _KindKernels()
 
 
-def attach_kernels(descriptor: np.ndarray, style: int = ACT_F32) -> np.ndarray:
+def attach_kernels(descriptor: np.ndarray, style: int = ACT_F32, bf16_prefill: bool = False) -> np.ndarray:
     """Fill a descriptor's activation style and kernel addresses (compiling its kind's kernels if
     needed). Float kinds read x as it is whatever the style; it still marks how the inputs of the
-    model's decode steps are prepared (kernels/cpu/forward.py prepares one vector for q, k and v)."""
+    model's decode steps are prepared (kernels/cpu/forward.py prepares one vector for q, k and v).
+    `bf16_prefill` (AVX-512 BF16, checked by the caller) multiplies a quantized weight's prefill
+    tiles in bf16; float weights keep f32 tiles."""
     kind = int(descriptor[W_KIND])
     descriptor[W_ACTIVATIONS] = style
-    matvec_style = style if kind in wf.QUANTIZED_KINDS.values() else ACT_F32
+    quantized = kind in wf.QUANTIZED_KINDS.values()
     descriptor[W_MATVEC_FN], descriptor[W_GEMM_FN], descriptor[W_DEQUANTIZE_FN] = KIND_KERNELS.addresses(
-        kind, matvec_style)
+        kind, style if quantized else ACT_F32, bf16_prefill and quantized)
     return descriptor
 
 
@@ -460,7 +511,7 @@ def linear(descriptor: np.ndarray, x: np.ndarray, bias: np.ndarray | None, n_thr
     n_rows, k_padded = int(descriptor[W_ROWS]), int(descriptor[W_COLS_PADDED])
     out = np.empty((n_tokens, n_rows), np.float32)
     prefill = n_tokens > 1
-    tiles = np.empty((n_threads, TILE_ROWS, k_padded) if prefill else (n_threads, 1, 1), np.float32)
+    tiles = np.empty((n_threads, tile_scratch_rows(n_tokens), k_padded) if prefill else (n_threads, 1, 1), np.float32)
     blocks = np.empty((n_threads, TILE_M * TILE_T), np.float32)
     vector_len = CHUNK if prefill else k_padded
     xt = np.empty((k_padded, padded_tokens(n_tokens)) if prefill else (1, 1), np.float32)

@@ -6,9 +6,10 @@ vector types (<16 x float>, <64 x i8>) and generic intrinsics (llvm.vector.reduc
 llvm.prefetch, llvm.masked.load, llvm.cttz), so LLVM lowers it to whatever the host has: AVX-512
 zmm registers on this machine, pairs of ymm on an AVX2 machine, NEON quads on ARM. Two
 instructions are target-specific: the spin-wait hint of `spin_pause`, chosen by the architecture,
-and AVX-512 VNNI's vpdpbusd for int8 dot products, emitted only into the ACT_INT8_VNNI kernels,
-which the CPU backend picks only after a child process has run the instruction (cpu_probe.py):
-feature flags alone are not trusted (a CPU can advertise extensions it cannot run).
+AVX-512 VNNI's vpdpbusd for int8 dot products, emitted only into the ACT_INT8_VNNI kernels, and
+AVX-512 BF16's vdpbf16ps for prefill's bf16 tiles (make_bf16_tile_times_tokens), each picked by
+the CPU backend only after a child process has run the instruction (cpu_probe.py): feature flags
+alone are not trusted (a CPU can advertise extensions it cannot run).
 
 Arguments are int64 byte addresses and sizes; the calling kernel owns the arrays (and their
 lifetime) and passes `array.ctypes.data`. Layouts (quant/formats.py):
@@ -52,6 +53,23 @@ V16I8, V32I8 = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
 V16I16 = ir.VectorType(I16, 16)
 V16I32 = ir.VectorType(I32, 16)
 V16H = ir.VectorType(F16, 16)
+
+
+class _BFloat(ir.types.Type):
+    """LLVM's bfloat, which llvmlite has no class for; only ever a vector element here, bitcast
+    from 32-bit lanes that each hold a pair of bf16 values."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+V32BF = ir.VectorType(_BFloat(), 32)
 
 
 @dataclass(frozen=True)
@@ -686,6 +704,54 @@ def make_tile_times_tokens(rows: int, token_vectors: int):
 
     tile_times_tokens.__name__ = f"tile_times_tokens_{rows}x{16 * token_vectors}"
     return tile_times_tokens
+
+
+def bf16_pair_dot(e: Emitter, acc, pairs_a, pairs_b):
+    """acc (<16 x float>) + a[2i] * b[2i] + a[2i + 1] * b[2i + 1] in lane i, where a and b are
+    <16 x i32> whose lanes each hold two bf16 values (the lower address first): vdpbf16ps."""
+    return e.intrinsic("llvm.x86.avx512bf16.dpbf16ps.512", V16F,
+                       [acc, e.b.bitcast(pairs_a, V32BF), e.b.bitcast(pairs_b, V32BF)])
+
+
+def make_bf16_tile_times_tokens(rows: int, token_vectors: int):
+    """make_tile_times_tokens on bf16 inputs with f32 sums (AVX-512 BF16 only): twice the
+    multiply-adds per instruction of the f32 micro-kernel.
+
+    Arguments (all int64): tile (bf16 bits, uint16, rows apart by tile_stride elements), tile_stride,
+    xp (x transposed into pairs: the 32-bit word at xp + 4 * (i * xp_stride + t) holds x[t, 2i]
+    in its low half and x[t, 2i + 1] in its high half), xp_stride, depth (number of k, even), block
+    (f32 [rows, 16 * token_vectors], written). Each pair of k costs token_vectors loads of x pairs,
+    `rows` broadcasts of a weight pair and rows * token_vectors vdpbf16ps."""
+
+    @intrinsic
+    def bf16_tile_times_tokens(typingctx, tile, tile_stride, xp, xp_stride, depth, block):
+        signature = types.void(*([INT64_ARGS] * 6))
+
+        def codegen(context, builder, sig, args):
+            tile, tile_stride, xp, xp_stride, depth, block = args
+            e = Emitter(builder)
+            zero = ir.Constant(V16F, [0.0] * LANES)
+            accumulators = [[e.variable(zero) for _ in range(token_vectors)] for _ in range(rows)]
+            tile_rows = [e.address(tile, (e.b.mul(tile_stride, e.i64(r)), 2)) for r in range(rows)]
+            with e.loop(e.b.sdiv(depth, e.i64(2))) as pair_loop:
+                i = pair_loop.index
+                x_row = e.address(xp, (e.b.mul(i, xp_stride), 4))
+                xs = [e.load(V16I32, e.address(x_row, e.i64(4 * LANES * j)), 4) for j in range(token_vectors)]
+                for r in range(rows):
+                    w = e.splat(e.load(I32, e.address(tile_rows[r], (i, 4)), 2))
+                    for j in range(token_vectors):
+                        acc = accumulators[r][j]
+                        builder.store(bf16_pair_dot(e, builder.load(acc), xs[j], w), acc)
+            for r in range(rows):
+                for j in range(token_vectors):
+                    destination = e.address(block, e.i64(4 * (r * token_vectors * LANES + j * LANES)))
+                    e.store(builder.load(accumulators[r][j]), destination, 4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    bf16_tile_times_tokens.__name__ = f"bf16_tile_times_tokens_{rows}x{16 * token_vectors}"
+    return bf16_tile_times_tokens
 
 
 # --------------------------------------------------------------------------------------------
