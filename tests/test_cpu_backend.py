@@ -240,6 +240,33 @@ def test_vnni_is_trusted_only_once_a_child_process_has_run_it(monkeypatch, tmp_p
     assert cpu_probe.runs_vnni() is False and len(children) == 1
 
 
+def test_bf16_prefill_is_trusted_only_once_a_child_process_has_run_it(monkeypatch, tmp_path):
+    """AVX-512 BF16 is probed like VNNI, with a verdict of its own: a CPU that lists it but kills the
+    probe keeps f32 prefill tiles; one whose child summed right gets bf16 tiles."""
+    from devices.cpu import CpuBackend
+    from kernels.cpu import cpu_probe
+
+    monkeypatch.setenv("ZLLM_EDGE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_probe, "_verdicts", {})
+    monkeypatch.setattr(cpu_probe, "host_features", lambda: {"avx512bf16": True, "avx512f": True})
+    children = []
+
+    def child(*args, **kwargs):
+        children.append(args[0][-1])
+        killed = "bf16" in args[0][-1]
+        return subprocess.CompletedProcess(args, -4 if killed else 0, stdout="", stderr="")
+
+    monkeypatch.setattr(cpu_probe.subprocess, "run", child)
+    assert cpu_probe.runs_bf16() is False and CpuBackend(threads=1).bf16_prefill is False
+    assert len(children) == 1 and "child_main('bf16')" in children[0]
+    monkeypatch.setattr(cpu_probe, "_verdicts", {})
+    monkeypatch.setattr(cpu_probe.subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(
+        args, 0, stdout="vdpbf16ps ok\n", stderr=""))
+    (tmp_path / "cpu-probe.json").unlink()
+    assert cpu_probe.runs_bf16() is True and CpuBackend(threads=1).bf16_prefill is True
+    assert CpuBackend(threads=1, variant="f32").bf16_prefill is False
+
+
 def test_a_probe_that_cannot_run_is_reported_and_asked_again(monkeypatch, tmp_path):
     """A child that fails for another reason (here: exit status 1) gives no verdict: this process
     uses the generic int8 dot with a warning, and nothing is kept, so the next process probes again."""
