@@ -29,8 +29,7 @@ from kernels.cpu import formats as wf
 from kernels.cpu.intrinsics import (call_dequantize, call_gemm, call_matvec, float32_pointer, int64_pointer,
                                     prefetch_bytes, uint16_pointer, uint32_pointer)
 from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, PREFETCH_BLOCKS, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS,
-                                 make_bf16_tile_times_tokens, make_dequantize_rows, make_dot_rows,
-                                 make_tile_times_tokens, quantize_chunk)
+                                 make_dequantize_rows, make_dot_rows, make_tile_times_tokens, quantize_chunk)
 from kernels.cpu.runtime import FASTMATH, helper, kernel, mutable, readonly, use_cache_dir
 
 TILE_M = 6  # weight rows per micro-kernel call
@@ -72,8 +71,8 @@ dequantize_int8_affine = make_dequantize_rows(wf.IR_FORMATS[K_INT8_AFFINE])
 tile_times_tokens = make_tile_times_tokens(TILE_M, TILE_T // LANES)
 # Short prompts (<= 16 tokens) take one vector of tokens per call: half the padding of TILE_T.
 tile_times_16_tokens = make_tile_times_tokens(TILE_M, 1)
-bf16_tile_times_tokens = make_bf16_tile_times_tokens(TILE_M, TILE_T // LANES)
-bf16_tile_times_16_tokens = make_bf16_tile_times_tokens(TILE_M, 1)
+bf16_tile_times_tokens = make_tile_times_tokens(TILE_M, TILE_T // LANES, bf16=True)
+bf16_tile_times_16_tokens = make_tile_times_tokens(TILE_M, 1, bf16=True)
 
 
 # --------------------------------------------------------------------------------------------

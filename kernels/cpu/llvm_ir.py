@@ -7,7 +7,7 @@ llvm.prefetch, llvm.masked.load, llvm.cttz), so LLVM lowers it to whatever the h
 zmm registers on this machine, pairs of ymm on an AVX2 machine, NEON quads on ARM. Two
 instructions are target-specific: the spin-wait hint of `spin_pause`, chosen by the architecture,
 AVX-512 VNNI's vpdpbusd for int8 dot products, emitted only into the ACT_INT8_VNNI kernels, and
-AVX-512 BF16's vdpbf16ps for prefill's bf16 tiles (make_bf16_tile_times_tokens), each picked by
+AVX-512 BF16's vdpbf16ps for prefill's bf16 tiles (make_tile_times_tokens), each picked by
 the CPU backend only after a child process has run the instruction (cpu_probe.py): feature flags
 alone are not trusted (a CPU can advertise extensions it cannot run).
 
@@ -666,14 +666,28 @@ def make_dequantize_rows(fmt: IrFormat):
     return dequantize_rows
 
 
-def make_tile_times_tokens(rows: int, token_vectors: int):
+def bf16_pair_dot(e: Emitter, acc, pairs_a, pairs_b):
+    """acc (<16 x float>) + a[2i] * b[2i] + a[2i + 1] * b[2i + 1] in lane i, where a and b are
+    <16 x i32> whose lanes each hold two bf16 values (the lower address first): vdpbf16ps."""
+    return e.intrinsic("llvm.x86.avx512bf16.dpbf16ps.512", V16F,
+                       [acc, e.b.bitcast(pairs_a, V32BF), e.b.bitcast(pairs_b, V32BF)])
+
+
+def make_tile_times_tokens(rows: int, token_vectors: int, bf16: bool = False):
     """Intrinsic: block[r, t] = sum_k tile[r, k] * xt[k, t] for r < rows, t < 16 * token_vectors.
 
     Arguments (all int64): tile (f32, rows apart by tile_stride elements), tile_stride, xt (f32
     tokens-minor: xt[k, t] at xt + 4 * (k * xt_stride + t)), xt_stride, depth (number of k), block
     (f32 [rows, 16 * token_vectors], written). The register block holds rows * token_vectors
     accumulators; each k costs token_vectors loads of x, `rows` broadcasts of a weight and
-    rows * token_vectors fused multiply-adds, so the loop is bound by multiply-adds, not loads."""
+    rows * token_vectors fused multiply-adds, so the loop is bound by multiply-adds, not loads.
+
+    bf16 (AVX-512 BF16 only): the same on bf16 inputs with f32 sums, twice the multiply-adds per
+    instruction. tile holds bf16 bits (uint16, rows apart by tile_stride elements) and xt is x
+    transposed into pairs: the 32-bit word at xt + 4 * (i * xt_stride + t) holds x[t, 2i] in its low
+    half and x[t, 2i + 1] in its high half; depth is even, and each pair of k costs token_vectors
+    loads of x pairs, `rows` broadcasts of a weight pair and rows * token_vectors vdpbf16ps."""
+    element, x_type, w_type, w_align = (2, V16I32, I32, 2) if bf16 else (4, V16F, F32, 4)
 
     @intrinsic
     def tile_times_tokens(typingctx, tile, tile_stride, xt, xt_stride, depth, block):
@@ -684,16 +698,19 @@ def make_tile_times_tokens(rows: int, token_vectors: int):
             e = Emitter(builder)
             zero = ir.Constant(V16F, [0.0] * LANES)
             accumulators = [[e.variable(zero) for _ in range(token_vectors)] for _ in range(rows)]
-            tile_rows = [e.address(tile, (e.b.mul(tile_stride, e.i64(r)), 4)) for r in range(rows)]
-            with e.loop(depth) as k_loop:
-                k = k_loop.index
+            tile_rows = [e.address(tile, (e.b.mul(tile_stride, e.i64(r)), element)) for r in range(rows)]
+            steps = e.b.sdiv(depth, e.i64(2)) if bf16 else depth  # (bf16: pairs of k)
+            with e.loop(steps) as step_loop:
+                k = step_loop.index
                 x_row = e.address(xt, (e.b.mul(k, xt_stride), 4))
-                xs = [e.load(V16F, e.address(x_row, e.i64(4 * LANES * j)), 4) for j in range(token_vectors)]
+                xs = [e.load(x_type, e.address(x_row, e.i64(4 * LANES * j)), 4) for j in range(token_vectors)]
                 for r in range(rows):
-                    w = e.splat(e.load(F32, e.address(tile_rows[r], (k, 4)), 4))
+                    w = e.splat(e.load(w_type, e.address(tile_rows[r], (k, 4)), w_align))
                     for j in range(token_vectors):
                         acc = accumulators[r][j]
-                        builder.store(e.fma(w, xs[j], builder.load(acc)), acc)
+                        total = bf16_pair_dot(e, builder.load(acc), xs[j], w) if bf16 else \
+                            e.fma(w, xs[j], builder.load(acc))
+                        builder.store(total, acc)
             for r in range(rows):
                 for j in range(token_vectors):
                     destination = e.address(block, e.i64(4 * (r * token_vectors * LANES + j * LANES)))
@@ -702,56 +719,8 @@ def make_tile_times_tokens(rows: int, token_vectors: int):
 
         return signature, codegen
 
-    tile_times_tokens.__name__ = f"tile_times_tokens_{rows}x{16 * token_vectors}"
+    tile_times_tokens.__name__ = f"{'bf16_' if bf16 else ''}tile_times_tokens_{rows}x{16 * token_vectors}"
     return tile_times_tokens
-
-
-def bf16_pair_dot(e: Emitter, acc, pairs_a, pairs_b):
-    """acc (<16 x float>) + a[2i] * b[2i] + a[2i + 1] * b[2i + 1] in lane i, where a and b are
-    <16 x i32> whose lanes each hold two bf16 values (the lower address first): vdpbf16ps."""
-    return e.intrinsic("llvm.x86.avx512bf16.dpbf16ps.512", V16F,
-                       [acc, e.b.bitcast(pairs_a, V32BF), e.b.bitcast(pairs_b, V32BF)])
-
-
-def make_bf16_tile_times_tokens(rows: int, token_vectors: int):
-    """make_tile_times_tokens on bf16 inputs with f32 sums (AVX-512 BF16 only): twice the
-    multiply-adds per instruction of the f32 micro-kernel.
-
-    Arguments (all int64): tile (bf16 bits, uint16, rows apart by tile_stride elements), tile_stride,
-    xp (x transposed into pairs: the 32-bit word at xp + 4 * (i * xp_stride + t) holds x[t, 2i]
-    in its low half and x[t, 2i + 1] in its high half), xp_stride, depth (number of k, even), block
-    (f32 [rows, 16 * token_vectors], written). Each pair of k costs token_vectors loads of x pairs,
-    `rows` broadcasts of a weight pair and rows * token_vectors vdpbf16ps."""
-
-    @intrinsic
-    def bf16_tile_times_tokens(typingctx, tile, tile_stride, xp, xp_stride, depth, block):
-        signature = types.void(*([INT64_ARGS] * 6))
-
-        def codegen(context, builder, sig, args):
-            tile, tile_stride, xp, xp_stride, depth, block = args
-            e = Emitter(builder)
-            zero = ir.Constant(V16F, [0.0] * LANES)
-            accumulators = [[e.variable(zero) for _ in range(token_vectors)] for _ in range(rows)]
-            tile_rows = [e.address(tile, (e.b.mul(tile_stride, e.i64(r)), 2)) for r in range(rows)]
-            with e.loop(e.b.sdiv(depth, e.i64(2))) as pair_loop:
-                i = pair_loop.index
-                x_row = e.address(xp, (e.b.mul(i, xp_stride), 4))
-                xs = [e.load(V16I32, e.address(x_row, e.i64(4 * LANES * j)), 4) for j in range(token_vectors)]
-                for r in range(rows):
-                    w = e.splat(e.load(I32, e.address(tile_rows[r], (i, 4)), 2))
-                    for j in range(token_vectors):
-                        acc = accumulators[r][j]
-                        builder.store(bf16_pair_dot(e, builder.load(acc), xs[j], w), acc)
-            for r in range(rows):
-                for j in range(token_vectors):
-                    destination = e.address(block, e.i64(4 * (r * token_vectors * LANES + j * LANES)))
-                    e.store(builder.load(accumulators[r][j]), destination, 4)
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    bf16_tile_times_tokens.__name__ = f"bf16_tile_times_tokens_{rows}x{16 * token_vectors}"
-    return bf16_tile_times_tokens
 
 
 # --------------------------------------------------------------------------------------------
