@@ -21,7 +21,8 @@ from numba import prange, types
 from kernels.cpu.elementwise import exp_approx
 from kernels.cpu.formats import F16 as K_F16, F32 as K_F32, IR_FORMATS
 from kernels.cpu.intrinsics import prefetch_bytes
-from kernels.cpu.llvm_ir import ACT_F32, make_dot_rows, weighted_half_row_sum, weighted_row_sum
+from kernels.cpu.llvm_attention import weighted_half_row_sum, weighted_row_sum
+from kernels.cpu.llvm_ir import ACT_F32, make_dot_rows
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
 
