@@ -63,10 +63,8 @@ def gate_forecast(x, routers, bias, drift, eps, mix, top_k, distance, offsets, r
             need[s] = min(1.0, top_k[t] * need[s] / score_sum) / distance[t]
 
 
-_I64 = mutable(types.int64, 1)
-
-
-@kernel(types.void(_I64, _I64, mutable(types.float64, 2), _I64, mutable(types.float64, 2), mutable(types.float64, 1)))
+@kernel(types.void(_I64_RO, _I64_RO, mutable(types.float64, 2), _I64_RO, mutable(types.float64, 2),
+                   mutable(types.float64, 1)))
 def count_decode_route(ids, previous, temporal, before, spatial, frequency):
     """What one decode token's route `ids` [A] at a layer teaches the predictor's counts
     (streaming/predictor.py `observe`), each pair counted once per occurrence (as np.add.at):
@@ -84,7 +82,7 @@ def count_decode_route(ids, previous, temporal, before, spatial, frequency):
         frequency[j] += 1.0
 
 
-@kernel(types.void(mutable(types.float32, 1), _F32_RO, mutable(types.float32, 1), types.float32))
+@kernel(types.void(mutable(types.float32, 1), _F32_RO, _F32_RO, types.float32))
 def learn_decode_drift(drift, actual, lookahead, rate):
     """drift <- (1 - rate) drift + rate (actual - lookahead): one decode token's step of the moving
     average of how far a layer's real router logits [E] drift from those looked ahead."""
