@@ -43,7 +43,7 @@ W_KIND, W_ROWS, W_COLS, W_COLS_PADDED = wf.W_KIND, wf.W_ROWS, wf.W_COLS, wf.W_CO
 W_DATA, W_ROW_BYTES, W_SCALES, W_OFFSETS = wf.W_DATA, wf.W_ROW_BYTES, wf.W_SCALES, wf.W_OFFSETS
 W_GROUPS, W_CHUNKS_PER_GROUP, W_FIELDS = wf.W_GROUPS, wf.W_CHUNKS_PER_GROUP, wf.W_FIELDS
 W_MATVEC_FN, W_GEMM_FN, W_DEQUANTIZE_FN = wf.W_MATVEC_FN, wf.W_GEMM_FN, wf.W_DEQUANTIZE_FN
-W_ACTIVATIONS = wf.W_ACTIVATIONS
+W_ACTIVATIONS, W_DEQUANTIZE_BF16_FN = wf.W_ACTIVATIONS, wf.W_DEQUANTIZE_BF16_FN
 
 # Rows each decode row-dot reads together. More rows share each load of x, but each row is one
 # more memory stream. Measured on Zen 4 (single thread, matrices past the L3 cache): int4 with
@@ -68,6 +68,10 @@ dequantize_int4_sym = make_dequantize_rows(wf.IR_FORMATS[K_INT4_SYM])
 dequantize_int4_affine = make_dequantize_rows(wf.IR_FORMATS[K_INT4_AFFINE])
 dequantize_int8_sym = make_dequantize_rows(wf.IR_FORMATS[K_INT8_SYM])
 dequantize_int8_affine = make_dequantize_rows(wf.IR_FORMATS[K_INT8_AFFINE])
+dequantize_int4_sym_bf16 = make_dequantize_rows(wf.IR_FORMATS[K_INT4_SYM], bf16=True)
+dequantize_int4_affine_bf16 = make_dequantize_rows(wf.IR_FORMATS[K_INT4_AFFINE], bf16=True)
+dequantize_int8_sym_bf16 = make_dequantize_rows(wf.IR_FORMATS[K_INT8_SYM], bf16=True)
+dequantize_int8_affine_bf16 = make_dequantize_rows(wf.IR_FORMATS[K_INT8_AFFINE], bf16=True)
 tile_times_tokens = make_tile_times_tokens(TILE_M, TILE_T // LANES)
 # Short prompts (<= 16 tokens) take one vector of tokens per call: half the padding of TILE_T.
 tile_times_16_tokens = make_tile_times_tokens(TILE_M, 1)
@@ -107,16 +111,25 @@ def _matvec_for(kind: int, style: int):
     return matvec
 
 
-def _dequantize_for(kind: int):
+def _dequantize_for(kind: int, bf16: bool = False):
     """tile[r, :K_padded] = float32 values of W[row_begin + r] for r < n_rows (quantized padding as
-    stored; float rows zero-filled from K to K_padded)."""
+    stored; float rows zero-filled from K to K_padded); bf16 (quantized kinds): those values rounded
+    to bf16, tile_stride elements of two bytes apart."""
 
     def dequantize(descriptor, row_begin, n_rows, tile, tile_stride):
         w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
         data, row_bytes, scales, offsets = w[W_DATA], w[W_ROW_BYTES], w[W_SCALES], w[W_OFFSETS]
         n_groups, chunks, cols = w[W_GROUPS], w[W_CHUNKS_PER_GROUP], w[W_COLS]
         layout = (data, row_bytes, scales, offsets, n_groups, chunks, cols)
-        if kind == K_INT4_AFFINE:
+        if bf16 and kind == K_INT4_AFFINE:
+            dequantize_int4_affine_bf16(*layout, row_begin, n_rows, tile, tile_stride)
+        elif bf16 and kind == K_INT4_SYM:
+            dequantize_int4_sym_bf16(*layout, row_begin, n_rows, tile, tile_stride)
+        elif bf16 and kind == K_INT8_SYM:
+            dequantize_int8_sym_bf16(*layout, row_begin, n_rows, tile, tile_stride)
+        elif bf16:
+            dequantize_int8_affine_bf16(*layout, row_begin, n_rows, tile, tile_stride)
+        elif kind == K_INT4_AFFINE:
             dequantize_int4_affine(*layout, row_begin, n_rows, tile, tile_stride)
         elif kind == K_INT4_SYM:
             dequantize_int4_sym(*layout, row_begin, n_rows, tile, tile_stride)
@@ -140,8 +153,8 @@ def _dequantize_for(kind: int):
 
 def tile_scratch_rows(n_tokens: int) -> int:
     """Rows of K_max floats each thread's `tile` scratch needs for gemm over n_tokens: the f32 tile,
-    and for bf16 prefill the tile's bf16 copy and x transposed into bf16 pairs."""
-    return TILE_ROWS + TILE_ROWS // 2 + padded_tokens(n_tokens) // 2
+    or for bf16 prefill the bf16 tile (half as many rows) and x transposed into bf16 pairs."""
+    return TILE_ROWS + padded_tokens(n_tokens) // 2
 
 
 @helper
@@ -174,31 +187,33 @@ def _gemm_for(bf16: bool):
         [tile_scratch_rows(n_tokens), tile_stride >= K_padded] and block: [TILE_M * TILE_T], both
         private to the caller's thread. out: [>= n_tokens, out_stride] (transposed: [>= out_col + rows,
         out_stride]). The same for every kind: the tile is filled by the kind's dequantize callback,
-        found through the descriptor. bf16 rounds the tile and x to bf16 (8 significant bits), sums in
-        f32; its copies live in the tile scratch past the f32 tile."""
+        found through the descriptor. bf16 dequantizes into bf16 tiles (8 significant bits) and rounds
+        x to bf16 pairs once per call, sums in f32: the bf16 tile starts the tile scratch, the pairs
+        follow it."""
         w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
         depth = w[W_COLS_PADDED]
         tiles = numba.carray(float32_pointer(tile), (TILE_ROWS, tile_stride))
         results = numba.carray(float32_pointer(block), (TILE_M * TILE_T,))
         out_rows = out_col + row_end - row_begin if transposed else n_tokens
         outputs = numba.carray(float32_pointer(out), (out_rows, out_stride))
-        bf16_tile = tile + 4 * TILE_ROWS * tile_stride  # uint16 [TILE_ROWS, tile_stride]
-        x_pairs = bf16_tile + 2 * TILE_ROWS * tile_stride  # uint32 [depth / 2, xt_stride]
+        bf16_tile = tile  # uint16 [TILE_ROWS, tile_stride]
+        x_pairs = tile + 2 * TILE_ROWS * tile_stride  # uint32 [depth / 2, xt_stride]
         if bf16:
             pair_tokens(xt, xt_stride, depth, x_pairs)
         for tile_begin in range(row_begin, row_end, TILE_ROWS):
             n_rows = min(TILE_ROWS, row_end - tile_begin)
-            call_dequantize(w[W_DEQUANTIZE_FN], descriptor, tile_begin, n_rows, tile, tile_stride)
             filled = -(-n_rows // TILE_M) * TILE_M
-            for r in range(filled - n_rows):  # rows of the last micro-block that W does not have
-                for k in range(depth):
-                    tiles[n_rows + r, k] = 0.0
             if bf16:
-                values = numba.carray(uint32_pointer(tile), (TILE_ROWS, tile_stride))
+                call_dequantize(w[W_DEQUANTIZE_BF16_FN], descriptor, tile_begin, n_rows, bf16_tile, tile_stride)
                 rounded = numba.carray(uint16_pointer(bf16_tile), (TILE_ROWS, tile_stride))
-                for r in range(filled):
+                for r in range(filled - n_rows):  # rows of the last micro-block that W does not have
                     for k in range(depth):
-                        rounded[r, k] = np.uint16(bf16_bits(values[r, k]))
+                        rounded[n_rows + r, k] = 0
+            else:
+                call_dequantize(w[W_DEQUANTIZE_FN], descriptor, tile_begin, n_rows, tile, tile_stride)
+                for r in range(filled - n_rows):
+                    for k in range(depth):
+                        tiles[n_rows + r, k] = 0.0
             short = n_tokens <= LANES
             for t_begin in range(0, n_tokens, TILE_T):
                 n_t = min(TILE_T, n_tokens - t_begin)
@@ -244,27 +259,32 @@ class _KindKernels:
     def __init__(self):
         self._lock = threading.Lock()
         self._matvecs: dict[tuple[int, int], object] = {}  # (kind, activation style) -> cfunc
-        self._dequantizers: dict[int, object] = {}  # kind -> cfunc
+        self._dequantizers: dict[tuple[int, bool], object] = {}  # (kind, bf16) -> cfunc
         self._gemms: dict[bool, object] = {}  # bf16 -> cfunc
 
-    def addresses(self, kind: int, style: int, bf16_prefill: bool = False) -> tuple[int, int, int]:
-        """(matvec, gemm, dequantize) addresses for a kind whose decode input is prepared in activation
-        style `style` and whose prefill runs on f32 or bf16 tiles; the cfunc objects stay referenced here."""
+    def addresses(self, kind: int, style: int, bf16_prefill: bool = False) -> tuple[int, int, int, int]:
+        """(matvec, gemm, dequantize, bf16 dequantize or 0) addresses for a kind whose decode input is
+        prepared in activation style `style` and whose prefill runs on f32 or bf16 tiles; the cfunc
+        objects stay referenced here."""
         options = dict(cache=True, fastmath=set(FASTMATH), error_model="numpy")
+        wanted = [(kind, False), (kind, True)] if bf16_prefill else [(kind, False)]
         with self._lock:
-            if (kind, style) not in self._matvecs or kind not in self._dequantizers or bf16_prefill not in self._gemms:
+            if (kind, style) not in self._matvecs or any(key not in self._dequantizers for key in wanted) or \
+                    bf16_prefill not in self._gemms:
                 use_cache_dir()
             if (kind, style) not in self._matvecs:
                 self._matvecs[kind, style] = numba.cfunc(_MATVEC_SIGNATURE, **options)(_matvec_for(kind, style))
-            if kind not in self._dequantizers:
-                self._dequantizers[kind] = numba.cfunc(_DEQUANTIZE_SIGNATURE, **options)(_dequantize_for(kind))
+            for key in wanted:
+                if key not in self._dequantizers:
+                    self._dequantizers[key] = numba.cfunc(_DEQUANTIZE_SIGNATURE, **options)(_dequantize_for(*key))
             if bf16_prefill not in self._gemms:
                 self._gemms[bf16_prefill] = numba.cfunc(_GEMM_SIGNATURE, **options)(_gemm_for(bf16_prefill))
             return (self._matvecs[kind, style].address, self._gemms[bf16_prefill].address,
-                    self._dequantizers[kind].address)
+                    self._dequantizers[kind, False].address,
+                    self._dequantizers[kind, True].address if bf16_prefill else 0)
 
     def compiled_kinds(self) -> list[str]:
-        return [wf.KIND_NAMES[kind] for kind in sorted(self._dequantizers)]
+        return [wf.KIND_NAMES[kind] for kind in sorted({kind for kind, _ in self._dequantizers})]
 
 
 KIND_KERNELS = _KindKernels()
@@ -279,8 +299,9 @@ def attach_kernels(descriptor: np.ndarray, style: int = ACT_F32, bf16_prefill: b
     kind = int(descriptor[W_KIND])
     descriptor[W_ACTIVATIONS] = style
     quantized = kind in wf.QUANTIZED_KINDS.values()
-    descriptor[W_MATVEC_FN], descriptor[W_GEMM_FN], descriptor[W_DEQUANTIZE_FN] = KIND_KERNELS.addresses(
-        kind, style if quantized else ACT_F32, bf16_prefill and quantized)
+    (descriptor[W_MATVEC_FN], descriptor[W_GEMM_FN], descriptor[W_DEQUANTIZE_FN],
+     descriptor[W_DEQUANTIZE_BF16_FN]) = KIND_KERNELS.addresses(kind, style if quantized else ACT_F32,
+                                                                bf16_prefill and quantized)
     return descriptor
 
 

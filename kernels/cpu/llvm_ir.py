@@ -69,7 +69,7 @@ class _BFloat(ir.types.Type):
         return hash("bfloat")
 
 
-V32BF = ir.VectorType(_BFloat(), 32)
+V16BF, V32BF = ir.VectorType(_BFloat(), 16), ir.VectorType(_BFloat(), 32)
 
 
 @dataclass(frozen=True)
@@ -589,20 +589,20 @@ def make_dot_rows(n_rows: int, formats: dict[int, IrFormat], prefetch: bool = Tr
 # Prefill: dequantize a block of rows into an f32 tile, then multiply the tile by many tokens
 
 
-def _emit_dequantize_rows(e: Emitter, fmt: IrFormat, args):
+def _emit_dequantize_rows(e: Emitter, fmt: IrFormat, args, bf16: bool = False):
     data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0, n_rows, tile, tile_stride = args
     with e.loop(n_rows) as row_loop:
         row = e.b.add(row0, row_loop.index)
         row_data = e.address(data, (row, row_bytes))
-        tile_row = e.address(tile, (row_loop.index, e.b.mul(tile_stride, e.i64(4))))
+        tile_row = e.address(tile, (row_loop.index, e.b.mul(tile_stride, e.i64(2 if bf16 else 4))))
         if fmt.is_float:
             _emit_float_row_copy(e, fmt, row_data, cols, tile_row)
         else:
-            _emit_quantized_row(e, fmt, row_data, row, scales, offsets, n_groups, chunks_per_group, tile_row)
+            _emit_quantized_row(e, fmt, row_data, row, scales, offsets, n_groups, chunks_per_group, tile_row, bf16)
 
 
 def _emit_quantized_row(e: Emitter, fmt: IrFormat, row_data, row, scales, offsets, n_groups, chunks_per_group,
-                        tile_row):
+                        tile_row, bf16: bool = False):
     row_scales = e.address(scales, (row, e.b.mul(n_groups, e.i64(2))))
     row_offsets = e.address(offsets, (row, e.b.mul(n_groups, e.i64(2))))
     zero_point = ir.Constant(V16F, [float(fmt.zero_point)] * LANES)
@@ -627,8 +627,12 @@ def _emit_quantized_row(e: Emitter, fmt: IrFormat, row_data, row, scales, offset
                     value = e.b.fadd(e.b.fmul(scale, q), offset)
                 else:
                     value = e.b.fmul(scale, e.b.fsub(q, zero_point))
-                destination = e.address(tile_row, (chunk, 4 * CHUNK), e.i64(4 * LANES * half_index))
-                e.store(value, destination, 4)
+                if bf16:  # rounded to the nearest bf16, ties to even (vcvtneps2bf16)
+                    destination = e.address(tile_row, (chunk, 2 * CHUNK), e.i64(2 * LANES * half_index))
+                    e.store(e.b.fptrunc(value, V16BF), destination, 2)
+                else:
+                    destination = e.address(tile_row, (chunk, 4 * CHUNK), e.i64(4 * LANES * half_index))
+                    e.store(value, destination, 4)
 
 
 def _emit_float_row_copy(e: Emitter, fmt: IrFormat, row_data, cols, tile_row):
@@ -644,12 +648,15 @@ def _emit_float_row_copy(e: Emitter, fmt: IrFormat, row_data, cols, tile_row):
         e.store(_load_float_weight(e, fmt, e.address(row_data, (k, width))), e.address(tile_row, (k, 4)), 4)
 
 
-def make_dequantize_rows(fmt: IrFormat):
-    """Intrinsic: tile[r, :] = float32 values of weight row row0 + r, for r < n_rows.
+def make_dequantize_rows(fmt: IrFormat, bf16: bool = False):
+    """Intrinsic: tile[r, :] = float32 values of weight row row0 + r, for r < n_rows (bf16, quantized
+    formats only: the same values rounded to bf16, two bytes each).
 
     Arguments (all int64): data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
     n_rows, tile, tile_stride (elements between tile rows). Quantized rows are written in full
     groups (n_groups * group_size values, padding included); float rows write `cols` values."""
+    if bf16 and fmt.is_float:
+        raise ValueError(f"bf16 tiles are for quantized weights; {fmt.name} rows are copied as f32")
 
     @intrinsic
     def dequantize_rows(typingctx, data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
@@ -657,12 +664,12 @@ def make_dequantize_rows(fmt: IrFormat):
         signature = types.void(*([INT64_ARGS] * 11))
 
         def codegen(context, builder, sig, args):
-            _emit_dequantize_rows(Emitter(builder), fmt, args)
+            _emit_dequantize_rows(Emitter(builder), fmt, args, bf16)
             return context.get_dummy_value()
 
         return signature, codegen
 
-    dequantize_rows.__name__ = f"dequantize_rows_{fmt.name}"
+    dequantize_rows.__name__ = f"dequantize_rows_{fmt.name}{'_bf16' if bf16 else ''}"
     return dequantize_rows
 
 
