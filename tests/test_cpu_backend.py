@@ -205,8 +205,8 @@ def test_bad_thread_counts_and_variants_are_refused(tiny_zoo):
         edge.load(path, device="cpu", threads=0)
     with pytest.raises(ZllmError, match="threads=4096 but Numba may start at most"):
         edge.load(path, device="cpu", threads=4096)
-    with pytest.raises(ZllmError, match=r"device 'cpu' has the variants cpu:int8, cpu:f32 \(how decode multiplies "
-                                        r"quantized weights: .*\); got 'cpu:fast'"):
+    with pytest.raises(ZllmError, match=r"device 'cpu' has the variants cpu:int8, cpu:f32 \(how matmuls on "
+                                        r"quantized weights take their inputs: .*\); got 'cpu:fast'"):
         edge.load(path, device="cpu:fast")
 
 

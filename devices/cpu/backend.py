@@ -56,9 +56,9 @@ def _thread_count(threads: int | None) -> int:
 # How decode multiplies quantized weights, by device variant ("cpu" alone: the default).
 ACTIVATION_VARIANTS = ("int8", "f32")
 DEFAULT_ACTIVATIONS = "int8"
-ACTIVATION_HELP = ("int8 quantizes each matmul input to int8 per block of 32 values and sums integer products, "
-                   "as llama.cpp does, an input error of at most 1/254 of the block's largest value; f32 keeps the "
-                   "inputs in f32")
+ACTIVATION_HELP = ("int8 quantizes each decode matmul input to int8 per block of 32 values and sums integer "
+                   "products, as llama.cpp does, an input error of at most 1/254 of the block's largest value, and "
+                   "multiplies prefill's tiles in bf16 where the CPU runs AVX-512 BF16; f32 keeps every input in f32")
 
 NUMBA_KV_CODEC = KvCodec(kv_quant.quantize_int8, kv_quant.dequantize_int8, kv_quant.widen_halves)
 
@@ -73,7 +73,7 @@ class CpuBackend:
         activations = variant or DEFAULT_ACTIVATIONS
         if activations not in ACTIVATION_VARIANTS:
             raise ValueError(f"device 'cpu' has the variants {', '.join(f'cpu:{v}' for v in ACTIVATION_VARIANTS)} "
-                             f"(how decode multiplies quantized weights: {ACTIVATION_HELP}); got 'cpu:{variant}'")
+                             f"(how matmuls on quantized weights take their inputs: {ACTIVATION_HELP}); got 'cpu:{variant}'")
         self.activations = activations
         if activations == "f32":
             self.activation_style = ACT_F32

@@ -5,10 +5,11 @@ a range of rows, up to 4 rows at a time so that each load of x serves several ro
 prepared once per vector (prepare_vector) in the weight's activation style: f32, or quantized to
 int8 per block of 32 for integer dot products (the `cpu:int8` device variant, llvm_ir.ACT_INT8*).
 
-Prefill (T tokens): a kind's `gemm` dequantizes TILE_ROWS weight rows once into a small f32 tile
+Prefill (T tokens): `gemm` dequantizes TILE_ROWS weight rows once into a small f32 tile
 and multiplies that tile by every token through a register-blocked micro-kernel (TILE_M rows x
 TILE_T tokens), so dequantization is paid once per row, not once per token, and the loop is
-bound by multiply-adds. Tokens are read from xt, the input transposed (tokens minor) and
+bound by multiply-adds. Its bf16 variant (quantized weights, where the CPU runs AVX-512 BF16)
+dequantizes into bf16 tiles and multiplies them by x rounded to bf16 pairs, sums in f32. Tokens are read from xt, the input transposed (tokens minor) and
 zero-padded; each block of results is scattered into the output. Full f32 weight matrices are
 never materialised: the largest dequantized piece is one tile.
 
