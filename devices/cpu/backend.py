@@ -73,7 +73,8 @@ class CpuBackend:
         activations = variant or DEFAULT_ACTIVATIONS
         if activations not in ACTIVATION_VARIANTS:
             raise ValueError(f"device 'cpu' has the variants {', '.join(f'cpu:{v}' for v in ACTIVATION_VARIANTS)} "
-                             f"(how matmuls on quantized weights take their inputs: {ACTIVATION_HELP}); got 'cpu:{variant}'")
+                             f"(how matmuls on quantized weights take their inputs: {ACTIVATION_HELP}); "
+                             f"got 'cpu:{variant}'")
         self.activations = activations
         if activations == "f32":
             self.activation_style = ACT_F32

@@ -80,8 +80,9 @@ def _run_child(probe: str) -> bool | None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     _, expected, name, fallback = PROBES[probe]
     try:
-        result = subprocess.run([sys.executable, "-c", f"from kernels.cpu.cpu_probe import child_main; child_main({probe!r})"],
-                                env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_SECONDS)
+        command = f"from kernels.cpu.cpu_probe import child_main; child_main({probe!r})"
+        result = subprocess.run([sys.executable, "-c", command], env=env, capture_output=True, text=True,
+                                timeout=PROBE_TIMEOUT_SECONDS)
     except (OSError, subprocess.TimeoutExpired) as exc:
         warnings.warn(f"could not probe {name} in a child process ({exc}); {fallback} in this process",
                       RuntimeWarning, stacklevel=4)

@@ -9,8 +9,9 @@ Prefill (T tokens): `gemm` dequantizes TILE_ROWS weight rows once into a small f
 and multiplies that tile by every token through a register-blocked micro-kernel (TILE_M rows x
 TILE_T tokens), so dequantization is paid once per row, not once per token, and the loop is
 bound by multiply-adds. Its bf16 variant (quantized weights, where the CPU runs AVX-512 BF16)
-dequantizes into bf16 tiles and multiplies them by x rounded to bf16 pairs, sums in f32. Tokens are read from xt, the input transposed (tokens minor) and
-zero-padded; each block of results is scattered into the output. Full f32 weight matrices are
+dequantizes into bf16 tiles and multiplies them by x rounded to bf16 pairs, sums in f32. Tokens
+are read from xt, the input transposed (tokens minor) and zero-padded; each block of results is
+scattered into the output. Full f32 weight matrices are
 never materialised: the largest dequantized piece is one tile.
 
 Each kind's three kernels (matvec, gemm, dequantize) are compiled separately as C callbacks,
@@ -155,7 +156,7 @@ def _dequantize_for(kind: int, bf16: bool = False):
 def tile_scratch_rows(n_tokens: int) -> int:
     """Rows of K_max floats each thread's `tile` scratch needs for gemm over n_tokens: the f32 tile,
     or for bf16 prefill the bf16 tile (half as many rows) and x transposed into bf16 pairs."""
-    return TILE_ROWS + padded_tokens(n_tokens) // 2
+    return max(TILE_ROWS, TILE_ROWS // 2 + padded_tokens(n_tokens) // 2)
 
 
 @helper
