@@ -65,21 +65,24 @@ class Model:
         self.streaming_options = dict(storage=storage, policy=expert_policy, depth=prefetch_depth,
                                       threads=prefetch_threads)
         self.tokenizer, tokenizer_bytes = load_tokenizer(self.checkpoint.tokenizer_path, self.checkpoint.tokenizer_config)
+        try:
+            self.backend = create_backend(device, threads=threads)
+        except (ValueError, DeviceUnavailableError) as exc:
+            raise ZllmError(str(exc)) from None
+        self.compute_threads = getattr(self.backend, "threads", None) or 1  # each with its own prefill tile
         # one budget: dense weights + tokenizer + KV reservation + scratch + expert cache (streaming/budget.py)
         self.memory = plan_memory(self.spec, self.weight_bytes, experts, memory_budget, self.expert_strategy,
-                                  prefetch_threads, kv_capacity, kv_cache, tokenizer_bytes, prefetch_depth)
+                                  prefetch_threads, kv_capacity, kv_cache, tokenizer_bytes, prefetch_depth,
+                                  self.compute_threads)
         if (expert_strategy is None and experts is not None and self.memory.expert_cache_bytes is not None
                 and self.memory.expert_cache_bytes >= self.memory.expert_bytes):
             # the budget holds every expert: nothing to stream or predict, so none of their per-layer cost
             self.expert_strategy = "resident"
             self.memory = plan_memory(self.spec, self.weight_bytes, experts, self.memory.budget_bytes, "resident",
-                                      prefetch_threads, kv_capacity, kv_cache, tokenizer_bytes)
+                                      prefetch_threads, kv_capacity, kv_cache, tokenizer_bytes,
+                                      compute_threads=self.compute_threads)
         self.memory_budget = self.memory.budget_bytes
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
-        try:
-            self.backend = create_backend(device, threads=threads)
-        except (ValueError, DeviceUnavailableError) as exc:
-            raise ZllmError(str(exc)) from None
         self.device = device
         try:
             self.experts = self._expert_source(verify)

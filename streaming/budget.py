@@ -11,7 +11,8 @@ kv       the KV cache the budget reserves: `kv_capacity` positions (default BUDG
          of sliding-window ring buffers); sessions whose capacities add up to more than this are
          refused (edge/api.py)
 scratch  activations of one forward call of up to SCRATCH_TOKENS tokens: hidden states, projections,
-         attention scores over the reserved KV positions, and the logits
+         attention scores over the reserved KV positions, and the logits; and per compute thread, the
+         tile a prefill gemm dequantizes weights into (kernels/cpu/linear.py tile_scratch_rows)
 staging  per reading thread (the loading threads, and the model's thread, which reads its misses itself),
          a compressed record before it is decompressed and zstd's output
 predictor  the expert predictor's arrays (predictive strategy): float32 routers, each layer's routers
@@ -32,6 +33,8 @@ from dataclasses import asdict, dataclass
 from converters.expert_file import ExpertIndex
 from edge.attention import kv_bytes_per_token
 from edge.errors import ZllmError
+from kernels.cpu.formats import padded_cols
+from kernels.cpu.linear import tile_scratch_rows
 from streaming.cache import ENTRY_OVERHEAD
 from streaming.store import aligned_length
 
@@ -74,15 +77,18 @@ def parse_budget(value: "int | str | None") -> Budget | None:
     return Budget(bytes=int(float(number) * _UNITS[(unit or "").upper()]))
 
 
-def scratch_bytes(spec, kv_capacity: int) -> int:
-    """Activations of one forward call of SCRATCH_TOKENS tokens (float32)."""
+def scratch_bytes(spec, kv_capacity: int, compute_threads: int = 1) -> int:
+    """Activations of one forward call of SCRATCH_TOKENS tokens (float32), and each compute thread's
+    prefill tile: tile_scratch_rows rows as wide as the widest projection input."""
     widest_ffn = max([spec.intermediate_size] + [m.intermediate_size + m.shared_intermediate_size
                                                   for m in (spec.moe_for_layer(i) for i in range(spec.num_hidden_layers))
                                                   if m is not None])
     heads = spec.num_attention_heads
     per_token = (6 * spec.hidden_size + 3 * heads * spec.head_dim + 3 * widest_ffn + spec.vocab_size
                  + heads * kv_capacity)  # residual/norm/attention buffers, FFN, logits, attention scores
-    return SCRATCH_TOKENS * per_token * 4
+    widest_input = max(spec.hidden_size, spec.num_attention_heads * spec.head_dim, widest_ffn)
+    tile = tile_scratch_rows(SCRATCH_TOKENS) * padded_cols(widest_input)
+    return (SCRATCH_TOKENS * per_token + compute_threads * tile) * 4
 
 
 def predictor_bytes(spec, layers: list[int], depth: int) -> int:
@@ -126,7 +132,7 @@ def _mb(n: int) -> str:
 
 def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int | str | None", strategy: str,
                 loading_threads: int, kv_capacity: int | None = None, kv_format: str = "f32",
-                tokenizer_bytes: int = 0, prefetch_depth: int = 2) -> MemoryPlan:
+                tokenizer_bytes: int = 0, prefetch_depth: int = 2, compute_threads: int = 1) -> MemoryPlan:
     """Split `budget` for a model; refuses a budget below the minimum working set (ZllmError)."""
     parsed = parse_budget(budget)
     context = spec.max_position_embeddings
@@ -137,7 +143,7 @@ def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int 
         kv = kv_capacity * kv_bytes_per_token(spec, kv_format)
     except ValueError as exc:  # an unknown KV format
         raise ZllmError(str(exc)) from None
-    scratch = scratch_bytes(spec, kv_capacity)
+    scratch = scratch_bytes(spec, kv_capacity, compute_threads)
     if index is None:  # dense model: weights + KV + scratch
         if parsed is not None and parsed.expert_percent is not None:
             raise ZllmError(f"memory budget {parsed}: a share of the expert bytes needs a Mixture-of-Experts model; "

@@ -13,7 +13,7 @@ import edge
 from converters.convert import QuantPlan
 from converters.expert_file import EXPERTS_FILE, ExpertChecksumError
 from edge.errors import SessionError, ZllmError
-from streaming.budget import Budget, parse_budget, plan_memory
+from streaming.budget import SCRATCH_TOKENS, Budget, parse_budget, plan_memory
 from streaming.prefetch import DEFAULT_THREADS
 from tiny_models import greedy_decode, random_prompt
 
@@ -38,9 +38,10 @@ def resident_run(path: str, device: str):
     return _RESIDENT[path, device]
 
 
-def minimum_budget(path: str, strategy: str = "predictive", threads: int = DEFAULT_THREADS) -> int:
-    with edge.load(path) as model:
-        return plan_memory(model.spec, model.weight_bytes, model.checkpoint.experts, None, strategy, threads).minimum_bytes
+def minimum_budget(path: str, strategy: str = "predictive", threads: int = DEFAULT_THREADS, device: str = "reference") -> int:
+    with edge.load(path, device=device) as model:  # the device's compute threads each have their own scratch
+        return plan_memory(model.spec, model.weight_bytes, model.checkpoint.experts, None, strategy, threads,
+                           compute_threads=model.compute_threads).minimum_bytes
 
 
 STREAMED = [
@@ -90,7 +91,7 @@ def test_streamed_run_is_bit_identical_to_resident(tiny_zoo, case, options, devi
     path = tiny_zoo.converted(case, MIXED)
     options = dict(options)
     if options["memory_budget"] == "minimum":
-        options["memory_budget"] = minimum_budget(path)
+        options["memory_budget"] = minimum_budget(path, device=device)
     tokens, logits, stats = greedy_run(path, device, **options)
     expected_tokens, expected_logits, _ = resident_run(path, device)
     assert tokens == expected_tokens
@@ -276,3 +277,18 @@ def test_budget_counts_the_expert_predictor(tiny_zoo):
                    *predictor.frequency.values(), *predictor._drift_blocks.values()]
         held = sum(a.nbytes for a in arrays)
     assert held <= planned <= 1.25 * held
+
+
+@pytest.mark.parametrize("case, plan", [("llama_mha", QuantPlan(weights="int8")), ("qwen3_moe_norm", MIXED)])
+def test_budget_scratch_covers_the_cpu_executors_buffers(tiny_zoo, case, plan):
+    """What the fused CPU executor allocates for a forward call of SCRATCH_TOKENS tokens over the
+    budget's KV capacity, two threads' prefill tiles included, fits in the scratch the budget reserves."""
+    path = tiny_zoo.converted(case, plan)
+    with edge.load(path, device="cpu", threads=2, memory_budget="1GB") as model:
+        session = model.session()
+        session.prefill(random_prompt(min(SCRATCH_TOKENS, session.capacity), seed=3))
+        buffers = vars(model.transformer._fused_forward.scratch)
+        allocated = sum(array.nbytes for array in buffers.values() if isinstance(array, np.ndarray))
+        assert buffers["tiles"].shape[0] == 2
+        assert session.capacity == model.memory.kv_capacity
+        assert 0 < allocated <= model.memory.scratch_bytes
