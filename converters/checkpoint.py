@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from converters.safetensors_io import SafetensorsFile, SafetensorsFormatError
-from edge.errors import CheckpointError
+from edge.errors import CheckpointError, ConversionError
 from quant import QuantizedTensor, Scheme
 
 if TYPE_CHECKING:
@@ -61,15 +61,48 @@ def sha256_file(path: str, chunk_bytes: int = 16 << 20) -> str:
     return digest.hexdigest()
 
 
+def check_output(out: str, force: bool, sources: tuple[str, ...] = ()) -> str:
+    """OUT as an absolute path, once it is safe to write: refused (ConversionError) when it exists
+    and `force` is not given, when replacing it would delete a source or the directory we run in,
+    or when it is a directory holding something other than a zllm checkpoint (--force replaces a
+    checkpoint, a file or an empty directory, never a directory of other data)."""
+    if not str(out).strip():
+        raise ConversionError("OUT is empty; name the directory the checkpoint should be written to")
+    out = os.path.abspath(out)
+    for src in sources:
+        src = os.path.abspath(src)
+        if src == out or src.startswith(out.rstrip(os.sep) + os.sep):
+            raise ConversionError(f"{out}: writing the checkpoint there would replace the source {src}; "
+                                  "choose another OUT")
+    if not os.path.lexists(out):
+        return out
+    if not force:
+        raise ConversionError(f"{out} already exists; pass --force to replace it")
+    if os.path.isdir(out) and not os.path.islink(out):
+        if os.getcwd().startswith(out.rstrip(os.sep) + os.sep) or os.getcwd() == out:
+            raise ConversionError(f"{out}: --force would replace the current directory; choose another OUT")
+        if os.listdir(out) and not os.path.isfile(os.path.join(out, MANIFEST)):
+            raise ConversionError(f"{out} is a directory that is not a zllm checkpoint; --force replaces only a "
+                                  "checkpoint, a file or an empty directory: remove it yourself or choose another OUT")
+    return out
+
+
 class StagingDirectory:
-    """A temporary directory beside `destination` that becomes it on `commit()`, or vanishes."""
+    """A temporary directory beside `destination` that becomes it on `commit()`, or vanishes (with the
+    parent directories it had to create)."""
 
     def __init__(self, destination: str, force: bool = False):
         self.destination = os.path.abspath(destination)
         self.force = force
         parent = os.path.dirname(self.destination)
-        os.makedirs(parent, exist_ok=True)
-        self.path = tempfile.mkdtemp(prefix=f".{os.path.basename(self.destination)}.partial-", dir=parent)
+        self._created = _first_missing_ancestor(parent)  # removed again if the conversion fails
+        try:
+            os.makedirs(parent, exist_ok=True)
+            self.path = tempfile.mkdtemp(prefix=f".{os.path.basename(self.destination)}.partial-", dir=parent)
+        except OSError as exc:
+            self._remove_created()
+            raise ConversionError(f"cannot write the checkpoint {self.destination}: {exc.strerror or exc} "
+                                  f"({exc.filename or parent}); choose an OUT in a writable directory") from None
 
     def commit(self) -> None:
         if os.path.lexists(self.destination):
@@ -78,12 +111,31 @@ class StagingDirectory:
             doomed = self.destination + ".old-" + os.path.basename(self.path)
             os.rename(self.destination, doomed)
             os.rename(self.path, self.destination)
-            shutil.rmtree(doomed, ignore_errors=True)
+            if os.path.isdir(doomed) and not os.path.islink(doomed):
+                shutil.rmtree(doomed, ignore_errors=True)
+            else:
+                os.unlink(doomed)
         else:
             os.rename(self.path, self.destination)
+        self._created = None
 
     def discard(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        """Remove the directories made for the destination, innermost first, if still empty."""
+        if self._created is None:
+            return
+        directory = os.path.dirname(self.destination)
+        while True:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                return  # not empty (or not ours to remove): stop
+            if directory == self._created:
+                return
+            directory = os.path.dirname(directory)
 
     def __enter__(self) -> "StagingDirectory":
         return self
@@ -91,6 +143,18 @@ class StagingDirectory:
     def __exit__(self, exc_type, *exc) -> None:
         if exc_type is not None:
             self.discard()
+
+
+def _first_missing_ancestor(directory: str) -> str | None:
+    """The outermost directory on the way to `directory` that does not exist yet (None: it exists)."""
+    missing = None
+    while not os.path.lexists(directory):
+        missing = directory
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            break
+        directory = parent
+    return missing
 
 
 @dataclass
@@ -145,12 +209,21 @@ def read_manifest(path: str) -> dict:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(f"{manifest_path}: expected format {FORMAT!r}, found {found!r}")
     version = manifest.get("format_version")
-    if version not in SUPPORTED_VERSIONS:
+    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
         supported = ", ".join(str(v) for v in SUPPORTED_VERSIONS)
         raise CheckpointError(
-            f"{path}: zllm format version {version} is not supported (this zllm-edge reads version {supported}); "
+            f"{path}: zllm format version {version!r} is not supported (this zllm-edge reads version {supported}); "
             "convert the model again with this version of zllm-edge"
         )
+    for key in ("model", "files", "tensors"):
+        if not isinstance(manifest.get(key), dict):
+            found = "missing" if key not in manifest else f"a {type(manifest[key]).__name__}"
+            raise CheckpointError(f"{manifest_path}: the {key!r} entry should be an object, it is {found}; "
+                                  "the checkpoint is damaged, convert the model again")
+    experts = manifest.get("experts")
+    if experts is not None and (not isinstance(experts, dict) or experts.get("file") not in manifest["files"]):
+        raise CheckpointError(f"{manifest_path}: the experts entry does not name a file the manifest lists; "
+                              "the checkpoint is damaged, convert the model again")
     return manifest
 
 
@@ -204,10 +277,10 @@ def open_checkpoint(path: str, verify: bool = False) -> Checkpoint:
         for f in files.values():
             f.close()
         raise CheckpointError(f"{path}: {exc}") from None
-    except (KeyError, ValueError) as exc:
+    except (KeyError, ValueError, TypeError) as exc:
         for f in files.values():
             f.close()
-        raise CheckpointError(f"{path}: manifest and weights disagree ({exc}); convert the model again") from None
+        raise CheckpointError(f"{path}: manifest and weights disagree ({exc!r}); convert the model again") from None
     experts = None
     if manifest.get("experts") is not None:
         from converters.expert_file import ExpertIndex  # expert_file imports this module

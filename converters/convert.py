@@ -168,17 +168,20 @@ def open_source(src: str) -> SourceModel:
     raise ConversionError(f"{src} does not exist; SRC is a Hugging Face model folder or a .gguf file")
 
 
-def _to_scheme(value: np.ndarray | QuantizedTensor, scheme: Scheme
+def _to_scheme(value: np.ndarray | QuantizedTensor, scheme: Scheme, name: str
                ) -> tuple[np.ndarray | QuantizedTensor, bool, float, float]:
-    """The tensor in `scheme`, whether the conversion was lossless, and its max-abs / rel-RMS error."""
+    """Tensor `name` in `scheme`, whether the conversion was lossless, and its max-abs / rel-RMS error."""
     if isinstance(value, QuantizedTensor) and value.scheme == scheme:
         return value, True, 0.0, 0.0
-    reference = value.dequantize() if isinstance(value, QuantizedTensor) else np.asarray(value, dtype=np.float32)
-    if not scheme.is_quantized:
-        stored = reference.astype(np.float16 if scheme.dtype == "f16" else np.float32)
-        report = quantization_error(reference, stored)
-        return stored, report.max_abs == 0.0, report.max_abs, report.rel_rms
-    quantized = quantize(reference, scheme)
+    try:
+        reference = value.dequantize() if isinstance(value, QuantizedTensor) else np.asarray(value, dtype=np.float32)
+        if not scheme.is_quantized:
+            stored = reference.astype(np.float16 if scheme.dtype == "f16" else np.float32)
+            report = quantization_error(reference, stored)
+            return stored, report.max_abs == 0.0, report.max_abs, report.rel_rms
+        quantized = quantize(reference, scheme)
+    except (ConversionError, ValueError) as exc:  # the quantizer's messages do not know the tensor
+        raise ConversionError(f"tensor {name} ({scheme}): {exc}") from None
     report = quantization_error(reference, quantized)
     return quantized, False, report.max_abs, report.rel_rms
 
@@ -186,7 +189,7 @@ def _to_scheme(value: np.ndarray | QuantizedTensor, scheme: Scheme
 def _encode(value: np.ndarray | QuantizedTensor, source: SourceTensor, scheme: Scheme
             ) -> tuple[dict[str, np.ndarray], bool, float, float]:
     """Arrays to store, whether the conversion was lossless, and its max-abs / rel-RMS error."""
-    stored, lossless, max_abs, rel_rms = _to_scheme(value, scheme)
+    stored, lossless, max_abs, rel_rms = _to_scheme(value, scheme, source.name)
     arrays = stored.to_arrays(source.name) if isinstance(stored, QuantizedTensor) else {source.name: stored}
     return arrays, lossless, max_abs, rel_rms
 
@@ -237,7 +240,7 @@ def _write_experts(source: SourceModel, plan: QuantPlan, experts: dict[int, list
                                                 disable=not progress, leave=False)):
                 stored = {}
                 for proj, t in zip(PROJECTIONS, expert):
-                    value, lossless, max_abs, rel_rms = _to_scheme(source.load(t.name), schemes[proj])
+                    value, lossless, max_abs, rel_rms = _to_scheme(source.load(t.name), schemes[proj], t.name)
                     stored[proj] = value
                     source.release(t.name)
                     bytes_out = (sum(a.nbytes for a in value.to_arrays("").values())
@@ -286,9 +289,7 @@ def convert(src: str | SourceModel, out: str, plan: QuantPlan | None = None, for
 
     SRC is a path, or an opened SourceModel (e.g. a MoEfied view of a dense model), closed at the end."""
     plan = plan or QuantPlan()
-    out = os.path.abspath(out)
-    if os.path.lexists(out) and not force:
-        raise ConversionError(f"{out} already exists; pass --force to replace it")
+    out = ckpt.check_output(out, force, (src,) if isinstance(src, (str, os.PathLike)) else ())
     started = time.perf_counter()
     source = open_source(os.fspath(src)) if isinstance(src, (str, os.PathLike)) else src
     src = src if isinstance(src, (str, os.PathLike)) else source.description
@@ -328,6 +329,9 @@ def convert(src: str | SourceModel, out: str, plan: QuantPlan | None = None, for
                 reports += expert_reports
     except SafetensorsFormatError as exc:
         raise ConversionError(str(exc)) from None
+    except OSError as exc:  # a full disk, an I/O error: the staging directory is gone, OUT untouched
+        raise ConversionError(f"converting {src} into {out} failed: {exc.strerror or exc} ({exc.filename or out}); "
+                              "nothing was written") from None
     finally:
         source.close()
     return ConversionSummary(out, reports, time.perf_counter() - started)

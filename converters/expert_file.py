@@ -269,14 +269,19 @@ def check_stored_record(index: ExpertIndex, layer: int, expert: int, stored: byt
             "convert it again")
 
 
-def raw_record(index: ExpertIndex, layer: int, stored: bytes | memoryview, out: np.ndarray) -> np.ndarray:
-    """Fill `out` (uint8, at least raw_length bytes) with the raw record from its bytes on disk."""
+def raw_record(index: ExpertIndex, layer: int, expert: int, stored: bytes | memoryview, out: np.ndarray) -> np.ndarray:
+    """Fill `out` (uint8, at least raw_length bytes) with expert (layer, expert)'s raw record from its
+    bytes on disk."""
     raw_length = index.layout(layer).raw_length
     target = out[:raw_length]
     if index.compression == "zstd":
-        raw = zstandard.ZstdDecompressor().decompress(bytes(stored), max_output_size=raw_length)
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(bytes(stored), max_output_size=raw_length)
+        except zstandard.ZstdError as exc:  # without verify, damage shows up here first
+            raise ExpertChecksumError(f"{index.path}: layer {layer} expert {expert} fails to decompress ({exc}); "
+                                      "the checkpoint is damaged, convert the model again") from None
         if len(raw) != raw_length:
-            raise ExpertChecksumError(f"{index.path}: layer {layer} expert record decompresses to {len(raw)} "
+            raise ExpertChecksumError(f"{index.path}: layer {layer} expert {expert} decompresses to {len(raw)} "
                                       f"bytes, expected {raw_length}; the checkpoint is damaged")
         target[:] = np.frombuffer(raw, np.uint8)
     else:

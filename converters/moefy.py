@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
+from converters.checkpoint import check_output
 from converters.convert import ConversionSummary, QuantPlan, convert, open_source
 from converters.expert_file import expert_tensor_name
 from converters.moefy_calibrate import (WINDOW, as_float, capture_ffn_inputs, dense_ffn, evaluate,
@@ -142,7 +143,9 @@ def resolve_dense_layers(dense_layers: tuple[int, ...], num_layers: int) -> tupl
                 f"(use 0..{num_layers - 1}, or negative ids from the end)")
         resolved.append(layer % num_layers)
     if len(set(resolved)) == num_layers:
-        raise ConversionError(f"dense layers {list(dense_layers)} keep every layer dense; nothing would be MoEfied")
+        raise ConversionError(f"dense layers {list(dense_layers)} (--moefy-dense-layers, default 0,-1) keep every "
+                              f"layer of {num_layers} dense; nothing would be MoEfied: pass --moefy-dense-layers none "
+                              "or fewer layers")
     return tuple(sorted(set(resolved)))
 
 
@@ -284,9 +287,7 @@ def moefy_convert(src: str, out: str, experts: int | None = None, top_k: int | N
         dense_layers = parse_dense_layers(dense_layers)
     if plan is None:
         plan = QuantPlan(weights="int8" if os.path.isdir(src) else "source")
-    out = os.path.abspath(out)
-    if os.path.lexists(out) and not force:
-        raise ConversionError(f"{out} already exists; pass --force to replace it")
+    out = check_output(out, force, (src,))
 
     source = open_source(src)
     try:

@@ -6,7 +6,9 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 
 from edge.errors import ZllmError
 
@@ -30,8 +32,8 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
 def cmd_convert(args) -> int:
     from converters.convert import TENSOR_CLASSES, QuantPlan, convert
 
-    weights = args.weights or ("int8" if os.path.isdir(args.src) else "source")
-    overrides = {c: getattr(args, f"override_{c}") for c in TENSOR_CLASSES if getattr(args, f"override_{c}")}
+    weights = args.weights if args.weights is not None else ("int8" if os.path.isdir(args.src) else "source")
+    overrides = {c: getattr(args, f"override_{c}") for c in TENSOR_CLASSES if getattr(args, f"override_{c}") is not None}
     plan = QuantPlan(weights=weights, group_size=args.group_size, symmetric=args.symmetric, overrides=overrides)
     if args.moefy is not None:
         from converters.moefy import moefy_convert, parse_dense_layers, parse_moefy
@@ -59,24 +61,31 @@ def cmd_convert(args) -> int:
 def cmd_inspect(args) -> int:
     from collections import Counter
 
-    from converters.checkpoint import read_manifest
+    from converters.checkpoint import open_checkpoint
+    from edge.errors import CheckpointError
+    from edge.spec import spec_from_dict
 
-    manifest = read_manifest(args.checkpoint)
+    with open_checkpoint(args.checkpoint) as checkpoint:  # files present, sizes and tensors as the manifest says
+        manifest = checkpoint.manifest
+    try:
+        spec = spec_from_dict(manifest["model"])
+    except ZllmError as exc:
+        raise CheckpointError(f"{args.checkpoint}: the manifest's model entry is invalid ({exc}); "
+                              "convert the model again") from None
     if args.json:
         print(json.dumps(manifest, indent=1))
         return 0
-    model = manifest["model"]
     print(f"{args.checkpoint}: zllm format {manifest['format_version']}, from {manifest.get('source')}")
-    print(f"model: {model['model_type']}, {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, "
-          f"heads {model['num_attention_heads']}/{model['num_key_value_heads']} (q/kv), head_dim {model['head_dim']}, "
-          f"ffn {model['intermediate_size']}, vocab {model['vocab_size']}, context {model['max_position_embeddings']}, "
-          f"tied embeddings {model['tie_word_embeddings']}")
-    schemes = Counter((t["class"], t["scheme"]) for t in manifest["tensors"].values())
+    print(f"model: {spec.model_type}, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
+          f"heads {spec.num_attention_heads}/{spec.num_key_value_heads} (q/kv), head_dim {spec.head_dim}, "
+          f"ffn {spec.intermediate_size}, vocab {spec.vocab_size}, context {spec.max_position_embeddings}, "
+          f"tied embeddings {spec.tie_word_embeddings}")
+    schemes = Counter((t.get("class", "?"), t["scheme"]) for t in manifest["tensors"].values())
     print("schemes:")
     for (cls, scheme), count in sorted(schemes.items()):
         print(f"  {cls:12s} {scheme:18s} x{count}")
     for name, info in manifest["files"].items():
-        print(f"file: {name} {info['bytes'] / 1e6:.1f} MB sha256 {info['sha256'][:16]}...")
+        print(f"file: {name} {info['bytes'] / 1e6:.1f} MB sha256 {str(info.get('sha256'))[:16]}...")
     if manifest.get("experts"):
         _print_experts(manifest["experts"])
     tok = manifest.get("tokenizer", {})
@@ -215,7 +224,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zllm-edge", description="Run LLMs on devices that cannot hold them comfortably.")
+    parser = _Parser(prog="zllm-edge", description="Run LLMs on devices that cannot hold them comfortably.")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -276,18 +285,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bare_moefy(argv: list[str]) -> list[str]:
     """`--moefy SRC OUT` means the default MoEfication: argparse would take SRC as --moefy's value, so a
-    bare --moefy followed by something that is not an attempted E:K becomes `--moefy=`."""
+    bare --moefy followed by SRC becomes `--moefy=`. What follows is SRC when it exists, or when it is
+    not an attempted E:K and fewer than two positional words (SRC OUT) come after it."""
     argv = list(argv)
     for i, arg in enumerate(argv[:-1]):
         following = argv[i + 1]
-        if arg == "--moefy" and (os.path.exists(following) or not re.fullmatch(r".*:.*|\d+", following)):
+        words_after = sum(not word.startswith("-") for word in argv[i + 2:])
+        if arg == "--moefy" and (os.path.exists(following) or
+                                 (not re.fullmatch(r".*:.*|\d+", following) and words_after < 2)):
             argv[i] = "--moefy="
     return argv
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes print one `error:` line, like every other error, and exit with status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class Terminated(Exception):
+    """SIGTERM (timeout, docker stop, systemd) arrived: unwind like Ctrl-C, so staging directories go."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_bare_moefy(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
         return args.func(args)
     except ZllmError as exc:
@@ -296,8 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BrokenPipeError:
         return 0
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

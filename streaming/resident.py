@@ -33,7 +33,7 @@ class ResidentExperts:
                 for expert in range(len(layer_experts.records)):
                     stored = read_expert_bytes(fd, index, layer, expert, verify)
                     self._bytes_read += len(stored)
-                    raw = raw_record(index, layer, stored, np.empty(layout.raw_length, np.uint8))
+                    raw = raw_record(index, layer, expert, stored, np.empty(layout.raw_length, np.uint8))
                     weights = layout.decode(raw, f"model.layers.{layer}.mlp.experts.{expert}")
                     prepared.append(ExpertWeights(gate=prepare(weights["gate_proj"]), up=prepare(weights["up_proj"]),
                                                   down=prepare(weights["down_proj"])))

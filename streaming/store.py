@@ -156,7 +156,7 @@ class ExpertStore:
         stored = target[:got]
         check_stored_record(self.index, layer, expert, stored, self.verify)
         if compressed:
-            return raw_record(self.index, layer, stored, out)
+            return raw_record(self.index, layer, expert, stored, out)
         return out[:raw_length]
 
     def read_batch(self, requests: list[tuple[int, int, np.ndarray]]) -> list[np.ndarray | CheckpointError]:

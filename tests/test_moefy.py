@@ -92,7 +92,7 @@ def stored_experts(path: str, layer: int) -> list[dict]:
         experts = []
         for expert in range(len(index.layers[layer].records)):
             out = np.empty(index.layout(layer).raw_length, dtype=np.uint8)
-            raw = raw_record(index, layer, read_expert_bytes(fd, index, layer, expert), out)
+            raw = raw_record(index, layer, expert, read_expert_bytes(fd, index, layer, expert), out)
             experts.append(index.layout(layer).decode(raw))
         return experts
     finally:

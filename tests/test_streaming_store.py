@@ -74,6 +74,8 @@ def _damaged_copy(index, tmp_path, layer, expert, how):
     record = index.record(layer, expert)
     if how == "corrupt":
         data[record.offset + record.length // 2] ^= 0xFF
+    elif how == "unreadable":  # a record whose first bytes (a zstd frame's magic number) are gone
+        data[record.offset: record.offset + 4] = bytes(4)
     else:  # truncate inside the record
         data = data[: record.offset + record.length // 3]
     (folder / "experts.bin").write_bytes(bytes(data))
@@ -91,6 +93,16 @@ def test_corrupted_expert_names_layer_and_expert(expert_file, tmp_path):
             store.read(2, 3, store.new_buffer(2))
     assert str(error.value) == (f"{index.path}: layer 2 expert 3 fails its crc32 check; the checkpoint is damaged, "
                                 "convert it again")
+
+
+def test_undecompressable_expert_names_layer_and_expert_without_verify(tmp_path):
+    compressed = write_expert_file(os.fspath(tmp_path / "zstd"), {0: 3, 2: 5}, compression="zstd")
+    index = _damaged_copy(compressed, tmp_path, 2, 3, "unreadable")
+    with ExpertStore(index, verify=False) as store:
+        with pytest.raises(ExpertChecksumError) as error:
+            store.read(2, 3, store.new_buffer(2))
+    assert str(error.value).startswith(f"{index.path}: layer 2 expert 3 fails to decompress (")
+    assert str(error.value).endswith("); the checkpoint is damaged, convert the model again")
 
 
 def test_truncated_expert_names_layer_and_expert(expert_file, tmp_path):
