@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from typing import Callable
 
 import numpy as np
 
@@ -93,14 +94,37 @@ def _open_reader(path: str):
             f"{name} is truncated or corrupt: its {size} bytes do not hold the metadata and tensor data "
             "its header declares; download or export the file again"
         ) from exc
+    _check_tensor_layout(reader, name)
     return reader
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
+def _check_tensor_layout(reader, name: str) -> None:
+    """Refuse tensor data that is misaligned or overlaps another tensor's. GGUFReader takes every
+    offset as written (it refuses only data past the end of the file), so a shifted offset would
+    read shifted bytes."""
+    previous = None
+    for tensor in sorted(reader.tensors, key=lambda t: t.data_offset):
+        offset = tensor.data_offset - reader.data_offset
+        if offset % reader.alignment:
+            raise ConversionError(
+                f"{name}: tensor {tensor.name!r} starts at data offset {offset}, not a multiple of the file's "
+                f"alignment {reader.alignment}; the file is corrupt, download or export it again")
+        if previous is not None and tensor.data_offset < previous.data_offset + int(previous.n_bytes):
+            raise ConversionError(
+                f"{name}: the data of tensors {previous.name!r} and {tensor.name!r} overlap; the file is corrupt, "
+                "download or export it again")
+        previous = tensor
+
+
+def gguf_field(reader, key: str, default=None):
+    """The value of metadata `key` (Python scalars, str, lists), or `default` when the file lacks it."""
+    field = reader.get_field(key)
     if field is None:
         return default
-    return field.contents()
+    try:
+        return field.contents()
+    except UnicodeDecodeError as error:
+        raise ConversionError(f"GGUF key {key!r} holds text that is not valid UTF-8 ({error}).") from error
 
 
 class GGUFSource:
@@ -115,8 +139,8 @@ class GGUFSource:
 
     def _read_model(self) -> None:
         path = self.path
-        arch = _field(self.reader, "general.architecture")
-        if arch not in ARCHITECTURES:
+        arch = gguf_field(self.reader, "general.architecture")
+        if not isinstance(arch, str) or arch not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"GGUF architecture {arch!r} is not supported; supported architectures: "
                 f"{', '.join(sorted(ARCHITECTURES))}"
@@ -124,7 +148,7 @@ class GGUFSource:
         self.arch = arch
         self.description = f"gguf:{os.path.basename(path)}"
         self._tensors = {}
-        expert_count = int(_field(self.reader, f"{arch}.expert_count", 0) or 0)
+        expert_count = self._count("expert_count", 0, minimum=0)
         self.model_type = moe_model_type(arch, expert_count)  # None for a dense model
         self._experts: dict[str, ExpertSlice] = {}  # our per-expert name -> its slice of a GGUF tensor
         if self.model_type is not None:
@@ -148,31 +172,46 @@ class GGUFSource:
         self.config.setdefault("bos_token_id", info.bos_token_id)
         self.config.setdefault("eos_token_id", info.eos_token_id)
 
+    def _meta(self, key: str, default=None):
+        return gguf_field(self.reader, f"{self.arch}.{key}", default)
+
+    def _checked(self, key: str, default, valid: Callable[[object], bool], expected: str):
+        """Metadata `{arch}.key`, required unless a default is given, refused unless `valid`."""
+        value, where = self._meta(key, default), f"{os.path.basename(self.path)}: GGUF key '{self.arch}.{key}'"
+        if value is None:
+            raise ConversionError(f"{where} is missing; the file does not describe the model, "
+                                  "export it again with llama.cpp's convert_hf_to_gguf.py")
+        if isinstance(value, bool) or not valid(value):  # a bool is an int to Python, not a count
+            raise ConversionError(f"{where} is {value!r}; expected {expected}")
+        return value
+
+    def _count(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        return self._checked(key, default, lambda v: isinstance(v, int) and v >= minimum, f"an integer >= {minimum}")
+
+    def _number(self, key: str, default: float | None = None) -> float:
+        return float(self._checked(key, default, lambda v: isinstance(v, (int, float)), "a number"))
+
     def _config(self) -> dict:
-        arch = self.arch
-
-        def meta(key, default=None):
-            return _field(self.reader, f"{arch}.{key}", default)
-
-        n_heads = int(meta("attention.head_count"))
-        hidden = int(meta("embedding_length"))
+        meta, count, number = self._meta, self._count, self._number
+        n_heads = count("attention.head_count")
+        hidden = count("embedding_length")
         embed = self._tensors.get("model.embed_tokens.weight")
         vocab = meta("vocab_size")
-        if vocab is None:
-            tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-            vocab = len(tokens.data) if tokens is not None else int(embed.shape[-1])
+        if vocab is None:  # older files: the tokenizer's length, else the embedding's rows
+            tokens = self.reader.get_field("tokenizer.ggml.tokens")
+            vocab = len(tokens.data) if tokens is not None else int(embed.shape[-1]) if embed is not None else None
         config = {
-            "model_type": self.model_type or ARCHITECTURES[arch],
-            "vocab_size": int(vocab),
+            "model_type": self.model_type or ARCHITECTURES[self.arch],
+            "vocab_size": count("vocab_size", vocab),
             "hidden_size": hidden,
-            "intermediate_size": int(meta("feed_forward_length")),
-            "num_hidden_layers": int(meta("block_count")),
+            "intermediate_size": count("feed_forward_length"),
+            "num_hidden_layers": count("block_count"),
             "num_attention_heads": n_heads,
-            "num_key_value_heads": int(meta("attention.head_count_kv", n_heads)),
-            "head_dim": int(meta("attention.key_length", hidden // n_heads)),
-            "max_position_embeddings": int(meta("context_length", 2048)),
-            "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": float(meta("rope.freq_base", 10000.0)),
+            "num_key_value_heads": count("attention.head_count_kv", n_heads),
+            "head_dim": count("attention.key_length", hidden // n_heads),
+            "max_position_embeddings": count("context_length", 2048),
+            "rms_norm_eps": number("attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": number("rope.freq_base", 10000.0),
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
             "attention_bias": "model.layers.0.self_attn.o_proj.bias" in self._tensors,
         }
@@ -180,15 +219,15 @@ class GGUFSource:
         if scaling_type in ("linear", "yarn"):
             config["rope_scaling"] = {
                 "rope_type": scaling_type,
-                "factor": float(meta("rope.scaling.factor")),
-                "original_max_position_embeddings": int(
-                    meta("rope.scaling.original_context_length", config["max_position_embeddings"])
+                "factor": number("rope.scaling.factor"),
+                "original_max_position_embeddings": count(
+                    "rope.scaling.original_context_length", config["max_position_embeddings"]
                 ),
             }
         elif scaling_type not in (None, "none"):
             raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported; supported: linear, yarn")
         if self.model_type is not None:
-            config.update(moe_config_fields(self.model_type, arch, meta, config,
+            config.update(moe_config_fields(self.model_type, self.arch, meta, config,
                                             lambda name: name in self._tensors or name in self._experts))
         freqs = next((t for t in self.reader.tensors if t.name == ROPE_FREQS), None)
         if freqs is not None:
@@ -232,7 +271,12 @@ class GGUFSource:
             n_heads = self.config["num_key_value_heads"]
         else:
             return None
-        rows = int(self._tensors[name].shape[-1])  # GGUF shapes list the row count last
+        tensor = self._tensors[name]
+        rows = int(tensor.shape[-1])  # GGUF shapes list the row count last
+        if rows % (2 * n_heads):
+            raise ConversionError(
+                f"{os.path.basename(self.path)}: GGUF tensor {tensor.name!r} has {rows} rows, which do not split "
+                f"into {n_heads} heads of two rope halves; the file is corrupt or not a llama model, export it again")
         permuted = np.arange(rows).reshape(n_heads, 2, rows // n_heads // 2).swapaxes(1, 2).reshape(rows)
         return np.argsort(permuted)
 

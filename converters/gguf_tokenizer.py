@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from converters.gguf_source import gguf_field
 from edge.errors import ConversionError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -97,24 +98,24 @@ class _GGUFVocab:
 
     @classmethod
     def read(cls, reader: gguf.GGUFReader) -> "_GGUFVocab":
-        model = _field(reader, Keys.MODEL)
+        model = gguf_field(reader, Keys.MODEL)
         if model is None:
             raise ConversionError(
                 f"The GGUF file has no {Keys.MODEL!r} key, so it describes no tokenizer; "
                 "convert the tokenizer from the model's Hugging Face tokenizer.json instead."
             )
-        if model not in _TOKENIZER_BUILDERS:
+        if not isinstance(model, str) or model not in _TOKENIZER_BUILDERS:
             raise UnsupportedModelError(
                 f"GGUF tokenizer model {model!r} is not supported; supported tokenizer models: "
                 f"{', '.join(sorted(_TOKENIZER_BUILDERS))}. "
                 "Convert the tokenizer from the model's Hugging Face tokenizer.json instead."
             )
-        tokens = _field(reader, Keys.LIST)
+        tokens = gguf_field(reader, Keys.LIST)
         if not tokens:
             raise ConversionError(f"The GGUF file has tokenizer model {model!r} but no {Keys.LIST!r} vocabulary.")
         # Files without token types predate them; every token was then a normal one.
-        token_types = _field(reader, Keys.TOKEN_TYPE, [gguf.TokenType.NORMAL] * len(tokens))
-        scores = _field(reader, Keys.SCORES)
+        token_types = gguf_field(reader, Keys.TOKEN_TYPE, [gguf.TokenType.NORMAL] * len(tokens))
+        scores = gguf_field(reader, Keys.SCORES)
         for key, values in ((Keys.TOKEN_TYPE, token_types), (Keys.SCORES, scores)):
             if values is not None and len(values) != len(tokens):
                 raise ConversionError(
@@ -124,7 +125,7 @@ class _GGUFVocab:
 
         special_ids = {}
         for key in (Keys.BOS_ID, Keys.UNK_ID, Keys.PAD_ID, *_EOG_ID_KEYS):  # EOS is among the EOG keys
-            token_id = _field(reader, key)
+            token_id = gguf_field(reader, key)
             if token_id is None:
                 continue
             if not 0 <= token_id < len(tokens):
@@ -135,14 +136,14 @@ class _GGUFVocab:
 
         return cls(
             model=model,
-            pre=_field(reader, Keys.PRE),
-            architecture=_field(reader, gguf.Keys.General.ARCHITECTURE),
+            pre=gguf_field(reader, Keys.PRE),
+            architecture=gguf_field(reader, gguf.Keys.General.ARCHITECTURE),
             tokens=tokens,
             token_types=[int(t) for t in token_types],
             scores=scores,
-            merges=_field(reader, Keys.MERGES),
+            merges=gguf_field(reader, Keys.MERGES),
             # llama.cpp prepends a space to sentencepiece input unless the file says not to.
-            add_space_prefix=bool(_field(reader, Keys.ADD_PREFIX, True)),
+            add_space_prefix=bool(gguf_field(reader, Keys.ADD_PREFIX, True)),
             special_ids=special_ids,
         )
 
@@ -155,8 +156,8 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> TokenizerInfo:
 
     # transformers' rule (`get_gguf_tokenizer`): the file's flag when it has one; otherwise a
     # sentencepiece vocabulary gets BOS, as llama.cpp gives it, and a byte-level one does not.
-    add_bos = bool(_field(reader, Keys.ADD_BOS, vocab.model == "llama"))
-    add_eos = bool(_field(reader, Keys.ADD_EOS, False))
+    add_bos = bool(gguf_field(reader, Keys.ADD_BOS, vocab.model == "llama"))
+    add_eos = bool(gguf_field(reader, Keys.ADD_EOS, False))
     bos_id = vocab.special_token(Keys.BOS_ID)
     eos_id = vocab.special_token(Keys.EOS_ID)
     if add_bos and bos_id is None:
@@ -173,19 +174,9 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> TokenizerInfo:
         eos_token_id=eos_id,
         add_bos_token=add_bos,
         eog_token_ids=_eog_token_ids(vocab),
-        chat_template=_field(reader, Keys.CHAT_TEMPLATE),
+        chat_template=gguf_field(reader, Keys.CHAT_TEMPLATE),
         add_eos_token=add_eos,
     )
-
-
-def _field(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.get_field(key)
-    if field is None:
-        return default
-    try:
-        return field.contents()
-    except UnicodeDecodeError as error:
-        raise ConversionError(f"GGUF key {key!r} holds text that is not valid UTF-8 ({error}).") from error
 
 
 # ---------------------------------------------------------------------------- byte-level BPE

@@ -11,11 +11,13 @@ import numpy as np
 
 from converters.safetensors_io import SafetensorsFile
 from converters.source import SourceTensor, SourceTokenizer
-from edge.errors import ConversionError
+from edge.errors import ConversionError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+# Stored dtypes that hold weights; integer tensors are quantized (GPTQ, AWQ, bitsandbytes) or buffers.
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 # Buffers some checkpoints carry that are recomputed from the config.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Checkpoint names that differ from ours: (pattern, replacement), applied in order.
@@ -55,12 +57,57 @@ def sanitize_name(name: str) -> str:
     return name
 
 
-def _read_json(path: str, what: str) -> dict:
+def _read_text(path: str, what: str) -> str:
+    """The UTF-8 text in `path`; `what` names the file in errors."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return f.read()
+    except UnicodeDecodeError as exc:
+        raise ConversionError(f"{what} {path} is not UTF-8 text ({exc}); restore the file") from None
+    except OSError as exc:  # unreadable: permissions, an I/O error
+        raise ConversionError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
+
+
+def _read_json(path: str, what: str) -> dict:
+    """The JSON object in `path`; `what` names the file in errors."""
+    try:
+        value = json.loads(_read_text(path, what))
     except json.JSONDecodeError as exc:
         raise ConversionError(f"{what} {path} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConversionError(f"{what} {path} holds a JSON {type(value).__name__}, not an object; restore the file")
+    return value
+
+
+def _check_tokenizer(text: str, path: str) -> None:
+    """Refuse a tokenizer.json that the `tokenizers` library, which loads it at run time, cannot load."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_str(text)
+    except Exception as exc:  # tokenizers raises a plain Exception for bad JSON and for a wrong schema alike
+        raise ConversionError(f"tokenizer {path} cannot be loaded by the tokenizers library ({exc}); "
+                              "restore the file from the model's repository") from None
+
+
+def _chat_template(value, path: str) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of named templates."""
+    if isinstance(value, list):  # transformers applies the one named "default" unless told otherwise
+        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
+        if value is None:
+            raise ConversionError(
+                f"{path}: chat_template lists no template named 'default'; name the one to use 'default'")
+    if value is not None and not isinstance(value, str):
+        raise ConversionError(f"{path}: chat_template is {value!r}; expected a Jinja template string")
+    return value
+
+
+def _token_ids(value, key: str, path: str) -> list[int]:
+    """A config's token id entry (an id, a list of ids, or null) as a list of ids."""
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ConversionError(f"{path}: {key} is {value!r}; expected a token id or a list of token ids")
+    return values
 
 
 class HFSource:
@@ -73,6 +120,10 @@ class HFSource:
                 "*.safetensors weights (or pass a .gguf file)"
             )
         self.config = _read_json(config_path, "config")
+        model_type = self.config.get("model_type")
+        if model_type is not None and not isinstance(model_type, str):  # the model family is looked up by it
+            raise ConversionError(f"config {config_path}: model_type is {model_type!r}; "
+                                  "expected a string such as 'llama'")
         self.description = f"huggingface:{os.path.basename(os.path.abspath(folder))}"
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, SafetensorsFile] = {}
@@ -85,6 +136,11 @@ class HFSource:
                 for stored_name in st.keys():
                     if stored_name.endswith(IGNORED_SUFFIXES):
                         continue
+                    dtype = st.entries[stored_name].dtype
+                    if dtype not in FLOAT_DTYPES:
+                        raise UnsupportedModelError(
+                            f"{st.path}: tensor {stored_name!r} is stored as {dtype}; only floating-point weights "
+                            f"({', '.join(FLOAT_DTYPES)}) convert; use the model's unquantized checkpoint")
                     parts = (stacked_expert_parts(stored_name, st.entries[stored_name].shape)
                              or [(sanitize_name(stored_name), None)])
                     for name, part in parts:
@@ -104,7 +160,12 @@ class HFSource:
     def _weight_files(self) -> list[str]:
         index_path = os.path.join(self.folder, INDEX_FILE)
         if os.path.isfile(index_path):
-            weight_map = _read_json(index_path, "safetensors index").get("weight_map", {})
+            weight_map = _read_json(index_path, "safetensors index").get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ConversionError(f"{index_path}: weight_map is not an object mapping tensor names to shard "
+                                      "file names; restore the file")
+            if not weight_map:
+                raise ConversionError(f"{index_path} maps no tensors; its weight_map is empty")
             files = sorted(set(weight_map.values()))
             missing = [f for f in files if not os.path.isfile(os.path.join(self.folder, f))]
             if missing:
@@ -121,27 +182,25 @@ class HFSource:
         tokenizer_path = os.path.join(self.folder, "tokenizer.json")
         tokenizer_json = None
         if os.path.isfile(tokenizer_path):
-            with open(tokenizer_path, encoding="utf-8") as f:
-                tokenizer_json = f.read()
+            tokenizer_json = _read_text(tokenizer_path, "tokenizer")
+            _check_tokenizer(tokenizer_json, tokenizer_path)
         else:
             log.warning("%s has no tokenizer.json; the checkpoint will take token ids only", self.folder)
         tok_config_path = os.path.join(self.folder, "tokenizer_config.json")
         tok_config = _read_json(tok_config_path, "tokenizer config") if os.path.isfile(tok_config_path) else {}
-        chat_template = tok_config.get("chat_template")
+        chat_template = _chat_template(tok_config.get("chat_template"), tok_config_path)
         template_path = os.path.join(self.folder, "chat_template.jinja")
         if chat_template is None and os.path.isfile(template_path):
-            with open(template_path, encoding="utf-8") as f:
-                chat_template = f.read()
+            chat_template = _read_text(template_path, "chat template")
         gen_config_path = os.path.join(self.folder, "generation_config.json")
         gen_config = _read_json(gen_config_path, "generation config") if os.path.isfile(gen_config_path) else {}
+        config_path = os.path.join(self.folder, "config.json")
 
-        def ids(value) -> list[int]:
-            if value is None:
-                return []
-            return [int(v) for v in (value if isinstance(value, list) else [value])]
+        def ids(key: str) -> list[int]:  # generation_config.json overrides config.json
+            return (_token_ids(gen_config.get(key), key, gen_config_path)
+                    or _token_ids(self.config.get(key), key, config_path))
 
-        eos_ids = ids(gen_config.get("eos_token_id")) or ids(self.config.get("eos_token_id"))
-        bos_ids = ids(gen_config.get("bos_token_id")) or ids(self.config.get("bos_token_id"))
+        eos_ids, bos_ids = ids("eos_token_id"), ids("bos_token_id")
         config = {
             "bos_token_id": bos_ids[0] if bos_ids else None,
             "eos_token_id": eos_ids[0] if eos_ids else None,

@@ -12,6 +12,7 @@ streams tensors in, so a converter never holds more than the tensor it is writin
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -152,17 +153,22 @@ def _read_header(path: str) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     if not isinstance(header, dict):
         raise SafetensorsFormatError(f"{name}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise SafetensorsFormatError(f"{name}: header's __metadata__ is not a JSON object: {metadata!r}")
     data_start = 8 + header_len
     data_size = file_size - data_start
     entries: dict[str, TensorEntry] = {}
     for tensor_name, info in header.items():
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise SafetensorsFormatError(f"{name}: header entry for {tensor_name!r} is malformed: {info!r}") from None
+        fields = _entry_fields(info)
+        if fields is None:
+            raise SafetensorsFormatError(
+                f"{name}: header entry for {tensor_name!r} is malformed: {info!r}; expected dtype, shape "
+                "(non-negative integers) and data_offsets (two non-negative integers)"
+            )
+        dtype, shape, begin, end = fields
         if dtype not in DTYPES:
             raise SafetensorsFormatError(f"{name}: tensor {tensor_name!r} has unsupported dtype {dtype}")
-        expected = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+        expected = math.prod(shape) * DTYPES[dtype].itemsize  # Python ints: no int64 overflow
         if not (0 <= begin <= end) or end - begin != expected:
             raise SafetensorsFormatError(
                 f"{name}: tensor {tensor_name!r} has offsets [{begin}, {end}] that do not match "
@@ -175,6 +181,24 @@ def _read_header(path: str) -> tuple[dict[str, TensorEntry], dict[str, str]]:
             )
         entries[tensor_name] = TensorEntry(dtype, shape, data_start + begin, data_start + end)
     return entries, metadata
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_fields(info) -> tuple[str, tuple[int, ...], int, int] | None:
+    """(dtype, shape, begin, end) of a header entry, or None when it is malformed.
+
+    JSON lets a corrupt header hold strings, floats, negative numbers or nested lists anywhere;
+    only exact non-negative integers describe bytes that exist."""
+    if not isinstance(info, dict):
+        return None
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if (not isinstance(dtype, str) or not isinstance(shape, list) or not all(_is_count(d) for d in shape)
+            or not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)):
+        return None
+    return dtype, tuple(shape), offsets[0], offsets[1]
 
 
 class SafetensorsWriter:

@@ -7,7 +7,7 @@ from datetime import date
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from edge.errors import ZllmError
+from edge.errors import CheckpointError, ZllmError
 
 
 class TokenizerError(ZllmError):
@@ -18,7 +18,11 @@ class Tokenizer:
     def __init__(self, path: str, config: dict):
         from tokenizers import Tokenizer as HFTokenizer
 
-        self._tok = HFTokenizer.from_file(path)
+        try:
+            self._tok = HFTokenizer.from_file(path)
+        except Exception as exc:  # tokenizers raises a plain Exception for a missing, corrupt or foreign file
+            raise CheckpointError(f"{path} cannot be loaded by the tokenizers library ({exc}); "
+                                  "the checkpoint is damaged, convert the model again") from None
         self.config = config
         self.bos_token_id = config.get("bos_token_id")
         self.eos_token_id = config.get("eos_token_id")
