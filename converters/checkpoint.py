@@ -299,4 +299,56 @@ def open_checkpoint(path: str, verify: bool = False) -> Checkpoint:
                 for f in files.values():
                     f.close()
                 raise
+    try:
+        check_shapes_against_spec(path, manifest, tensors, experts)
+    except CheckpointError:
+        for f in files.values():
+            f.close()
+        raise
     return Checkpoint(path, manifest, tensors, list(files.values()), experts)
+
+
+def check_shapes_against_spec(path: str, manifest: dict, tensors: dict, experts: "ExpertIndex | None") -> None:
+    """Every tensor of an opened checkpoint, and each MoE layer's expert layout and count, against what the
+    manifest's model spec gives them (edge/spec.py `spec_tensor_shapes`), so that a hand-edited or damaged
+    manifest is a CheckpointError at load instead of a numpy error (or garbage) at generate time."""
+    from edge.errors import ZllmError
+    from edge.spec import shape_mismatches, spec_from_dict
+
+    damaged = "the checkpoint is damaged, convert the model again"
+    try:
+        spec = spec_from_dict(manifest["model"])
+        moe_layers = {layer: moe for layer in range(spec.num_hidden_layers)
+                      if (moe := spec.moe_for_layer(layer)) is not None}
+    except ZllmError as exc:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: model: {exc}; {damaged}") from None
+    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    if experts is not None:
+        for layer, layer_experts in sorted(experts.layers.items()):
+            moe = moe_layers.get(layer)
+            if moe is None or len(layer_experts.records) != moe.num_experts:
+                wanted = "no routed experts" if moe is None else f"{moe.num_experts} routed experts"
+                raise CheckpointError(f"{path}: the expert index holds {len(layer_experts.records)} experts for layer "
+                                      f"{layer}, but the model spec gives that layer {wanted}; {damaged}")
+            # every expert of a layer shares one layout: expert 0's names stand for all of them
+            for projection, layout in layer_experts.layout.projections.items():
+                shapes[f"model.layers.{layer}.mlp.experts.0.{projection}.weight"] = layout.shape
+                found = {key: (a.dtype, a.shape) for key, a in layout.arrays.items()}
+                try:
+                    needed = {key.lstrip("."): (np.dtype(dtype), tuple(shape))
+                              for key, (dtype, shape) in stored_arrays("", layout.scheme, layout.shape).items()}
+                except ValueError:  # not a matrix
+                    needed = None
+                if found != needed:
+                    raise CheckpointError(
+                        f"{path}: layer {layer}'s expert {projection} is a {layout.scheme} matrix of shape "
+                        f"{list(layout.shape)}, but the expert index stores it as arrays "
+                        f"{ {key: list(shape) for key, (_, shape) in found.items()} }; {damaged}")
+        missing = sorted(set(moe_layers) - set(experts.layers))
+        if missing:
+            raise CheckpointError(f"{path}: the expert index has no experts for MoE layer {missing[0]}; {damaged}")
+    problems = shape_mismatches(spec, shapes)
+    if problems:
+        more = f" ({len(problems) - 1} more tensors disagree too)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{path}: {problems[0]}{more}; the manifest's model spec and the weights disagree: "
+                              f"{damaged}")

@@ -10,7 +10,9 @@ routing is a discrete choice that must match the source model.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,9 +25,14 @@ from converters.safetensors_io import NUMPY_TO_SAFETENSORS, SafetensorsFormatErr
 from converters.source import SourceModel, SourceTensor
 from edge.errors import ConversionError
 from converters.expert_file import EXPERTS_FILE, PROJECTIONS, ExpertFileWriter, ExpertLayout
-from edge.spec import spec_expert_tensor_names, spec_from_dict, spec_optional_tensor_names, spec_tensor_names
+from edge.spec import (
+    LlamaSpec, shape_mismatches, spec_expert_tensor_names, spec_from_dict, spec_optional_tensor_names,
+    spec_tensor_names,
+)
 from quant import QuantizedTensor, Scheme, quantize
 from quant.metrics import quantization_error
+
+log = logging.getLogger(__name__)
 
 WEIGHT_CHOICES = ("f32", "f16", "int8", "int4", "source")
 GROUP_SIZES = (32, 64, 128)
@@ -194,29 +201,85 @@ def _encode(value: np.ndarray | QuantizedTensor, source: SourceTensor, scheme: S
     return arrays, lossless, max_abs, rel_rms
 
 
+def _source_spec(source: SourceModel, src: str) -> LlamaSpec:
+    """The source's spec, strictly checked: every field that decides a weight's shape given, every value
+    of the right type and range (a malformed one is a ConversionError naming the config and the field)."""
+    if os.path.isdir(src):
+        where = os.path.join(src, "config.json")
+    elif os.path.isfile(src):
+        where = f"{src} (its GGUF metadata, read as config.json fields)"
+    else:
+        where = f"{src} (its config)"
+    return spec_from_dict(source.config, where=where, strict=True)
+
+
+def _as_float32(value: np.ndarray | QuantizedTensor) -> np.ndarray:
+    return value.dequantize() if isinstance(value, QuantizedTensor) else np.asarray(value, dtype=np.float32)
+
+
+def _untie_differing_lm_head(source: SourceModel, spec: LlamaSpec, src: str) -> LlamaSpec:
+    """A config that ties the LM head to the embeddings while the source holds an lm_head.weight of other
+    values: transformers (5.x) then does not tie them and warns; so do we, and the checkpoint keeps the
+    source's lm_head (its manifest says tie_word_embeddings false). An identical copy is dropped."""
+    by_name = {t.name: t for t in source.tensors()}
+    head, embeddings = by_name.get("lm_head.weight"), by_name.get("model.embed_tokens.weight")
+    if not spec.tie_word_embeddings or head is None or embeddings is None:
+        return spec
+    same = tuple(head.shape) == tuple(embeddings.shape)
+    if same:  # both in memory at once, as float32: a small multiple of the largest tensor, as converting is
+        same = np.array_equal(_as_float32(source.load(head.name)), _as_float32(source.load(embeddings.name)))
+        source.release(head.name)
+        source.release(embeddings.name)
+    if same:
+        return spec
+    log.warning("%s: the config says tie_word_embeddings true, but lm_head.weight differs from "
+                "model.embed_tokens.weight; keeping them untied, as transformers does (the checkpoint records "
+                "tie_word_embeddings false). If the model is meant to be tied, remove lm_head.weight from the source; "
+                "if not, set tie_word_embeddings false in its config", src)
+    return dataclasses.replace(spec, tie_word_embeddings=False)
+
+
 def _tensors_in_checkpoint_order(source: SourceModel, spec, src: str
                                   ) -> tuple[list[SourceTensor], dict[int, list[list[SourceTensor]]]]:
     """The source's dense tensors in the order the spec lists them, and its routed experts by layer
-    (per expert: gate_proj, up_proj, down_proj); missing or unexpected tensors are errors."""
+    (per expert: gate_proj, up_proj, down_proj); missing or unexpected tensors, and tensors whose shape
+    is not the one the spec gives them (edge/spec.py `spec_tensor_shapes`), are errors."""
     by_name = {t.name: t for t in source.tensors()}
     expected = spec_tensor_names(spec)
     expected += [n for n in spec_optional_tensor_names(spec) if n in by_name]
     expert_names = spec_expert_tensor_names(spec)
     required = expected + [n for layer in expert_names.values() for expert in layer for n in expert]
     missing = [n for n in required if n not in by_name]
+    if missing == ["lm_head.weight"]:
+        raise ConversionError(
+            f"{src} has no lm_head.weight, but its config says tie_word_embeddings false; if the model shares its "
+            "embeddings with the LM head, set tie_word_embeddings true in the config")
     if missing:
         raise ConversionError(
             f"{src} lacks {len(missing)} tensors the {spec.model_type} config requires, e.g. {missing[:3]}"
         )
     if spec.tie_word_embeddings:
-        by_name.pop("lm_head.weight", None)  # some tied checkpoints carry a copy; the spec says tied
+        by_name.pop("lm_head.weight", None)  # a copy of the embeddings (_untie_differing_lm_head checked it)
     unexpected = sorted(set(by_name) - set(required))
     if unexpected:
         raise ConversionError(
             f"{src} holds tensors the {spec.model_type} config does not describe, e.g. {unexpected[:3]}"
         )
+    _check_shapes(spec, src, [by_name[n] for n in required])
     experts = {layer: [[by_name[n] for n in expert] for expert in names] for layer, names in expert_names.items()}
     return [by_name[n] for n in expected], experts
+
+
+def _check_shapes(spec: LlamaSpec, src: str, tensors: list[SourceTensor]) -> None:
+    """Every tensor's shape (matrices [out, in], as the converter reads them; a GGUF file lists its
+    dimensions the other way round) against the one the config gives it, before anything is written."""
+    problems = shape_mismatches(spec, {t.name: t.shape for t in tensors})
+    if not problems:
+        return
+    more = f" ({len(problems) - 1} more tensors disagree too)" if len(problems) > 1 else ""
+    order = " (numpy order [out, in]; GGUF lists the dimensions reversed)" if os.path.isfile(src) else ""
+    raise ConversionError(f"{src}: {problems[0]}{order}{more}; the config and the weights disagree: fix the config, "
+                          "or export the model again")
 
 
 def _write_experts(source: SourceModel, plan: QuantPlan, experts: dict[int, list[list[SourceTensor]]],
@@ -294,7 +357,7 @@ def convert(src: str | SourceModel, out: str, plan: QuantPlan | None = None, for
     source = open_source(os.fspath(src)) if isinstance(src, (str, os.PathLike)) else src
     src = src if isinstance(src, (str, os.PathLike)) else source.description
     try:
-        spec = spec_from_dict(source.config)
+        spec = _untie_differing_lm_head(source, _source_spec(source, src), src)
         tensors, experts = _tensors_in_checkpoint_order(source, spec, src)
         schemes = {t.name: plan.scheme_for(t) for t in tensors}
         layout: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}

@@ -1,15 +1,21 @@
 """Model specs: one dataclass per family, fields named exactly as in Hugging Face config.json.
 
 `spec_from_dict` picks the family by `model_type` through a small alias table and ignores
-keys it does not know, so a config.json written by any transformers version loads.
+keys it does not know, so a config.json written by any transformers version loads; each family's
+dataclass checks its fields' types and ranges (edge/spec_dense.py FIELD_RULES).
+
+`spec_tensor_shapes` is the one table of every weight a spec declares and the shape it must have,
+[out, in] for matrices; the converter checks a source's tensors against it before writing anything,
+and the checkpoint reader checks a checkpoint's tensors against it before the model uses them.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping, NamedTuple
 
-from edge.errors import UnsupportedModelError
+from edge.errors import ConversionError, UnsupportedModelError, ZllmError
 from edge.moe import MoeConfig
+from edge.spec_dense import show
 # The families' dataclasses live beside this module; edge.spec is where the rest of the code imports them from.
 from edge.spec_dense import LlamaSpec, MistralSpec, Qwen2Spec, Qwen3Spec  # noqa: F401
 from edge.spec_moe import (  # noqa: F401
@@ -47,6 +53,9 @@ SUPPORTED_MODEL_TYPES = sorted(SPEC_CLASSES)
 def _normalize_rope(config: dict[str, Any]) -> dict[str, Any]:
     """transformers >= 5 writes `rope_parameters` (theta inside); older writes rope_theta + rope_scaling."""
     config = dict(config)
+    for key in ("rope_parameters", "rope_scaling"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise ConversionError(f"{key} must be an object or null, got {show(config[key])}")
     rope = config.pop("rope_parameters", None)
     if rope:
         rope = dict(rope)
@@ -75,13 +84,25 @@ UNSUPPORTED_FEATURES: dict[str, str] = {
 }
 
 
-def spec_from_dict(config: dict[str, Any]) -> LlamaSpec:
-    """Build the family's spec from a config.json dict (unknown keys are ignored)."""
+def spec_from_dict(config: dict[str, Any], where: str | None = None, strict: bool = False) -> LlamaSpec:
+    """Build the family's spec from a config.json dict (unknown keys are ignored).
+
+    A malformed value is a ConversionError naming the field, prefixed with `where` (e.g. the path of
+    config.json); a well-formed value naming something not implemented is an UnsupportedModelError.
+    `strict` is for a model being converted: the fields that decide the weights' shapes must be given
+    (REQUIRED_FIELDS), not taken from defaults, every MoE layer's routing is checked, and the special
+    tokens must lie in the vocabulary."""
+    prefix = f"{where}: " if where else ""
+    if not isinstance(config, dict):
+        raise ConversionError(f"{prefix}the config must be a JSON object, got {show(config)[:80]}")
     model_type = config.get("model_type")
     if model_type is None:
         raise UnsupportedModelError(
             f"config has no model_type; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if not isinstance(model_type, str):
+        raise ConversionError(f"{prefix}model_type must be a string, got {show(model_type)}; supported model types: "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     family = MODEL_TYPE_ALIASES.get(model_type, model_type)
     spec_class = SPEC_CLASSES.get(family)
     if spec_class is None and family in UNSUPPORTED_FEATURES:
@@ -94,109 +115,257 @@ def spec_from_dict(config: dict[str, Any]) -> LlamaSpec:
             f"model_type {model_type!r} is not supported; supported model types: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    config = _normalize_rope(config)
-    for alias, field_name in FIELD_ALIASES.get(family, {}).items():
-        if config.get(field_name) is None and config.get(alias) is not None:
-            config[field_name] = config[alias]
-    known = {f.name for f in dataclasses.fields(spec_class)}
-    values = {k: v for k, v in config.items() if k in known and v is not None}
-    values["model_type"] = family
     try:
-        return spec_class(**values)
-    except TypeError as exc:
-        raise UnsupportedModelError(f"config for {model_type!r} is malformed: {exc}") from None
+        config = _normalize_rope(config)
+        for alias, field_name in FIELD_ALIASES.get(family, {}).items():
+            if config.get(field_name) is None and config.get(alias) is not None:
+                config[field_name] = config[alias]
+        known = {f.name for f in dataclasses.fields(spec_class)}
+        values = {k: v for k, v in config.items() if k in known and v is not None}
+        values["model_type"] = family
+        try:
+            spec = spec_class(**values)
+        except TypeError as exc:
+            raise UnsupportedModelError(f"config for {model_type!r} is malformed: {exc}") from None
+        except ConversionError as exc:
+            # a value that defaults stood in for may be what is wrong: name what is missing first
+            if strict and not isinstance(exc, UnsupportedModelError):
+                _require(spec_class.REQUIRED_FIELDS, values, family)
+            raise
+        if strict:
+            _require(spec_class.REQUIRED_FIELDS, values, family)
+            for layer in range(spec.num_hidden_layers):
+                spec.moe_for_layer(layer)  # MoeConfig checks the routing (top-k within the experts, groups)
+            _require(spec.required_fields(), values, family)
+            _check_special_tokens(spec)
+    except ZllmError as exc:
+        # what is unsupported is the model's, not the file's: those messages stand alone (e.g. model_type's)
+        if not prefix or isinstance(exc, UnsupportedModelError):
+            raise
+        raise type(exc)(prefix + str(exc)) from None
+    return spec
+
+
+def _check_special_tokens(spec: LlamaSpec) -> None:
+    for key in ("bos_token_id", "eos_token_id"):
+        value = getattr(spec, key)
+        for token in value if isinstance(value, list) else [] if value is None else [value]:
+            if token >= spec.vocab_size:
+                raise ConversionError(f"{key} {token} is not a token of the model: vocab_size is {spec.vocab_size}; "
+                                      f"fix {key} (or vocab_size)")
+
+
+def _require(fields: tuple[str, ...], values: dict[str, Any], family: str) -> None:
+    missing = [name for name in fields if values.get(name) is None]
+    if missing:
+        raise ConversionError(
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing; a {family} config must give "
+            f"{'it' if len(missing) == 1 else 'them'}: the weights' shapes depend on "
+            f"{'it' if len(missing) == 1 else 'them'}, so no default can stand in")
+
+
+# --- the weights a spec declares, and their shapes -------------------------------------------------
+# D = hidden_size, V = vocab_size, I = intermediate size, Hq / Hkv = query / KV heads, Dh = head_dim,
+# E = routed experts; MLA: H heads, Dn / R / Dv = nope / rope / value head dims, C = kv_lora_rank,
+# Q = q_lora_rank. Matrices are [out, in], as in Hugging Face checkpoints.
+
+
+class ExpectedShape(NamedTuple):
+    shape: tuple[int, ...]
+    because: str  # the config values that decide it, for messages: "hidden_size 64, 2 KV heads of 16"
+
+
+def _matrix(rows: int, cols: int, because: str) -> ExpectedShape:
+    return ExpectedShape((rows, cols), because)
+
+
+def _vector(size: int, because: str) -> ExpectedShape:
+    return ExpectedShape((size,), because)
+
+
+def spec_layer_tensors(spec: LlamaSpec, layer: int) -> dict[str, ExpectedShape]:
+    """Every weight a decoder layer of this spec owns (routed experts aside), in checkpoint order."""
+    prefix = f"model.layers.{layer}."
+    hidden = _vector(spec.hidden_size, f"hidden_size {spec.hidden_size}")
+    tensors = {prefix + "input_layernorm.weight": hidden}
+    if spec.attention_kind == "mla":
+        tensors.update(mla_tensors(spec, prefix + "self_attn."))
+    else:
+        tensors.update(gqa_tensors(spec, prefix + "self_attn."))
+    tensors[prefix + "post_attention_layernorm.weight"] = hidden
+    moe = spec.moe_for_layer(layer)
+    if moe is not None:
+        tensors.update(moe_block_tensors(spec, moe, prefix + "mlp."))
+    else:
+        tensors.update(ffn_tensors(spec.hidden_size, spec.intermediate_size, "intermediate_size", prefix + "mlp.",
+                                   spec.mlp_bias))
+    return tensors
 
 
 def spec_layer_tensor_names(spec: LlamaSpec, layer: int) -> list[str]:
     """Every weight a decoder layer of this spec owns, in checkpoint order."""
-    prefix = f"model.layers.{layer}."
-    names = [prefix + "input_layernorm.weight"]
-    if spec.attention_kind == "mla":
-        names += mla_tensor_names(spec, prefix + "self_attn.")
-    else:
-        names += gqa_tensor_names(spec, prefix + "self_attn.")
-    names.append(prefix + "post_attention_layernorm.weight")
-    moe = spec.moe_for_layer(layer)
-    if moe is not None:
-        return names + moe_block_tensor_names(moe, prefix + "mlp.")
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        names.append(prefix + f"mlp.{proj}.weight")
-        if spec.mlp_bias:
-            names.append(prefix + f"mlp.{proj}.bias")
-    return names
+    return list(spec_layer_tensors(spec, layer))
 
 
-def moe_block_tensor_names(moe: MoeConfig, prefix: str) -> list[str]:
+def ffn_tensors(hidden: int, intermediate: int, intermediate_name: str, prefix: str,
+                bias: bool = False) -> dict[str, ExpectedShape]:
+    """A SwiGLU feed-forward block: gate_proj and up_proj [I, D], down_proj [D, I] (and their biases)."""
+    because = f"hidden_size {hidden}, {intermediate_name} {intermediate}"
+    tensors = {}
+    for proj, rows, cols in (("gate_proj", intermediate, hidden), ("up_proj", intermediate, hidden),
+                             ("down_proj", hidden, intermediate)):
+        tensors[prefix + f"{proj}.weight"] = _matrix(rows, cols, because)
+        if bias:
+            tensors[prefix + f"{proj}.bias"] = _vector(rows, because)
+    return tensors
+
+
+def moe_block_tensors(spec: LlamaSpec, moe: MoeConfig, prefix: str) -> dict[str, ExpectedShape]:
     """The non-expert weights of a MoE block (router, shared experts); routed experts live in experts.bin."""
-    names = [prefix + "gate.weight"]
+    experts = f"{moe.num_experts} routed experts"
+    tensors = {prefix + "gate.weight": _matrix(moe.num_experts, spec.hidden_size,
+                                               f"{experts}, hidden_size {spec.hidden_size}")}
     if moe.score_correction_bias:
-        names.append(prefix + "gate.e_score_correction_bias")
+        tensors[prefix + "gate.e_score_correction_bias"] = _vector(moe.num_experts, experts)
     if moe.shared_intermediate_size:
-        names += [prefix + f"{moe.shared_expert_name}.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
+        tensors.update(ffn_tensors(spec.hidden_size, moe.shared_intermediate_size, "shared experts' intermediate size",
+                                   prefix + f"{moe.shared_expert_name}."))
         if moe.shared_expert_gate:
-            names.append(prefix + "shared_expert_gate.weight")
-    return names
+            tensors[prefix + "shared_expert_gate.weight"] = _matrix(1, spec.hidden_size,
+                                                                    f"hidden_size {spec.hidden_size}")
+    return tensors
 
 
-def spec_expert_tensor_names(spec: LlamaSpec) -> dict[int, list[list[str]]]:
-    """Routed expert weights by MoE layer: layer -> per expert, its [gate_proj, up_proj, down_proj] names."""
+def moe_block_tensor_names(spec: LlamaSpec, moe: MoeConfig, prefix: str) -> list[str]:
+    return list(moe_block_tensors(spec, moe, prefix))
+
+
+def spec_expert_tensors(spec: LlamaSpec) -> dict[int, list[dict[str, ExpectedShape]]]:
+    """Routed expert weights by MoE layer: layer -> per expert, its {gate_proj, up_proj, down_proj} names and shapes."""
     experts = {}
     for layer in range(spec.num_hidden_layers):
         moe = spec.moe_for_layer(layer)
         if moe is not None:
-            experts[layer] = [[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
-                               for proj in ("gate_proj", "up_proj", "down_proj")]
-                              for e in range(moe.num_experts)]
+            experts[layer] = [ffn_tensors(spec.hidden_size, moe.intermediate_size, "expert intermediate size",
+                                          f"model.layers.{layer}.mlp.experts.{e}.") for e in range(moe.num_experts)]
     return experts
+
+
+def spec_expert_tensor_names(spec: LlamaSpec) -> dict[int, list[list[str]]]:
+    """Routed expert weights by MoE layer: layer -> per expert, its [gate_proj, up_proj, down_proj] names."""
+    return {layer: [list(expert) for expert in experts] for layer, experts in spec_expert_tensors(spec).items()}
+
+
+def spec_optional_tensors(spec: LlamaSpec) -> dict[str, ExpectedShape]:
+    """Weights a checkpoint of this spec may carry or omit: a MoEfied router's fitted intercept."""
+    if spec.model_type != "llama_moe":
+        return {}
+    return {f"model.layers.{layer}.mlp.gate.bias": _vector(moe.num_experts, f"{moe.num_experts} routed experts")
+            for layer in range(spec.num_hidden_layers) if (moe := spec.moe_for_layer(layer)) is not None}
 
 
 def spec_optional_tensor_names(spec: LlamaSpec) -> list[str]:
     """Weights a checkpoint of this spec may carry or omit: a MoEfied router's fitted intercept."""
-    if spec.model_type != "llama_moe":
-        return []
-    return [f"model.layers.{layer}.mlp.gate.bias" for layer in range(spec.num_hidden_layers)
-            if spec.moe_for_layer(layer) is not None]
+    return list(spec_optional_tensors(spec))
+
+
+def gqa_tensors(spec: LlamaSpec, prefix: str) -> dict[str, ExpectedShape]:
+    """The attention weights of one MHA/GQA/MQA layer."""
+    d, dh = spec.hidden_size, spec.head_dim
+    heads = {"q_proj": (spec.num_attention_heads, f"{spec.num_attention_heads} heads of {dh}"),
+             "k_proj": (spec.num_key_value_heads, f"{spec.num_key_value_heads} KV heads of {dh}"),
+             "v_proj": (spec.num_key_value_heads, f"{spec.num_key_value_heads} KV heads of {dh}")}
+    tensors = {}
+    for proj, (n_heads, because) in heads.items():
+        tensors[prefix + f"{proj}.weight"] = _matrix(n_heads * dh, d, f"hidden_size {d}, {because}")
+        if spec.qkv_bias:
+            tensors[prefix + f"{proj}.bias"] = _vector(n_heads * dh, because)
+    if spec.qk_norm and spec.qk_norm_over_projection:  # OLMoE: over the whole q / k projection
+        tensors[prefix + "q_norm.weight"] = _vector(spec.num_attention_heads * dh, heads["q_proj"][1])
+        tensors[prefix + "k_norm.weight"] = _vector(spec.num_key_value_heads * dh, heads["k_proj"][1])
+    elif spec.qk_norm:  # Qwen3: over each head
+        tensors[prefix + "q_norm.weight"] = tensors[prefix + "k_norm.weight"] = _vector(dh, f"head_dim {dh}")
+    tensors[prefix + "o_proj.weight"] = _matrix(d, spec.num_attention_heads * dh,
+                                                f"hidden_size {d}, {heads['q_proj'][1]}")
+    if spec.attention_bias:
+        tensors[prefix + "o_proj.bias"] = _vector(d, f"hidden_size {d}")
+    return tensors
 
 
 def gqa_tensor_names(spec: LlamaSpec, prefix: str) -> list[str]:
     """The attention weights of one MHA/GQA/MQA layer."""
-    names = []
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        names.append(prefix + f"{proj}.weight")
-        if spec.qkv_bias:
-            names.append(prefix + f"{proj}.bias")
-    if spec.qk_norm:
-        names += [prefix + "q_norm.weight", prefix + "k_norm.weight"]
-    names.append(prefix + "o_proj.weight")
+    return list(gqa_tensors(spec, prefix))
+
+
+def mla_tensors(spec: DeepseekV2Spec, prefix: str) -> dict[str, ExpectedShape]:
+    """The attention weights of one MLA layer (transformers' DeepseekV2Attention / V3)."""
+    d, heads, rank, rope = spec.hidden_size, spec.num_attention_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
+    nope, v = spec.qk_nope_head_dim, spec.v_head_dim
+    q_rows = heads * (nope + rope)
+    q_heads = f"{heads} heads of qk_nope_head_dim {nope} + qk_rope_head_dim {rope}"
+    latent = f"kv_lora_rank {rank} + qk_rope_head_dim {rope}"
+    tensors = {}
+    if spec.q_lora_rank is None:
+        tensors[prefix + "q_proj.weight"] = _matrix(q_rows, d, f"hidden_size {d}, {q_heads}")
+    else:
+        q_rank = spec.q_lora_rank
+        tensors[prefix + "q_a_proj.weight"] = _matrix(q_rank, d, f"hidden_size {d}, q_lora_rank {q_rank}")
+        if spec.attention_bias:
+            tensors[prefix + "q_a_proj.bias"] = _vector(q_rank, f"q_lora_rank {q_rank}")
+        tensors[prefix + "q_a_layernorm.weight"] = _vector(q_rank, f"q_lora_rank {q_rank}")
+        tensors[prefix + "q_b_proj.weight"] = _matrix(q_rows, q_rank, f"q_lora_rank {q_rank}, {q_heads}")
+    tensors[prefix + "kv_a_proj_with_mqa.weight"] = _matrix(rank + rope, d, f"hidden_size {d}, {latent}")
     if spec.attention_bias:
-        names.append(prefix + "o_proj.bias")
-    return names
+        tensors[prefix + "kv_a_proj_with_mqa.bias"] = _vector(rank + rope, latent)
+    tensors[prefix + "kv_a_layernorm.weight"] = _vector(rank, f"kv_lora_rank {rank}")
+    tensors[prefix + "kv_b_proj.weight"] = _matrix(
+        heads * (nope + v), rank, f"kv_lora_rank {rank}, {heads} heads of qk_nope_head_dim {nope} + v_head_dim {v}")
+    tensors[prefix + "o_proj.weight"] = _matrix(d, heads * v, f"hidden_size {d}, {heads} heads of v_head_dim {v}")
+    if spec.attention_bias:
+        tensors[prefix + "o_proj.bias"] = _vector(d, f"hidden_size {d}")
+    return tensors
 
 
 def mla_tensor_names(spec: DeepseekV2Spec, prefix: str) -> list[str]:
     """The attention weights of one MLA layer (transformers' DeepseekV2Attention / V3)."""
-    names = []
-    if spec.q_lora_rank is None:
-        names.append(prefix + "q_proj.weight")
-    else:
-        names.append(prefix + "q_a_proj.weight")
-        if spec.attention_bias:
-            names.append(prefix + "q_a_proj.bias")
-        names += [prefix + "q_a_layernorm.weight", prefix + "q_b_proj.weight"]
-    names.append(prefix + "kv_a_proj_with_mqa.weight")
-    if spec.attention_bias:
-        names.append(prefix + "kv_a_proj_with_mqa.bias")
-    names += [prefix + "kv_a_layernorm.weight", prefix + "kv_b_proj.weight", prefix + "o_proj.weight"]
-    if spec.attention_bias:
-        names.append(prefix + "o_proj.bias")
-    return names
+    return list(mla_tensors(spec, prefix))
+
+
+def spec_dense_tensors(spec: LlamaSpec) -> dict[str, ExpectedShape]:
+    """Every weight of the spec that is not a routed expert or optional, in checkpoint order."""
+    embeddings = _matrix(spec.vocab_size, spec.hidden_size,
+                         f"vocab_size {spec.vocab_size}, hidden_size {spec.hidden_size}")
+    tensors = {"model.embed_tokens.weight": embeddings}
+    for layer in range(spec.num_hidden_layers):
+        tensors.update(spec_layer_tensors(spec, layer))
+    tensors["model.norm.weight"] = _vector(spec.hidden_size, f"hidden_size {spec.hidden_size}")
+    if not spec.tie_word_embeddings:
+        tensors["lm_head.weight"] = embeddings
+    return tensors
 
 
 def spec_tensor_names(spec: LlamaSpec) -> list[str]:
-    names = ["model.embed_tokens.weight"]
-    for layer in range(spec.num_hidden_layers):
-        names += spec_layer_tensor_names(spec, layer)
-    names.append("model.norm.weight")
-    if not spec.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return names
+    return list(spec_dense_tensors(spec))
+
+
+def spec_tensor_shapes(spec: LlamaSpec) -> dict[str, ExpectedShape]:
+    """Every weight name the spec declares (dense, optional and routed experts) -> the shape it must have."""
+    shapes = {**spec_dense_tensors(spec), **spec_optional_tensors(spec)}
+    for experts in spec_expert_tensors(spec).values():
+        for expert in experts:
+            shapes.update(expert)
+    return shapes
+
+
+def shape_mismatches(spec: LlamaSpec, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """For each tensor in `shapes` (name -> shape) whose shape the spec does not allow, what is wrong:
+    "tensor NAME has shape [a, b]; the config (hidden_size 64, ...) needs [c, d]". Names the spec does
+    not declare are not this function's business (the callers list them)."""
+    expected = spec_tensor_shapes(spec)
+    problems = []
+    for name, shape in shapes.items():
+        want = expected.get(name)
+        if want is not None and tuple(int(d) for d in shape) != want.shape:
+            problems.append(f"tensor {name} has shape {list(shape)}; the config ({want.because}) "
+                            f"needs {list(want.shape)}")
+    return problems

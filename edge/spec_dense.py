@@ -1,13 +1,137 @@
 """Dense decoder families of the Llama lineage (Llama, Mistral, Qwen2, Qwen3): one dataclass each,
-fields named exactly as in Hugging Face config.json. The registry and readers live in edge/spec.py."""
+fields named exactly as in Hugging Face config.json. The registry and readers live in edge/spec.py.
+
+Every spec checks its fields when it is built: each field's type and range in one table per class
+(FIELD_RULES, merged along the class hierarchy), then what the fields must satisfy together
+(`_check_consistency`). A malformed value is a ConversionError naming the field, what it must be and
+what it is; a well-formed value this code does not implement is an UnsupportedModelError."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from edge.errors import UnsupportedModelError
+from edge.errors import ConversionError, UnsupportedModelError
 from edge.moe import MoeConfig
+
+
+# --- field rules ----------------------------------------------------------------------------------
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_layer_list(value, spec) -> bool:
+    return isinstance(value, (list, tuple)) and all(_is_int(v) and 0 <= v < spec.num_hidden_layers for v in value)
+
+
+def _is_token_id(value) -> bool:
+    return _is_int(value) and value >= 0
+
+
+# kind -> (test, what a value must be). The test also gets the spec, for ranges that depend on it.
+FIELD_KINDS: dict[str, tuple[Any, str]] = {
+    "count": (lambda v, spec: _is_int(v) and v >= 1, "a positive integer"),
+    "size": (lambda v, spec: _is_int(v) and v >= 0, "a non-negative integer"),
+    "positive": (lambda v, spec: _is_number(v) and v > 0, "a positive number"),
+    "non_negative": (lambda v, spec: _is_number(v) and v >= 0, "a non-negative number"),
+    "flag": (lambda v, spec: isinstance(v, bool), "true or false"),
+    "text": (lambda v, spec: isinstance(v, str), "a string"),
+    "layers": (_is_layer_list, "a list of layer indices in [0, num_hidden_layers)"),
+    "layer_types": (lambda v, spec: isinstance(v, (list, tuple)) and all(isinstance(t, str) for t in v),
+                    "a list of strings"),
+    "token_ids": (lambda v, spec: _is_token_id(v) or (isinstance(v, (list, tuple)) and all(map(_is_token_id, v))),
+                  "a token id (a non-negative integer) or a list of them"),
+    "rope_scaling": (lambda v, spec: isinstance(v, dict), "an object"),
+}
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    kind: str  # a key of FIELD_KINDS
+    nullable: bool = False  # null (None) is allowed and means "absent"
+
+
+def show(value) -> str:
+    """A config value as config.json spells it ("2", 2.0, [1, 2], true), for messages."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _normalized(value, kind: str):
+    """Plain Python values (numpy scalars from GGUF metadata become int/float) so that to_dict is JSON."""
+    if kind in ("count", "size"):
+        return int(value)
+    if kind in ("positive", "non_negative"):
+        return int(value) if _is_int(value) else float(value)
+    if kind in ("layers", "layer_types"):
+        return [int(v) if _is_int(v) else v for v in value]
+    if kind == "token_ids" and isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    if kind == "token_ids":
+        return int(value)
+    return value
+
+
+# rope_type -> the parameters its inverse frequencies need (edge/rope.py `rope_inv_freq`)
+ROPE_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor",),  # as transformers requires
+    "freq_factors": ("factors",),
+}
+# optional numeric rope parameters and what they must be
+ROPE_NUMBERS = {"factor": "positive", "low_freq_factor": "positive", "high_freq_factor": "positive",
+                "original_max_position_embeddings": "count", "attention_factor": "positive",
+                "beta_fast": "positive", "beta_slow": "positive", "mscale": "non_negative",
+                "mscale_all_dim": "non_negative"}
+
+
+def _check_rope_scaling(spec: "LlamaSpec") -> None:
+    scaling = spec.rope_scaling
+    if scaling is None:
+        return
+    rope_type = scaling.get("rope_type", "default")
+    if not isinstance(rope_type, str) or rope_type not in ROPE_PARAMETERS:
+        raise UnsupportedModelError(
+            f"rope_scaling.rope_type {show(rope_type)} is not supported; supported: {', '.join(ROPE_PARAMETERS)}")
+    missing = [p for p in ROPE_PARAMETERS[rope_type] if scaling.get(p) is None]
+    if missing:
+        them = "it" if len(missing) == 1 else "them"
+        raise ConversionError(f"rope_scaling of type {rope_type!r} needs {', '.join(missing)}; add {them} to the "
+                              "config's rope_scaling (or rope_parameters)")
+    for key, kind in ROPE_NUMBERS.items():
+        value = scaling.get(key)
+        if value is None:
+            continue
+        test, what = FIELD_KINDS[kind]
+        if not test(value, spec):
+            raise ConversionError(f"rope_scaling.{key} must be {what}, got {show(value)}")
+    if rope_type == "llama3" and scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
+        raise ConversionError(
+            f"rope_scaling.low_freq_factor ({show(scaling['low_freq_factor'])}) must be below high_freq_factor "
+            f"({show(scaling['high_freq_factor'])})")
+    if rope_type == "freq_factors":
+        factors, pairs = scaling["factors"], spec.head_dim // 2
+        if not isinstance(factors, (list, tuple)):
+            got = show(factors)
+        elif len(factors) != pairs:
+            got = f"{len(factors)} values"
+        else:
+            got = next((show(f) for f in factors if not (_is_number(f) and f > 0)), None)
+        if got is not None:
+            raise ConversionError(f"rope_scaling.factors must be {pairs} positive numbers (one per rotary pair of "
+                                  f"head_dim {spec.head_dim}), got {got}")
 
 
 @dataclass
@@ -32,20 +156,86 @@ class LlamaSpec:
     bos_token_id: int | list[int] | None = None
     eos_token_id: int | list[int] | None = None
 
+    # Fields a converted config must give: they decide the weights' shapes, so no default can stand in
+    # for them. Fields needed only by some layouts are added by `required_fields`.
+    REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    # Each class lists its own fields; `field_rules` merges them along the class hierarchy.
+    FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
+        "vocab_size": FieldRule("count"),
+        "hidden_size": FieldRule("count"),
+        "intermediate_size": FieldRule("count"),
+        "num_hidden_layers": FieldRule("count"),
+        "num_attention_heads": FieldRule("count"),
+        "num_key_value_heads": FieldRule("count", nullable=True),
+        "head_dim": FieldRule("count", nullable=True),
+        "max_position_embeddings": FieldRule("count"),
+        "rms_norm_eps": FieldRule("positive"),
+        "rope_theta": FieldRule("positive"),
+        "rope_scaling": FieldRule("rope_scaling", nullable=True),
+        "tie_word_embeddings": FieldRule("flag"),
+        "attention_bias": FieldRule("flag"),
+        "mlp_bias": FieldRule("flag"),
+        "hidden_act": FieldRule("text"),
+        "bos_token_id": FieldRule("token_ids", nullable=True),
+        "eos_token_id": FieldRule("token_ids", nullable=True),
+    }
+
     def __post_init__(self) -> None:
+        self._check_fields()
+        self._derive_fields()
+        self._check_consistency()
+
+    @classmethod
+    def field_rules(cls) -> dict[str, FieldRule]:
+        rules: dict[str, FieldRule] = {}
+        for klass in reversed(cls.__mro__):
+            rules.update(vars(klass).get("FIELD_RULES", {}))
+        return rules
+
+    def required_fields(self) -> tuple[str, ...]:
+        """The fields a converted config must give (REQUIRED_FIELDS, and any this layout adds)."""
+        return self.REQUIRED_FIELDS
+
+    def _check_fields(self) -> None:
+        """Each field's type and range, as FIELD_RULES says; values are normalised to plain Python types."""
+        for name, rule in self.field_rules().items():
+            value = getattr(self, name)
+            if value is None and rule.nullable:
+                continue
+            test, what = FIELD_KINDS[rule.kind]
+            # layer lists are checked against num_hidden_layers, which is checked before them
+            if not test(value, self):
+                raise ConversionError(f"{name} must be {what}{' or null' if rule.nullable else ''}, got {show(value)}")
+            setattr(self, name, _normalized(value, rule.kind))
+
+    def _derive_fields(self) -> None:
+        """Fields transformers derives when the config leaves them out."""
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConversionError(
+                    f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
+                    f"{self.num_attention_heads}, and the config gives no head_dim; fix num_attention_heads, "
+                    "or give head_dim if the heads really are narrower")
             self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def _check_consistency(self) -> None:
+        """What the fields must satisfy together."""
         if self.hidden_act not in ("silu", "swish"):
             raise UnsupportedModelError(
                 f"hidden_act {self.hidden_act!r} is not supported for {self.model_type}; supported: silu"
             )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise UnsupportedModelError(
+            raise ConversionError(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
+                f"num_key_value_heads ({self.num_key_value_heads}); each KV head must serve a whole group of "
+                "query heads: fix num_key_value_heads"
             )
+        if self.head_dim % 2:
+            raise ConversionError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        _check_rope_scaling(self)
 
     # What the model composition needs to know, derived once from the family's fields.
     @property
@@ -86,6 +276,8 @@ class MistralSpec(LlamaSpec):
     model_type: str = "mistral"
     sliding_window: int | None = None
 
+    FIELD_RULES: ClassVar[dict[str, FieldRule]] = {"sliding_window": FieldRule("count", nullable=True)}
+
     def sliding_window_for_layer(self, layer: int) -> int | None:
         return self.sliding_window
 
@@ -99,8 +291,15 @@ class Qwen2Spec(LlamaSpec):
     # per layer "full_attention" | "sliding_attention"; None: derived from max_window_layers
     layer_types: list[str] | None = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
+        "use_sliding_window": FieldRule("flag"),
+        "sliding_window": FieldRule("size", nullable=True),  # 0 or null: no window
+        "max_window_layers": FieldRule("size"),
+        "layer_types": FieldRule("layer_types", nullable=True),
+    }
+
+    def _check_consistency(self) -> None:
+        super()._check_consistency()
         check_layer_types(self)
 
     @property

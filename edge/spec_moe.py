@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from edge.errors import UnsupportedModelError
 from edge.moe import MoeConfig
+from edge.spec_dense import FieldRule, LlamaSpec, MistralSpec, Qwen2Spec, Qwen3Spec
 
 
-from edge.spec_dense import LlamaSpec, MistralSpec, Qwen2Spec, Qwen3Spec
+def _with_dense_ffn(spec: LlamaSpec, fields: tuple[str, ...]) -> tuple[str, ...]:
+    """`fields`, plus intermediate_size when some layer keeps a dense feed-forward block."""
+    dense = any(spec.moe_for_layer(layer) is None for layer in range(spec.num_hidden_layers))
+    return fields + ("intermediate_size",) if dense else fields
+
 
 @dataclass
 class DeepseekV2Spec(LlamaSpec):
@@ -37,12 +43,44 @@ class DeepseekV2Spec(LlamaSpec):
     norm_topk_prob: bool = False
     scoring_func: str = "softmax"
 
-    def __post_init__(self) -> None:
+    REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
+        "q_lora_rank": FieldRule("count", nullable=True),
+        "kv_lora_rank": FieldRule("count"),
+        "qk_nope_head_dim": FieldRule("size"),
+        "qk_rope_head_dim": FieldRule("count"),
+        "v_head_dim": FieldRule("count"),
+        "n_routed_experts": FieldRule("count"),
+        "n_shared_experts": FieldRule("size"),
+        "num_experts_per_tok": FieldRule("count", nullable=True),  # null: every layer dense
+        "moe_intermediate_size": FieldRule("count"),
+        "first_k_dense_replace": FieldRule("size"),
+        "moe_layer_freq": FieldRule("count"),
+        "routed_scaling_factor": FieldRule("positive"),
+        "topk_method": FieldRule("text"),
+        "n_group": FieldRule("count", nullable=True),
+        "topk_group": FieldRule("count", nullable=True),
+        "norm_topk_prob": FieldRule("flag"),
+        "scoring_func": FieldRule("text"),
+    }
+
+    def required_fields(self) -> tuple[str, ...]:
+        fields = self.REQUIRED_FIELDS
+        if any(self.is_moe_layer(layer) for layer in range(self.num_hidden_layers)):
+            fields += ("n_routed_experts", "n_shared_experts", "moe_intermediate_size")
+        return _with_dense_ffn(self, fields)
+
+    def _derive_fields(self) -> None:
         self.num_key_value_heads = self.num_attention_heads  # every head has its own K/V, rebuilt from the latent
         self.head_dim = self.qk_rope_head_dim
-        super().__post_init__()
+
+    def _check_consistency(self) -> None:
         if self.qk_rope_head_dim % 2:
-            raise UnsupportedModelError(f"qk_rope_head_dim must be even for rotary embeddings, got {self.qk_rope_head_dim}")
+            raise UnsupportedModelError(
+                f"qk_rope_head_dim must be even for rotary embeddings, got {self.qk_rope_head_dim}")
+        super()._check_consistency()
         self._check_routing()
 
     def _check_routing(self) -> None:
@@ -126,6 +164,8 @@ class DeepseekV3Spec(DeepseekV2Spec):
     scoring_func: str = "sigmoid"
     rope_interleave: bool = True
 
+    FIELD_RULES: ClassVar[dict[str, FieldRule]] = {"rope_interleave": FieldRule("flag")}
+
     def _check_routing(self) -> None:
         if self.topk_method != "noaux_tc":
             raise UnsupportedModelError(
@@ -179,6 +219,11 @@ class MixtralSpec(MistralSpec):
     num_local_experts: int = 8
     num_experts_per_tok: int = 2
 
+    REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = LlamaSpec.REQUIRED_FIELDS + (
+        "num_local_experts", "num_experts_per_tok")
+    FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
+        "num_local_experts": FieldRule("count"), "num_experts_per_tok": FieldRule("count")}
+
     def moe_for_layer(self, layer: int) -> MoeConfig | None:
         # every layer is sparse; softmax over all experts, top-k, renormalised to sum to 1
         return MoeConfig(self.num_local_experts, self.num_experts_per_tok, self.intermediate_size,
@@ -196,6 +241,23 @@ class Qwen2MoeSpec(Qwen2Spec):
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+
+    REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "shared_expert_intermediate_size")
+    FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
+        "qkv_bias": FieldRule("flag"),
+        "num_experts": FieldRule("size"),  # 0: every layer dense
+        "num_experts_per_tok": FieldRule("count"),
+        "moe_intermediate_size": FieldRule("count"),
+        "shared_expert_intermediate_size": FieldRule("size"),  # 0: no shared expert
+        "norm_topk_prob": FieldRule("flag"),
+        "decoder_sparse_step": FieldRule("count"),
+        "mlp_only_layers": FieldRule("layers"),
+    }
+
+    def required_fields(self) -> tuple[str, ...]:
+        return _with_dense_ffn(self, self.REQUIRED_FIELDS)
 
     def moe_for_layer(self, layer: int) -> MoeConfig | None:
         if not _sparse_by_step(layer, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers):
@@ -215,6 +277,21 @@ class Qwen3MoeSpec(Qwen3Spec):
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
 
+    REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts", "num_experts_per_tok",
+        "moe_intermediate_size")
+    FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
+        "num_experts": FieldRule("size"),  # 0: every layer dense
+        "num_experts_per_tok": FieldRule("count"),
+        "moe_intermediate_size": FieldRule("count"),
+        "norm_topk_prob": FieldRule("flag"),
+        "decoder_sparse_step": FieldRule("count"),
+        "mlp_only_layers": FieldRule("layers"),
+    }
+
+    def required_fields(self) -> tuple[str, ...]:
+        return _with_dense_ffn(self, self.REQUIRED_FIELDS)
+
     def moe_for_layer(self, layer: int) -> MoeConfig | None:
         if not _sparse_by_step(layer, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers):
             return None
@@ -229,6 +306,14 @@ class OlmoeSpec(LlamaSpec):
     num_experts_per_tok: int = 8
     norm_topk_prob: bool = False
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] after their projections
+
+    REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = LlamaSpec.REQUIRED_FIELDS + ("num_experts", "num_experts_per_tok")
+    FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
+        "num_experts": FieldRule("count"),
+        "num_experts_per_tok": FieldRule("count"),
+        "norm_topk_prob": FieldRule("flag"),
+        "clip_qkv": FieldRule("positive", nullable=True),
+    }
 
     @property
     def qk_norm(self) -> bool:
@@ -258,8 +343,21 @@ class LlamaMoeSpec(LlamaSpec):
     moe_intermediate_size: int = 0
     dense_layers: list[int] = field(default_factory=list)  # layers that keep their dense FFN
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts", "num_experts_per_tok",
+        "moe_intermediate_size")
+    FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
+        "num_experts": FieldRule("count"),
+        "num_experts_per_tok": FieldRule("count"),
+        "moe_intermediate_size": FieldRule("size"),
+        "dense_layers": FieldRule("layers"),
+    }
+
+    def required_fields(self) -> tuple[str, ...]:
+        return _with_dense_ffn(self, self.REQUIRED_FIELDS)
+
+    def _check_consistency(self) -> None:
+        super()._check_consistency()
         if self.moe_intermediate_size <= 0 and len(set(self.dense_layers)) < self.num_hidden_layers:
             raise UnsupportedModelError(
                 f"llama_moe config has moe_intermediate_size {self.moe_intermediate_size}; expected the experts' "
