@@ -70,8 +70,9 @@ class Engine:
 class ZllmEngine(Engine):
     def __init__(self, model: str, threads: int, context: int, device: str = "reference"):
         import edge
+        from edge.bench import load_threads  # reference and gpu take no count; the pools are capped instead
 
-        self.model = edge.load(model, device=device, threads=threads)
+        self.model = edge.load(model, device=device, threads=load_threads(device, threads))
         self.info = {"device_info": self.model.device_info()}
         # tied embeddings: the LM head reads the whole table each token, so every stored byte counts
         self.weight_bytes_per_token = self.model.weight_bytes

@@ -102,6 +102,9 @@ class ReferenceBackend:
     def __init__(self, threads: int | None = None, variant: str | None = None):
         if variant is not None:
             raise ValueError(f"device 'reference' has no variants, got 'reference:{variant}'")
+        if threads is not None:  # refused as the gpu refuses it, rather than accepted and ignored
+            raise ValueError("device 'reference' is the numpy oracle and runs no threads of its own; "
+                             "--threads/threads= applies to the cpu and npu devices")
         self.threads = threads
 
     def prepare_weight(self, weight):

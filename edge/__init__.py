@@ -5,10 +5,11 @@
     for piece in model.generate("The capital of France is", max_new_tokens=16):
         print(piece, end="", flush=True)
 """
-from edge.errors import CheckpointError, ConversionError, SessionError, UnsupportedModelError, ZllmError
+from edge.errors import (CheckpointError, ConversionError, InvalidArgumentError, SessionError, UnsupportedModelError,
+                         ZllmError)
 
 __all__ = ["load", "Model", "ZllmError", "ConversionError", "UnsupportedModelError", "CheckpointError",
-           "SessionError"]
+           "SessionError", "InvalidArgumentError"]
 __version__ = "0.1.0"
 
 

@@ -8,16 +8,17 @@ import psutil
 
 from converters.checkpoint import open_checkpoint
 from devices.base import DeviceUnavailableError, create_backend
-from edge.errors import CheckpointError, ExpertCacheError, SessionError, UnsupportedModelError, ZllmError
-from edge.generation import Generation
+from edge.arguments import integer
+from edge.errors import (CheckpointError, ExpertCacheError, InvalidArgumentError, SessionError,
+                         UnsupportedModelError, ZllmError)
+from edge.generation import Generation, GenerationOptions
 from edge.model import Transformer
-from edge.sampling import SamplingParams
 from edge.saved_session import restore_session
-from edge.session import Session
+from edge.session import Session, check_token_ids
 from edge.spec import spec_from_dict
 from edge.tokenizer import Tokenizer, TokenizerError
 from quant import QuantizedTensor
-from streaming.budget import plan_memory
+from streaming.budget import parse_budget, plan_memory
 from streaming.stats import peak_rss_bytes, release_free_heap
 
 DEFAULT_SESSION_CAPACITY = 4096
@@ -45,13 +46,36 @@ def load_tokenizer(path: str | None, config: dict) -> tuple[Tokenizer | None, in
     return tokenizer, _TOKENIZER_BYTES[key]
 
 
+def check_load_arguments(device: str = "reference", threads: int | None = None,
+                         memory_budget: int | str | None = None, kv_capacity: int | None = None,
+                         prefetch_threads: int = 4, prefetch_depth: int = 2) -> None:
+    """edge.load's checks that need no checkpoint (InvalidArgumentError, or the budget parser's
+    ZllmError), so that the CLI runs them before it converts or loads a model. What a device accepts
+    beyond this (a thread count above what it can start, a variant) its backend checks."""
+    from devices.base import BACKENDS  # read now: tests register devices of their own
+
+    if not isinstance(device, str) or device.partition(":")[0] not in BACKENDS:
+        raise InvalidArgumentError(f"device {device!r} is not available; available devices: {', '.join(BACKENDS)}")
+    if threads is not None:
+        integer("threads", threads, minimum=1)
+    if kv_capacity is not None:
+        integer("kv_capacity", kv_capacity, minimum=1)
+    integer("prefetch_threads", prefetch_threads, minimum=1)
+    integer("prefetch_depth", prefetch_depth, minimum=1)
+    parse_budget(memory_budget)
+
+
 class Model:
     def __init__(self, path: str, device: str = "reference", threads: int | None = None,
                  memory_budget: int | str | None = None, verify: bool = False, storage: str | None = None,
                  expert_strategy: str | None = None, expert_policy: str | None = None, prefetch_depth: int = 2,
                  prefetch_threads: int = 4, kv_capacity: int | None = None, kv_cache: str = "f32",
                  gpu_expert_cache: int | str | None = None):
+        check_load_arguments(device, threads, memory_budget, kv_capacity, prefetch_threads, prefetch_depth)
+        self._closed = False
         self.path = os.fspath(path)
+        # a session's default capacity (and a generation's most); a budget reserves this many positions
+        self.kv_capacity = None if kv_capacity is None else int(kv_capacity)
         self.checkpoint = open_checkpoint(self.path, verify=verify)
         self.spec = spec_from_dict(self.checkpoint.model_config)
         self.weight_bytes = sum(  # every tensor that is not a routed expert (those live in experts.bin)
@@ -143,8 +167,34 @@ class Model:
             raise ExpertCacheError(f"{self.path}: {exc}") from None
 
     # --- sessions -------------------------------------------------------------------------
+    def require_open(self) -> None:
+        if self._closed:
+            raise ZllmError(f"the model is closed; load {self.path} again with edge.load()")
+
+    def session_ceiling(self) -> int:
+        """The most KV positions one session may hold: the memory budget's reservation, else the context."""
+        context = self.spec.max_position_embeddings
+        return min(self.memory.kv_capacity, context) if self.memory_budget is not None else context
+
+    def generation_limit(self) -> tuple[int, str]:
+        """The most positions a generation's session takes, and a message's words for that limit and
+        its remedy ("the prompt has N tokens, more than ...")."""
+        larger = "shorten the prompt or load the model with a larger kv_capacity (--kv-capacity)"
+        if self.memory_budget is not None:
+            ceiling = self.session_ceiling()
+            return ceiling, f"the {ceiling} KV positions the memory budget reserves; {larger}"
+        if self.kv_capacity is not None:
+            return self.kv_capacity, f"the model's kv_capacity of {self.kv_capacity} positions; {larger}"
+        context = self.spec.max_position_embeddings
+        return context, f"the model's context of {context} tokens; shorten the prompt"
+
     def session(self, capacity: int | None = None) -> Session:
+        """A new session of `capacity` KV positions (default: the model's kv_capacity, else
+        min(context, 4096); under a memory budget, what the budget's reservation has left)."""
+        self.require_open()
         limit = self.spec.max_position_embeddings
+        if capacity is not None:
+            capacity = integer("capacity", capacity)
         if self.memory_budget is not None:  # sessions share the KV positions the budget reserved
             left = self.memory.kv_capacity - sum(s.capacity for s in self._sessions)
             capacity = left if capacity is None else capacity
@@ -152,8 +202,10 @@ class Model:
                 raise SessionError(
                     f"a session of {capacity} positions does not fit the memory budget: it reserves "
                     f"{self.memory.kv_capacity} KV positions and open sessions hold {self.memory.kv_capacity - left}; "
-                    f"close a session, or load with a larger kv_capacity (and memory_budget)")
-        capacity = min(limit, DEFAULT_SESSION_CAPACITY) if capacity is None else capacity
+                    f"close a session (or an unfinished generation: generation.close()), or load with a larger "
+                    f"kv_capacity and memory_budget (--kv-capacity, --memory-budget)")
+        if capacity is None:
+            capacity = self.kv_capacity if self.kv_capacity is not None else min(limit, DEFAULT_SESSION_CAPACITY)
         if not 0 < capacity <= limit:
             raise SessionError(f"session capacity must be in [1, {limit}] (the model's context), got {capacity}")
         session = Session(self, capacity)
@@ -171,30 +223,45 @@ class Model:
         return self.tokenizer
 
     def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidArgumentError(f"encode takes text (a str), got {type(text).__name__} {text!r}")
         return self._require_tokenizer().encode(text)
 
     def decode(self, ids) -> str:
-        return self._require_tokenizer().decode(ids)
+        tokenizer = self._require_tokenizer()
+        return tokenizer.decode(check_token_ids(ids, self.spec.vocab_size, InvalidArgumentError).tolist())
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
-                 seed: int | None = None, stop: list[str] | None = None) -> Generation:
-        """Stream text pieces: `for piece in model.generate(...)`; `.result` has ids and timings."""
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
-        params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
-        return Generation(self, ids, max_new_tokens, params, seed, stop)
+                 seed: int | None = None, stop: str | list[str] | None = None) -> Generation:
+        """Stream text pieces: `for piece in model.generate(...)`; `.result` has ids and timings.
+        seed None or -1: a random seed; stop: a string or a list of strings (the text ends before
+        the first one that appears; GenerationResult says what `tokens` then hold)."""
+        self.require_open()
+        options = GenerationOptions.of(max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop)
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        elif prompt is None or isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__len__"):
+            raise InvalidArgumentError(f"prompt must be text (a str) or a list of token ids, got {prompt!r}")
+        else:
+            ids = check_token_ids(prompt, self.spec.vocab_size).tolist()
+        return Generation(self, ids, options)
 
     def chat(self, messages: list[dict], **kwargs) -> Generation:
         """Apply the checkpoint's chat template to messages and generate the assistant's reply."""
+        self.require_open()
+        _check_messages(messages)
         tokenizer = self._require_tokenizer()
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate(tokenizer.encode(text, add_special_tokens=False), **kwargs)
 
     # --- reporting ------------------------------------------------------------------------
     def device_info(self) -> dict:
+        self.require_open()
         return {"requested": self.device, **self.backend.info()}
 
     def stats(self) -> dict:
+        self.require_open()
         return {
             "weight_bytes": self.weight_bytes,
             "quantized_tensors": sum(isinstance(t, QuantizedTensor) for t in self.checkpoint.tensors.values()),
@@ -210,9 +277,16 @@ class Model:
         """A session restored from `session.save(path)`: KV state, position and tokens, no prefill.
         The file must come from this model (same manifest) and KV format; capacity defaults to the
         saved session's."""
+        self.require_open()
         return restore_session(self, path, capacity)
 
     def close(self) -> None:
+        """Close every open session, the expert source and the checkpoint; later calls raise ZllmError."""
+        if self._closed:
+            return
+        for session in list(self._sessions):
+            session.close()
+        self._closed = True
         self.transformer = None
         if self.experts is not None:
             self.experts.close()
@@ -223,6 +297,25 @@ class Model:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_messages(messages) -> None:
+    """Chat messages are a non-empty list of {"role": str, "content": str} dicts; refused here with the
+    culprit named, rather than as a template engine's error about an undefined attribute."""
+    shape = 'a list of {"role": ..., "content": ...} dicts'
+    if not isinstance(messages, (list, tuple)):
+        raise InvalidArgumentError(f"messages must be {shape}, got {type(messages).__name__} {messages!r:.80}")
+    if not messages:
+        raise InvalidArgumentError(f"messages is empty; give {shape}, "
+                                   'e.g. [{"role": "user", "content": "Hi"}]')
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidArgumentError(f"messages must be {shape}; messages[{i}] is {type(message).__name__} "
+                                       f"{message!r:.80}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                found = "has none" if key not in message else f"is {message[key]!r:.80}"
+                raise InvalidArgumentError(f"messages[{i}] needs a string {key!r}; its {key!r} {found}")
 
 
 def load(path, device: str = "reference", threads: int | None = None,

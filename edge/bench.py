@@ -45,15 +45,28 @@ from edge.errors import ZllmError
 PROMPT_TOPIC = "execmodel"  # pydoc_data.topics entry the text prompt is cut from: plain English prose
 PROMPT_SEED = 0
 WARMUP_NEW_TOKENS = 2  # one prefill plus one decode step: enough to compile every kernel a run uses
+WARMUP_PROMPT_TOKENS = 8  # the runtime warm-up's prompt (_warm_up_runtime), shortened to fit a smaller KV reservation
 # Thread pools a backend may draw on. `--threads N` caps all of them, so that a device cannot win
 # by quietly using more cores than another.
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 def load_threads(device: str, threads: int | None) -> int | None:
-    """The `threads` edge.load takes for `device`: the gpu schedules its own work (it refuses a count),
-    so there --threads only caps the host's thread pools (THREAD_ENV_VARS)."""
-    return None if device.partition(":")[0] == "gpu" else threads
+    """The `threads` edge.load takes for `device`: the gpu schedules its own work and the reference is
+    numpy's (both refuse a count), so there --threads only caps the host's thread pools (THREAD_ENV_VARS)."""
+    return None if device.partition(":")[0] in ("gpu", "reference") else threads
+
+
+def check_prompt_tokens(n_tokens: int) -> None:
+    if n_tokens < 1:
+        raise BenchError(f"the prompt needs at least 1 token, got --prompt-tokens {n_tokens}")
+
+
+def check_counts(prompt_tokens: int, new_tokens: int, repeats: int) -> None:
+    """The run's sizes, checked before a model is built, converted or loaded."""
+    check_prompt_tokens(prompt_tokens)
+    if new_tokens < 1 or repeats < 1:
+        raise BenchError(f"--new-tokens and --repeats must be at least 1, got {new_tokens} and {repeats}")
 
 
 class BenchError(ZllmError):
@@ -90,8 +103,7 @@ def benchmark_prompt(checkpoint_path: str, n_tokens: int) -> tuple[list[int], st
     from edge.spec import spec_from_dict
     from edge.tokenizer import Tokenizer
 
-    if n_tokens < 1:
-        raise BenchError(f"the prompt needs at least 1 token, got --prompt-tokens {n_tokens}")
+    check_prompt_tokens(n_tokens)
     with open_checkpoint(checkpoint_path) as checkpoint:
         spec = spec_from_dict(checkpoint.model_config)
         config = checkpoint.tokenizer_config
@@ -269,9 +281,12 @@ def _warm_up_runtime(checkpoint_path: str, device: str, threads: int | None, loa
     import edge
     from streaming.stats import release_free_heap
 
+    # short enough for the KV positions the run reserves (the MoE benchmark reserves prompt + new tokens)
+    capacity = load_options.get("kv_capacity") or WARMUP_PROMPT_TOKENS + WARMUP_NEW_TOKENS
+    n_prompt = max(1, min(WARMUP_PROMPT_TOKENS, capacity - WARMUP_NEW_TOKENS))
     with edge.load(checkpoint_path, device=device, threads=load_threads(device, threads), **load_options) as model:
         vocab = model.spec.vocab_size
-        greedy_run(model, [i % vocab for i in range(1, 9)], WARMUP_NEW_TOKENS)
+        greedy_run(model, [i % vocab for i in range(1, n_prompt + 1)], min(WARMUP_NEW_TOKENS, capacity - n_prompt))
     del model
     gc.collect()
     release_free_heap()
@@ -458,8 +473,7 @@ def run_bench(checkpoint_path: str, devices: list[str], threads: int | None = No
     progress = progress or (lambda message: None)
     if not devices:
         raise BenchError("name at least one device, e.g. --device reference")
-    if new_tokens < 1 or repeats < 1:
-        raise BenchError(f"--new-tokens and --repeats must be at least 1, got {new_tokens} and {repeats}")
+    check_counts(prompt_tokens if prompt_ids is None else len(prompt_ids), new_tokens, repeats)
     from converters.checkpoint import read_manifest
 
     manifest = read_manifest(checkpoint_path)
@@ -670,14 +684,23 @@ def add_arguments(parser) -> None:
 
 
 def cmd_bench(args) -> int:
+    from edge.arguments import integer, writable_file
     from edge.home import default_model_checkpoint
 
+    # checked before any model is built or converted, and before minutes of measuring
+    if args.threads is not None:
+        integer("--threads", args.threads, minimum=1)
+    writable_file("--json", args.json)
+    writable_file("--plot", args.plot)
     if args.memory_budget is not None or args.random_moe or args.plot or args.storage:
         from edge.bench_moe import cmd_bench_moe
 
         return cmd_bench_moe(args)
-    path = args.model or default_model_checkpoint(progress=not args.quiet)
     devices = split_device_list(args.device)
+    if not devices:
+        raise BenchError("name at least one device, e.g. --device reference")
+    check_counts(args.prompt_tokens, args.new_tokens, args.repeats)
+    path = args.model or default_model_checkpoint(progress=not args.quiet)
     progress = None if args.quiet else (lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))
     report = run_bench(path, devices, threads=args.threads, prompt_tokens=args.prompt_tokens,
                        new_tokens=args.new_tokens, repeats=args.repeats, progress=progress)

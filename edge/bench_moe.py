@@ -24,8 +24,8 @@ import platform
 import statistics
 import sys
 
-from edge.bench import (PROMPT_SEED, WARMUP_NEW_TOKENS, BenchError, DeviceWorker, _agreeing_prefix, emit_report,
-                        id_prompt, machine_info)
+from edge.bench import (PROMPT_SEED, WARMUP_NEW_TOKENS, BenchError, DeviceWorker, _agreeing_prefix,
+                        check_prompt_tokens, emit_report, id_prompt, machine_info)
 
 STRATEGY_OPTIONS = {
     "resident": {"expert_strategy": "resident"},
@@ -69,8 +69,7 @@ def workload_prompts(checkpoint_path: str, n_tokens: int, count: int) -> tuple[l
     from edge.spec import spec_from_dict
     from edge.tokenizer import Tokenizer
 
-    if n_tokens < 1:
-        raise BenchError(f"the prompt needs at least 1 token, got --prompt-tokens {n_tokens}")
+    check_prompt_tokens(n_tokens)
     if count > len(WORKLOAD_TOPICS):
         raise BenchError(f"at most {len(WORKLOAD_TOPICS) - 1} repeats (one prompt each, plus the warm-up's), "
                          f"got {count - 1}")
@@ -149,22 +148,30 @@ def summarize(strategy: str, budget: str, loaded: dict, runs: list[dict], peak_r
     }
 
 
+def check_moe_counts(prompt_tokens: int, new_tokens: int, repeats: int) -> None:
+    """The sweep's sizes, checked before a model is built (the default MoE takes minutes) or loaded."""
+    check_prompt_tokens(prompt_tokens)
+    if new_tokens < 2 or repeats < 1:
+        raise BenchError(f"the MoE benchmark decodes: --new-tokens must be at least 2 and --repeats at least 1, "
+                         f"got {new_tokens} and {repeats}")
+
+
 def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str], storage: str | None,
                   device: str = "cpu", threads: int | None = None, prompt_tokens: int = 64, new_tokens: int = 64,
-                  repeats: int = 1, prefetch_depth: int = 2, progress=None) -> dict:
-    """Measure every (strategy, budget); returns the report (what --json writes)."""
+                  repeats: int = 1, prefetch_depth: int = 2, progress=None, options: str = "--memory-budget") -> dict:
+    """Measure every (strategy, budget); returns the report (what --json writes). `options`: the command
+    line options that asked for this benchmark, which a refusal of a dense checkpoint names."""
     from converters.checkpoint import read_manifest
     from streaming.storage import parse_storage
 
     progress = progress or (lambda message: None)
-    if new_tokens < 2 or repeats < 1:
-        raise BenchError(f"the MoE benchmark decodes: --new-tokens must be at least 2 and --repeats at least 1, "
-                         f"got {new_tokens} and {repeats}")
+    check_moe_counts(prompt_tokens, new_tokens, repeats)
     parse_storage(storage)
     manifest = read_manifest(checkpoint_path)
     if not manifest.get("experts"):
+        verb = "benchmarks" if "," not in options else "benchmark"
         raise BenchError(f"{checkpoint_path} is a dense {manifest['model']['model_type']} checkpoint; "
-                         "--memory-budget benchmarks Mixture-of-Experts checkpoints (try --random-moe)")
+                         f"{options} {verb} Mixture-of-Experts checkpoints (try --random-moe)")
     context = manifest["model"]["max_position_embeddings"]
     if prompt_tokens + new_tokens > context:
         raise BenchError(f"{prompt_tokens} prompt + {new_tokens} new tokens exceed the model's context of "
@@ -296,11 +303,14 @@ def plot_moe_report(report: dict, path: str) -> None:
 
 def cmd_bench_moe(args) -> int:
     from edge.home import default_moe_checkpoint, home_dir
+    from streaming.storage import parse_storage
 
     if len([d for d in args.device.split(",") if d.strip()]) != 1:
         raise BenchError(f"--memory-budget benchmarks one device at a time, got --device {args.device}")
     budgets = parse_budgets(args.memory_budget or "25%,50%,75%,100%")
     strategies = parse_strategies(args.strategies)
+    check_moe_counts(args.prompt_tokens, args.new_tokens, args.repeats)
+    parse_storage(args.storage)
     if args.plot:
         try:  # checked before the sweep, not after minutes of it
             import matplotlib  # noqa: F401
@@ -315,10 +325,17 @@ def cmd_bench_moe(args) -> int:
     else:
         path = args.model or default_moe_checkpoint(progress=not args.quiet)
     progress = None if args.quiet else (lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))
+    given = [option for option, value in (("--memory-budget", args.memory_budget), ("--storage", args.storage),
+                                          ("--plot", args.plot)) if value is not None]
     report = run_moe_bench(path, budgets, strategies, args.storage, device=args.device.strip(), threads=args.threads,
                            prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
-                           prefetch_depth=args.prefetch_depth, progress=progress)
+                           prefetch_depth=args.prefetch_depth, progress=progress,
+                           options=", ".join(given) or "--memory-budget")
     emit_report(format_moe_table(report), report, args.json)
+    refused = [row for row in report["configs"] if "error" in row]
+    if len(refused) == len(report["configs"]):  # nothing measured: a failure, not a report
+        raise BenchError(f"no configuration could run: all {len(refused)} were refused (the first: "
+                         f"{refused[0]['error']})")
     if args.plot:
         plot_moe_report(report, args.plot)
     return 0

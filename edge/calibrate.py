@@ -31,16 +31,33 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
+def _check_recording(args) -> int:
+    """The recording's sizes, checked before a model is built (the default MoE takes minutes) or
+    loaded; returns the tokens per request."""
+    if args.requests < 2:  # requests alternate between choosing the mix and reporting it
+        raise ZllmError(f"--requests must be at least 2, got {args.requests}: the mix is chosen on half of the "
+                        "requests and reported on the other, held-out half")
+    if args.prompt_tokens < 1 or args.depth < 1:
+        raise ZllmError(f"--prompt-tokens and --depth must be at least 1, got {args.prompt_tokens} and {args.depth}")
+    per_request = args.tokens // args.requests
+    if per_request <= args.prompt_tokens:
+        raise ZllmError(f"--tokens {args.tokens} over --requests {args.requests} leaves {per_request} tokens per "
+                        f"request, which must exceed --prompt-tokens {args.prompt_tokens} so that each request "
+                        "decodes; raise --tokens or lower --requests")
+    return per_request
+
+
 def _record(path: str, args):
     import edge
+    from converters.checkpoint import read_manifest
     from edge.bench import id_prompt
     from streaming.calibration import calibration_prompts, record_trace
 
-    per_request = args.tokens // args.requests
-    if args.requests < 1 or per_request <= args.prompt_tokens or args.prompt_tokens < 1:
-        raise ZllmError(f"--tokens {args.tokens} over --requests {args.requests} leaves {per_request} tokens per "
-                        f"request, which must exceed --prompt-tokens {args.prompt_tokens} (>= 1) so that each "
-                        "request decodes; raise --tokens or lower --requests")
+    per_request = _check_recording(args)
+    context = read_manifest(path)["model"]["max_position_embeddings"]
+    if per_request > context:
+        raise ZllmError(f"--tokens {args.tokens} over --requests {args.requests} makes requests of {per_request} "
+                        f"tokens, beyond the model's context of {context}; lower --tokens or raise --requests")
     model = edge.load(path, device=args.device)
     try:
         if model.tokenizer is not None:
@@ -60,12 +77,18 @@ def _record(path: str, args):
 
 
 def cmd_calibrate(args) -> int:
+    from edge.arguments import writable_file
     from edge.home import default_moe_checkpoint
     from streaming.calibration import RouteTrace, calibrate, format_calibration
     from streaming.predictor import SignalWeights, write_predictor_file
 
+    replay = args.trace is not None and os.path.isfile(args.trace)
+    if not replay:  # checked before the default MoE is built (minutes) and before the recording
+        _check_recording(args)
+        writable_file("--trace", args.trace)
+    writable_file("--json", args.json)
     path = args.model or default_moe_checkpoint(progress=not args.quiet)
-    if args.trace and os.path.isfile(args.trace):
+    if replay:
         trace = RouteTrace.load(args.trace)
     else:
         trace = _record(path, args)

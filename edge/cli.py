@@ -139,34 +139,50 @@ def _generation_kwargs(args) -> dict:
                 stop=args.stop or None)
 
 
-def cmd_generate(args) -> int:
+def _load_for_text(model_path: str | None, args):
+    """generate/chat: check the options (the checks edge.load and generate run themselves) before the
+    default model is converted or any model is loaded, then load one that can take text."""
     import edge
+    from edge.api import check_load_arguments
+    from edge.generation import GenerationOptions
 
+    GenerationOptions.of(**_generation_kwargs(args))
+    check_load_arguments(args.device, args.threads, args.memory_budget, args.kv_capacity, args.prefetch_threads,
+                         args.prefetch_depth)
+    path = _resolve_model(model_path, args.quiet)
+    model = edge.load(path, device=args.device, threads=args.threads, kv_cache=args.kv_cache,
+                      kv_capacity=args.kv_capacity, **_memory_options(args))
+    if model.tokenizer is None:  # the API takes token ids then; the command line has only text
+        model.close()
+        raise ZllmError(f"{path} has no tokenizer, so it cannot take text; convert the model from a source that "
+                        "has one (a Hugging Face folder with tokenizer.json, or a GGUF file)")
+    return model
+
+
+def cmd_generate(args) -> int:
     if len(args.words) == 1:
         model_path, prompt = None, args.words[0]
     elif len(args.words) == 2:
         model_path, prompt = args.words
     else:
         raise ZllmError("usage: zllm-edge generate [MODEL] PROMPT")
-    model = edge.load(_resolve_model(model_path, args.quiet), device=args.device, threads=args.threads,
-                      kv_cache=args.kv_cache, **_memory_options(args))
+    if not prompt:
+        raise ZllmError("the prompt is empty; give the text to continue: zllm-edge generate [MODEL] PROMPT")
+    model = _load_for_text(model_path, args)
     generation = model.generate(prompt, **_generation_kwargs(args))
     _stream(generation, args)
     if args.json:
         r = generation.result
         print(json.dumps({
             "text": r.text, "tokens": r.tokens, "prompt_tokens": r.prompt_tokens,
-            "finish_reason": r.finish_reason, "device": model.device_info(),
+            "finish_reason": r.finish_reason, "stop_string": r.stop_string, "device": model.device_info(),
             "timings": r.timings, "stats": model.stats(),
         }))
     return 0
 
 
 def cmd_chat(args) -> int:
-    import edge
-
-    model = edge.load(_resolve_model(args.model, args.quiet), device=args.device, threads=args.threads,
-                      kv_cache=args.kv_cache, **_memory_options(args))
+    model = _load_for_text(args.model, args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -196,9 +212,13 @@ def _memory_options(args) -> dict:
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="reference", help="reference (default)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads of the cpu and npu devices (the reference and gpu devices take none)")
     p.add_argument("--kv-cache", default="f32", choices=("f32", "f16", "int8"),
                    help="storage of the KV cache (f16 / int8: reference and cpu devices)")
+    p.add_argument("--kv-capacity", type=int, default=None, metavar="N",
+                   help="KV cache positions, prompt included (like llama.cpp's --ctx-size); with --memory-budget "
+                        "the budget reserves this many (default 1024), else default: the model's context")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--memory-budget", default=None,
                    help="one budget for weights, KV cache, scratch and expert cache: 512MB, bytes, or P%% (MoE: "
@@ -218,8 +238,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampler, for reproducible sampling; -1 (as in llama.cpp) or none: a random seed")
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop string (repeatable): the text ends before it; --json's tokens keep every generated "
+                        "token (as llama.cpp's do) and stop_string names the one that matched")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 

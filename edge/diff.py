@@ -324,6 +324,8 @@ def run_diff(checkpoint_path: str, prompt_ids: list[int], devices: list[str], de
              threads: int | None = None) -> dict:
     """Compare devices[1] against devices[0] (the reference) on prompt_ids and decode_steps greedy steps."""
     import edge
+    from converters.checkpoint import read_manifest
+    from edge.bench import load_threads
 
     if len(devices) != 2:
         raise DiffError(f"diff compares exactly two devices, got {len(devices)}: {','.join(devices) or '(none)'}")
@@ -331,7 +333,12 @@ def run_diff(checkpoint_path: str, prompt_ids: list[int], devices: list[str], de
         raise DiffError("the prompt has no tokens")
     if decode_steps < 0:
         raise DiffError(f"--decode-steps must be >= 0, got {decode_steps}")
-    models = [edge.load(checkpoint_path, device=device, threads=threads) for device in devices]
+    context = read_manifest(checkpoint_path)["model"]["max_position_embeddings"]
+    if len(prompt_ids) + decode_steps > context:
+        raise DiffError(f"the prompt's {len(prompt_ids)} tokens and --decode-steps {decode_steps} exceed the model's "
+                        f"context of {context} tokens; shorten the prompt or lower --decode-steps")
+    # --threads is for the devices that run threads (cpu, npu); reference and gpu refuse a count
+    models = [edge.load(checkpoint_path, device=device, threads=load_threads(device, threads)) for device in devices]
     try:
         n_layers = models[0].spec.num_hidden_layers
         manifest = models[0].checkpoint.manifest

@@ -23,3 +23,8 @@ class SessionError(ZllmError):
 
 class ExpertCacheError(ZllmError):
     """A device's expert cache cannot hold what the model needs at once (the message names the minimum)."""
+
+
+class InvalidArgumentError(ZllmError, ValueError):
+    """An argument of the API or the CLI has the wrong type or value; the message names it, what it got
+    and what it accepts. Also a ValueError, which is what such a mistake raised before it was typed."""

@@ -6,18 +6,28 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edge.arguments import integer
+from edge.errors import InvalidArgumentError, SessionError
 from edge.sampling import SamplingParams, sample_token
 from edge.tokenizer import IncrementalDecoder
+
+RANDOM_SEED = -1  # llama.cpp's --seed -1: a fresh seed from the operating system's entropy
 
 
 @dataclass
 class GenerationResult:
+    """`tokens` are every id the model generated, as llama.cpp's `tokens` (return_tokens) are: the
+    token that completed a stop string stays, since the model produced it and it is in the KV cache.
+    `text` ends where the stop string begins (the stop string and what followed it in that token are
+    not part of it), and `stop_string` names the one that matched, as llama.cpp's `stopping_word`."""
+
     prompt_tokens: list[int]
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "eos", "stop", "length"
+    stop_string: str | None = None
     prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    decode_seconds: float = 0.0  # the model's decode steps (forward and sampling), not the consumer's time
 
     @property
     def timings(self) -> dict:
@@ -31,6 +41,46 @@ class GenerationResult:
         }
 
 
+def _stop_strings(stop) -> tuple[str, ...]:
+    """None, one string, or a list of strings; a single str is one stop string, not its characters."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    try:
+        strings = list(stop)
+    except TypeError:
+        raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}") from None
+    for s in strings:
+        if not isinstance(s, str):
+            raise InvalidArgumentError(f"stop must be a string or a list of strings, got {s!r} in {stop!r}")
+    return tuple(s for s in strings if s)
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What a generation is asked for, checked when made (InvalidArgumentError): the CLI makes one
+    before it converts or loads a model, Model.generate before it opens a session."""
+
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None  # None or -1: a random seed
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_new_tokens", integer("max_new_tokens", self.max_new_tokens, minimum=0))
+        if self.seed is not None:
+            seed = integer("seed", self.seed, minimum=RANDOM_SEED, note=f" ({RANDOM_SEED}: a random seed)")
+            object.__setattr__(self, "seed", None if seed == RANDOM_SEED else seed)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+
+    @classmethod
+    def of(cls, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           repetition_penalty: float = 1.0, seed: int | None = None, stop=None) -> "GenerationOptions":
+        """From Model.generate's keyword arguments."""
+        return cls(max_new_tokens, SamplingParams(temperature, top_k, top_p, repetition_penalty), seed, stop)
+
+
 @dataclass(frozen=True)
 class Step:
     """One step of a generation: the token produced (None for text released at the end) and
@@ -42,19 +92,23 @@ class Step:
 
 class Generation:
     """Iterate it for text pieces, or `steps()` for (token, text) pairs; `result` holds ids,
-    text and timings once it is exhausted."""
+    text and timings once it is exhausted. `close()` (or leaving a `with` block, or dropping the
+    last reference) ends it early and frees its session's KV cache at once."""
 
-    def __init__(self, model, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
-                 seed: int | None, stop: list[str] | None):
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    def __init__(self, model, prompt_ids: list[int], options: GenerationOptions):
+        if len(prompt_ids) == 0:
+            raise InvalidArgumentError("the prompt is empty; give some text or at least one token id")
+        limit, what = model.generation_limit()
+        if len(prompt_ids) > limit:
+            raise SessionError(f"the prompt has {len(prompt_ids)} tokens, more than {what}")
         self.model = model
-        self.max_new_tokens = max_new_tokens
-        self.params = params
-        self.rng = np.random.default_rng(seed)
-        self.stop = [s for s in (stop or []) if s]
+        self.options = options
         self.result = GenerationResult(prompt_tokens=list(prompt_ids))
-        self._steps = self._generate()
+        capacity = min(len(prompt_ids) + options.max_new_tokens, limit)
+        # The loop is a module-level generator that does not refer to this object: no reference cycle,
+        # so an abandoned generation is closed (and its session with it) as soon as it is dropped,
+        # not when the garbage collector next runs, which a memory budget's next session cannot wait for.
+        self._steps = _generate(model, self.result, options, capacity)
 
     def steps(self):
         return self._steps
@@ -62,70 +116,84 @@ class Generation:
     def __iter__(self):
         return (step.text for step in self._steps if step.text)
 
-    def _stop_hit(self, text: str) -> int | None:
-        hits = [text.find(s) for s in self.stop if s in text]
-        return min(hits) if hits else None
+    def close(self) -> None:
+        """Stop generating and close the session (its KV positions go back to the budget)."""
+        self._steps.close()
 
-    def _held_back(self, text: str) -> int:
-        """Length of the longest tail of text that could still grow into a stop string."""
-        longest = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if s.startswith(text[-n:]):
-                    longest = n
-                    break
-        return longest
+    def __enter__(self) -> "Generation":
+        return self
 
-    def _generate(self):
-        capacity = min(len(self.result.prompt_tokens) + self.max_new_tokens, self.model.spec.max_position_embeddings)
-        with self.model.session(capacity=capacity) as session:
-            yield from self._run(session)
+    def __exit__(self, *exc) -> None:
+        self.close()
 
-    def _run(self, session):
-        model, result = self.model, self.result
-        tokenizer = model.tokenizer
-        decoder = IncrementalDecoder(tokenizer, result.prompt_tokens) if tokenizer else None
-        emitted = 0  # characters of result.text already released
-        if self.max_new_tokens == 0:
+
+def _stop_hit(text: str, stop: tuple[str, ...]) -> tuple[int, str] | None:
+    """(where the earliest stop string in text begins, that string), or None."""
+    hits = [(text.find(s), s) for s in stop if s in text]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stop: tuple[str, ...]) -> int:
+    """Length of the longest tail of text that could still grow into a stop string."""
+    longest = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if s.startswith(text[-n:]):
+                longest = n
+                break
+    return longest
+
+
+def _generate(model, result: GenerationResult, options: GenerationOptions, capacity: int):
+    if options.max_new_tokens == 0:  # nothing to compute: no session, no KV reservation
+        result.finish_reason = "length"
+        return
+    with model.session(capacity=capacity) as session:
+        yield from _run(model, session, result, options)
+
+
+def _run(model, session, result: GenerationResult, options: GenerationOptions):
+    params, stop = options.sampling, options.stop
+    rng = np.random.default_rng(options.seed)
+    decoder = IncrementalDecoder(model.tokenizer, result.prompt_tokens) if model.tokenizer else None
+    history = np.asarray(result.prompt_tokens, dtype=np.int64)
+    # plain greedy decoding needs only each step's argmax, which a device may pick without
+    # returning the logits; sampling and the repetition penalty need the logits.
+    greedy = params.temperature == 0.0 and params.repetition_penalty == 1.0
+
+    def step(ids) -> int:
+        """Run ids through the model and choose the next token."""
+        if greedy:
+            return session.next_token(ids)
+        logits = session.prefill(ids)
+        seen = np.concatenate([history, np.asarray(result.tokens, dtype=np.int64)])
+        return sample_token(logits, params, rng, seen)
+
+    emitted = 0  # characters of result.text already released
+    started = time.perf_counter()
+    token = step(result.prompt_tokens)
+    result.prefill_seconds = time.perf_counter() - started
+    while True:
+        result.tokens.append(token)
+        if token in model.eog_token_ids:
+            result.finish_reason = "eos"
+            break
+        released = ""
+        if decoder is not None:
+            result.text += decoder.push(token)
+            hit = _stop_hit(result.text, stop)
+            if hit is not None:
+                result.text, result.stop_string = result.text[:hit[0]], hit[1]
+                result.finish_reason = "stop"
+                break
+            ready = len(result.text) - _held_back(result.text, stop)
+            if ready > emitted:
+                released, emitted = result.text[emitted:ready], ready
+        yield Step(token, released)  # outside the timed regions: the consumer's time is not the model's
+        if len(result.tokens) >= options.max_new_tokens or session.position >= session.capacity:
             result.finish_reason = "length"
-            return
-        # plain greedy decoding needs only each step's argmax, which a device may pick without
-        # returning the logits; sampling and the repetition penalty need the logits.
-        # `outcome` of a step: the next token (greedy) or the logits to sample it from
-        greedy = self.params.temperature == 0.0 and self.params.repetition_penalty == 1.0
+            break
         started = time.perf_counter()
-        outcome = session.next_token(result.prompt_tokens) if greedy else session.prefill(result.prompt_tokens)
-        result.prefill_seconds = time.perf_counter() - started
-        decode_started = None
-        history = np.asarray(result.prompt_tokens, dtype=np.int64)
-        while True:
-            if greedy:
-                token = outcome
-            else:
-                seen = np.concatenate([history, np.asarray(result.tokens, dtype=np.int64)])
-                token = sample_token(outcome, self.params, self.rng, seen)
-            result.tokens.append(token)
-            if token in model.eog_token_ids:
-                result.finish_reason = "eos"
-                break
-            released = ""
-            if decoder is not None:
-                result.text += decoder.push(token)
-                cut = self._stop_hit(result.text)
-                if cut is not None:
-                    result.text = result.text[:cut]
-                    result.finish_reason = "stop"
-                    break
-                ready = len(result.text) - self._held_back(result.text)
-                if ready > emitted:
-                    released, emitted = result.text[emitted:ready], ready
-            yield Step(token, released)
-            if len(result.tokens) >= self.max_new_tokens or session.position >= session.capacity:
-                result.finish_reason = "length"
-                break
-            if decode_started is None:
-                decode_started = time.perf_counter()
-            outcome = session.next_token([token]) if greedy else session.decode(token)
-        if decode_started is not None:
-            result.decode_seconds = time.perf_counter() - decode_started
-        yield Step(None, result.text[emitted:])
+        token = step([token])
+        result.decode_seconds += time.perf_counter() - started
+    yield Step(None, result.text[emitted:])

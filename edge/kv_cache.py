@@ -82,7 +82,10 @@ class KVCache:
                 )
         return tuple(backend.allocate_cache(slot.rows(self.capacity), p.heads, p.dim, p.format) for p in slot.parts)
 
-    def check_room(self, n_new: int, context_limit: int) -> None:
+    def check_room(self, n_new: int, context_limit: int, ceiling: int | None = None) -> None:
+        """Refuse n_new more tokens beyond the context or this cache's capacity. `ceiling`: the most
+        positions any session of the model may hold (a memory budget's KV reservation; default: the
+        context), so that the advice names a capacity that can actually be opened."""
         end = self.length + n_new
         if end > context_limit:
             raise SessionError(
@@ -90,9 +93,16 @@ class KVCache:
                 f"{context_limit} tokens; start a new session or shorten the input"
             )
         if end > self.capacity:
+            ceiling = context_limit if ceiling is None else min(ceiling, context_limit)
+            if self.capacity >= ceiling:
+                advice = (f"the memory budget reserves {ceiling} KV positions; start a new session, or load the "
+                          f"model with a larger kv_capacity (--kv-capacity) and memory_budget")
+            else:
+                budget = " (the KV positions the memory budget reserves)" if ceiling < context_limit else ""
+                advice = f"open the session with model.session(capacity=...) up to {ceiling}{budget}"
             raise SessionError(
                 f"the sequence would grow from {self.length} to {end} tokens, beyond this session's KV cache "
-                f"capacity of {self.capacity}; open the session with model.session(capacity=...) up to {context_limit}"
+                f"capacity of {self.capacity}; {advice}"
             )
 
     def append(self, layer: int, start: int, new: tuple[np.ndarray, ...]) -> tuple[tuple[np.ndarray, ...], np.ndarray]:

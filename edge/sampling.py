@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge.arguments import integer, number
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -15,14 +17,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        # InvalidArgumentError (also a ValueError) before any work; nan would pass `< 0` and reach numpy
+        checked = {
+            "temperature": number("temperature", self.temperature, minimum=0, note=" (0 = greedy)"),
+            "top_k": integer("top_k", self.top_k, minimum=0, note=" (0 = no limit)"),
+            "top_p": number("top_p", self.top_p, above=0, maximum=1),
+            "repetition_penalty": number("repetition_penalty", self.repetition_penalty, above=0,
+                                         note=" (1 = none)"),
+        }
+        for name, value in checked.items():  # plain Python numbers from here on (numpy scalars, ints)
+            object.__setattr__(self, name, value)
 
 
 def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:

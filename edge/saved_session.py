@@ -87,34 +87,56 @@ def save_session(session, path) -> None:
         "payload_bytes": len(payload),
     }
     header_bytes = json.dumps(header).encode()
-    temporary = os.fspath(path) + ".partial"
-    with open(temporary, "wb") as f:
-        checksum = hashlib.sha256(header_bytes + payload).digest()
-        f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes), checksum))
-        f.write(header_bytes)
-        f.write(payload)
-    os.replace(temporary, path)  # a crash mid-write never leaves a half-written session under `path`
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise SessionError(f"cannot save the session to {path}: the directory {folder} does not exist; create it first")
+    temporary = path + ".partial"  # beside the target, so that the rename below stays on one file system
+    try:
+        with open(temporary, "wb") as f:
+            checksum = hashlib.sha256(header_bytes + payload).digest()
+            f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes), checksum))
+            f.write(header_bytes)
+            f.write(payload)
+        os.replace(temporary, path)  # a crash mid-write never leaves a half-written session under `path`
+    except OSError as exc:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise SessionError(f"cannot save the session to {path}: {exc.strerror or exc}") from None
 
 
 def read_session_file(path) -> tuple[dict, bytes]:
-    """(header, payload) of a saved session, checked: magic, version, size and checksum."""
+    """(header, payload) of a saved session, checked: magic, version, sizes and checksum. Lengths are
+    checked against the file's size before anything is read, so that a damaged length field cannot
+    ask for more memory than the file holds."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise SessionError(f"{path}: no saved session there; save one with session.save(path)")
+    size = os.path.getsize(path)
+    truncated = f"{path}: the saved session is truncated"
     with open(path, "rb") as f:
         preamble = f.read(_PREAMBLE.size)
-        if len(preamble) < _PREAMBLE.size or preamble[:8] != MAGIC:
+        if not preamble:
+            raise SessionError(f"{path} is empty, not a saved zllm session; save one with session.save(path)")
+        if not preamble.startswith(MAGIC[:len(preamble)]):
             raise SessionError(f"{path} is not a saved zllm session (magic {preamble[:8]!r}, expected {MAGIC!r})")
+        if len(preamble) < _PREAMBLE.size:
+            raise SessionError(f"{truncated}: {size} bytes, fewer than its {_PREAMBLE.size}-byte preamble; "
+                               "save the session again")
         _, version, header_length, checksum = _PREAMBLE.unpack(preamble)
         if version not in SUPPORTED_VERSIONS:
             raise SessionError(f"{path}: saved session format version {version} is not supported; supported: "
                                f"{', '.join(map(str, SUPPORTED_VERSIONS))}; save the session again with this version")
+        if header_length > size - _PREAMBLE.size:
+            raise SessionError(f"{truncated} (or its header length is damaged): the header should take "
+                               f"{header_length} bytes but {size - _PREAMBLE.size} follow the preamble; "
+                               "save the session again")
         header_bytes = f.read(header_length)
         payload = f.read()
     if hashlib.sha256(header_bytes + payload).digest() != checksum:
         try:
             expected = json.loads(header_bytes)["payload_bytes"]
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError):
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
             expected = None
         if expected is not None and len(payload) != expected:
             raise SessionError(f"{path}: the saved session is truncated or padded: {len(payload)} bytes of KV data, "

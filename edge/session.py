@@ -8,7 +8,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge.errors import SessionError
+from edge.errors import SessionError, ZllmError
+
+
+def check_token_ids(ids, vocab_size: int, error: type[ZllmError] = SessionError) -> np.ndarray:
+    """ids as an int64 vector [T], refused (`error`) unless they are integers in [0, vocab_size)."""
+    ids = np.asarray(ids).reshape(-1)
+    if ids.size and ids.dtype.kind not in "iu":
+        raise error(f"token ids must be integers, got {ids.dtype} values such as {ids[0]!r}")
+    ids = ids.astype(np.int64)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise error(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 class Session:
@@ -17,34 +29,35 @@ class Session:
         self.cache = model.transformer.new_cache(capacity)
         self.tokens: list[int] = []
 
+    def _open_cache(self):
+        """The KV cache, or a typed error once the session (or its model) is closed."""
+        self.model.require_open()
+        if self.cache is None:
+            raise SessionError("the session is closed; open a new one with model.session()")
+        return self.cache
+
     @property
     def position(self) -> int:
         """Number of tokens in the cache; the next token's position."""
-        return self.cache.length
+        return self._open_cache().length
 
     @property
     def capacity(self) -> int:
-        return self.cache.capacity
+        return self._open_cache().capacity
 
     def _run(self, ids, all_logits: bool, observer=None, next_token: bool = False) -> np.ndarray | int:
-        ids = np.asarray(ids).reshape(-1)
-        if ids.size and ids.dtype.kind not in "iu":
-            raise SessionError(f"token ids must be integers, got {ids.dtype} values such as {ids[0]!r}")
-        ids = ids.astype(np.int64)
+        cache = self._open_cache()
+        ids = check_token_ids(ids, self.model.spec.vocab_size)
         if ids.size == 0:
             raise SessionError("prefill needs at least one token id")
-        vocab = self.model.spec.vocab_size
-        bad = ids[(ids < 0) | (ids >= vocab)]
-        if bad.size:
-            raise SessionError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab})")
-        self.cache.check_room(len(ids), self.model.spec.max_position_embeddings)
-        if self.cache.length == 0:
+        cache.check_room(len(ids), self.model.spec.max_position_embeddings, self.model.session_ceiling())
+        if cache.length == 0:
             self._begin_request()
         transformer = self.model.transformer
         if next_token:
-            result = transformer.forward_next_token(ids, self.cache)
+            result = transformer.forward_next_token(ids, cache)
         else:
-            result = transformer.forward(ids, self.cache, all_logits, observer)
+            result = transformer.forward(ids, cache, all_logits, observer)
         self.tokens.extend(int(i) for i in ids)
         return result
 
@@ -54,7 +67,7 @@ class Session:
 
     def decode(self, token_id: int) -> np.ndarray:
         """Run one token; logits [V]."""
-        return self._run([int(token_id)], all_logits=False)
+        return self._run([token_id], all_logits=False)  # a float or None is refused, not truncated
 
     def next_token(self, ids) -> int:
         """Run ids after the current history (a prefill, or one token: a decode round) and return the
@@ -67,6 +80,7 @@ class Session:
         `model.load_session(path)` continues from it without a prefill."""
         from edge.saved_session import save_session
 
+        self._open_cache()
         save_session(self, path)
 
     def _begin_request(self) -> None:
@@ -77,7 +91,7 @@ class Session:
             begin()
 
     def close(self) -> None:
-        """Free the KV cache and give its positions back to the model's memory budget."""
+        """Free the KV cache and give its positions back to the model's memory budget (again: nothing)."""
         self.cache = None
         self.model.release_session(self)
 
@@ -88,5 +102,5 @@ class Session:
         self.close()
 
     def reset(self) -> None:
-        self.cache.length = 0
+        self._open_cache().length = 0
         self.tokens.clear()

@@ -27,6 +27,7 @@ needs top_k experts and no loading threads; "resident" needs every expert.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import asdict, dataclass
 
@@ -54,27 +55,35 @@ class Budget:
         return f"{self.expert_percent:g}%" if self.expert_percent is not None else f"{self.bytes} bytes"
 
 
-def parse_budget(value: "int | str | None") -> Budget | None:
-    """512MB, 1.5GiB, a plain number of bytes, or "P%" (non-expert bytes + P% of the experts)."""
+_NUMBER = r"([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"  # 512, 1.5, 1e9, 5E8
+
+
+def parse_budget(value: "int | float | str | None") -> Budget | None:
+    """512MB, 1.5GiB, a number of bytes (1e9 and 5e8 too), or "P%" (non-expert bytes + P% of the experts)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         raise ZllmError(f"memory budget {value!r} not understood; use bytes, a size such as 512MB, or a share "
                         "of the expert bytes such as 50%")
-    if isinstance(value, int):
-        return Budget(bytes=value)
-    percent = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*%\s*", value)
-    if percent:
-        share = float(percent.group(1))
-        if not 0 < share <= 100:
-            raise ZllmError(f"memory budget {value!r}: a share of the expert bytes must be in (0%, 100%]")
-        return Budget(expert_percent=share)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMG]I?B|B)?\s*", value, re.IGNORECASE)
-    if not match:
-        raise ZllmError(f"memory budget {value!r} not understood; use bytes, a size such as 512MB or 2GiB, or a "
+    if isinstance(value, str):
+        percent = re.fullmatch(rf"\s*{_NUMBER}\s*%\s*", value)
+        if percent:
+            share = float(percent.group(1))
+            if not 0 < share <= 100:
+                raise ZllmError(f"memory budget {value!r}: a share of the expert bytes must be in (0%, 100%]")
+            return Budget(expert_percent=share)
+        match = re.fullmatch(rf"\s*{_NUMBER}\s*([KMG]I?B|B)?\s*", value, re.IGNORECASE)
+        if not match:
+            raise ZllmError(f"memory budget {value!r} not understood; use bytes, a size such as 512MB or 2GiB, or a "
+                            "share of the expert bytes such as 50%")
+        number, unit = match.groups()
+        size = float(number) * _UNITS[(unit or "").upper()]
+    else:
+        size = int(value) if isinstance(value, numbers.Integral) else float(value)
+    if not math.isfinite(size) or size < 1:  # -1 would plan a negative cache; 0 holds nothing
+        raise ZllmError(f"memory budget {value!r} must be a positive number of bytes, such as 512MB or 2GiB, or a "
                         "share of the expert bytes such as 50%")
-    number, unit = match.groups()
-    return Budget(bytes=int(float(number) * _UNITS[(unit or "").upper()]))
+    return Budget(bytes=int(size))
 
 
 def scratch_bytes(spec, kv_capacity: int, compute_threads: int = 1) -> int:

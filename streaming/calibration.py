@@ -14,6 +14,7 @@ A mix is chosen on the fitting requests and reported on held-out ones.
 from __future__ import annotations
 
 import itertools
+import zipfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,15 +61,21 @@ class RouteTrace:
                   "pass_request": self.pass_request.astype(np.int64), "source": np.array(self.source)}
         arrays.update({f"routes_{layer}": ids.astype(np.int16) for layer, ids in self.routes.items()})
         arrays.update({f"gate_{layer}_{target}": logits.astype(np.float16) for (layer, target), logits in self.gate.items()})
-        with open(path, "wb") as f:  # a file object: numpy would otherwise append .npz to the name
-            np.savez_compressed(f, **arrays)
+        try:
+            with open(path, "wb") as f:  # a file object: numpy would otherwise append .npz to the name
+                np.savez_compressed(f, **arrays)
+        except OSError as exc:
+            raise PredictorError(f"cannot write the route trace to {path}: {exc.strerror or exc}") from None
 
     @classmethod
     def load(cls, path: str) -> "RouteTrace":
         try:
             data = np.load(path)
-        except (OSError, ValueError) as exc:
-            raise PredictorError(f"{path} is not a route trace ({exc}); record one with zllm-edge calibrate --trace") from None
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+            data = None  # numpy's reasons (e.g. its allow_pickle advice) do not help with a file that is no trace
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise PredictorError(f"{path} is not a route trace (an npz archive written by zllm-edge calibrate); "
+                                 "record one with zllm-edge calibrate --trace FILE") from None
         with data:
             version = int(data["version"]) if "version" in data else None
             if version != TRACE_FORMAT_VERSION:
@@ -184,10 +191,11 @@ def record_trace(model, prompts: list[list[int]], new_tokens: int, depth: int = 
     transformer.experts = RecordingExperts(original, recorder)
     try:
         for prompt in prompts:
-            session = model.session(capacity=len(prompt) + new_tokens)
-            token = int(np.argmax(session.prefill(prompt)))
-            for _ in range(new_tokens - 1):
-                token = int(np.argmax(session.decode(token)))
+            # the prompt, then new_tokens - 1 decoded tokens (the last one chosen is not run)
+            with model.session(capacity=len(prompt) + new_tokens - 1) as session:
+                token = int(np.argmax(session.prefill(prompt)))
+                for _ in range(new_tokens - 1):
+                    token = int(np.argmax(session.decode(token)))
             recorder.end_request()
     finally:
         transformer.experts = original

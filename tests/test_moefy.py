@@ -222,7 +222,8 @@ def test_malformed_dense_layers():
      "--moefy 4:2 gives experts of 24 neurons, not a multiple of the experts' quantization group "
      "(int4_sym_g32); choose E among [1, 3] or store experts unquantized (--experts f16)"),
     (4, 2, (2,), F32, "dense layer 2 is out of range for a model of 2 layers (use 0..1, or negative ids from the end)"),
-    (4, 2, (0, -1), F32, "dense layers [0, -1] keep every layer dense; nothing would be MoEfied"),
+    (4, 2, (0, -1), F32, "dense layers [0, -1] (--moefy-dense-layers, default 0,-1) keep every layer of 2 dense; "
+                        "nothing would be MoEfied: pass --moefy-dense-layers none or fewer layers"),
 ])
 def test_bad_settings(tiny_llama, tmp_path, experts, top_k, dense, plan, message):
     with pytest.raises(ConversionError) as info:
@@ -268,7 +269,8 @@ def test_cli_bare_moefy_is_the_default_and_malformed_values_are_errors(tiny_llam
     # the error proves the bare --moefy took the default instead of swallowing SRC
     assert main(["convert", "--moefy", tiny_llama, os.fspath(tmp_path / "a"), "--weights", "f32", "--quiet"]) == 2
     dense = ", ".join(map(str, DEFAULT_MOEFY.dense_layers))
-    expected = f"error: dense layers [{dense}] keep every layer dense; nothing would be MoEfied\n"
+    expected = (f"error: dense layers [{dense}] (--moefy-dense-layers, default 0,-1) keep every layer of 2 dense; "
+                "nothing would be MoEfied: pass --moefy-dense-layers none or fewer layers\n")
     assert capsys.readouterr().err == expected
     assert main(["convert", "--moefy", "8:x", tiny_llama, os.fspath(tmp_path / "b"), "--quiet"]) == 2
     assert capsys.readouterr().err == ("error: --moefy '8:x' not understood; expected E:K (experts per layer : "

@@ -194,8 +194,9 @@ def test_sessions_beyond_the_kv_reservation_are_refused(tiny_zoo):
         with pytest.raises(SessionError) as error:
             model.session(capacity=32)
         assert str(error.value) == ("a session of 32 positions does not fit the memory budget: it reserves 48 KV "
-                                    "positions and open sessions hold 32; close a session, or load with a larger "
-                                    "kv_capacity (and memory_budget)")
+                                    "positions and open sessions hold 32; close a session (or an unfinished "
+                                    "generation: generation.close()), or load with a larger kv_capacity and "
+                                    "memory_budget (--kv-capacity, --memory-budget)")
         assert model.session().capacity == 16  # the default takes what is left
         del first
 

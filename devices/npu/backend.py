@@ -30,6 +30,7 @@ backend (devices/cpu, Numba kernels, `threads` threads), fed by the model's expe
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,6 +60,9 @@ class NpuSettings:
 
     @classmethod
     def parse(cls, variant: str | None, threads: int | None) -> "NpuSettings":
+        cpus = os.cpu_count() or 1
+        if threads is not None and threads > cpus:  # as the cpu device refuses more than it can start
+            raise ValueError(f"threads={threads} but this machine has {cpus} logical CPUs; pass threads <= {cpus}")
         settings = cls(threads=threads)
         if not variant:
             return settings
