@@ -266,6 +266,13 @@ class Qwen2MoeSpec(Qwen2Spec):
                          scoring="softmax", norm_topk_prob=self.norm_topk_prob,
                          shared_intermediate_size=self.shared_expert_intermediate_size, shared_expert_gate=True)
 
+    def sliding_window_for_layer(self, layer: int) -> int | None:
+        # transformers' Qwen2MoeConfig derives absent layer_types differently from dense Qwen2: the
+        # even-numbered layers below max_window_layers slide
+        if not (self.use_sliding_window and self.sliding_window) or self.layer_types is not None:
+            return super().sliding_window_for_layer(layer)
+        return self.sliding_window if layer % 2 == 0 and layer < self.max_window_layers else None
+
 
 @dataclass
 class Qwen3MoeSpec(Qwen3Spec):
@@ -297,6 +304,11 @@ class Qwen3MoeSpec(Qwen3Spec):
             return None
         return MoeConfig(self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size,
                          scoring="softmax", norm_topk_prob=self.norm_topk_prob)
+
+    def sliding_window_for_layer(self, layer: int) -> int | None:
+        # transformers' Qwen3-MoE has neither layer_types nor max_window_layers: with
+        # use_sliding_window every layer attends through the window
+        return self.sliding_window if self.use_sliding_window and self.sliding_window else None
 
 
 @dataclass

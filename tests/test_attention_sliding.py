@@ -16,7 +16,7 @@ from edge.errors import UnsupportedModelError
 from edge.spec import spec_from_dict
 from tiny_models import hf_logits, random_prompt, tiny_zoo  # noqa: F401
 
-SLIDING_CASES = ("mistral_swa4", "qwen2_swa_layer1", "qwen2_layer_types", "qwen3_layer_types")
+SLIDING_CASES = ("mistral_swa4", "qwen2_swa_layer1", "qwen2_layer_types", "qwen3_layer_types", "qwen3_moe_swa")
 PROMPT = random_prompt(12, seed=7)  # windows are 4 or 5: the prompt is 2-3 windows long
 N_DECODE = 6
 REL_TOL = 1e-4
@@ -71,6 +71,28 @@ def test_layer_types_choose_the_sliding_layers():
     # transformers ignores the window (and layer_types' sliding entries) without use_sliding_window
     spec = spec_from_dict(dict(QWEN2, sliding_window=8, layer_types=["sliding_attention"] * 3))
     assert [spec.sliding_window_for_layer(i) for i in range(3)] == [None, None, None]
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("qwen2", {}), ("qwen3", {}),
+    ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16)),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)),
+])
+@pytest.mark.parametrize("max_window_layers", [0, 2, 3, 5])
+def test_sliding_layers_without_layer_types_follow_transformers(model_type, extra, max_window_layers):
+    """Each family derives its sliding layers its own way when config.json has no layer_types (older
+    exports); the windows must be the ones transformers' config class derives."""
+    from transformers import AutoConfig
+
+    fields = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=5,
+                  intermediate_size=32, use_sliding_window=True, sliding_window=8,
+                  max_window_layers=max_window_layers, **extra)
+    theirs = AutoConfig.for_model(model_type, **fields)
+    ours = spec_from_dict(dict(fields, model_type=model_type))
+    layer_types = getattr(theirs, "layer_types", None) or ["sliding_attention"] * 5  # qwen3_moe: every layer
+    expected = [8 if kind == "sliding_attention" else None for kind in layer_types]
+    assert [ours.sliding_window_for_layer(i) for i in range(5)] == expected
 
 
 @pytest.mark.parametrize("config, message", [

@@ -196,6 +196,10 @@ ATTENTION_CASES: tuple[TinyCase, ...] = (
              dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=5,
                   layer_types=["full_attention", "sliding_attention"]),
              "layer_types with q/k norm: layer 1 slides over 5 positions"),
+    TinyCase("qwen3_moe_swa", "qwen3_moe",
+             dict(num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, use_sliding_window=True, sliding_window=4),
+             "Qwen3-MoE with use_sliding_window: every layer slides over 4 positions (no layer_types)"),
 )
 ATTENTION_CASE_NAMES = tuple(c.name for c in ATTENTION_CASES)
 _BY_NAME = {c.name: c for c in CASES + MOE_CASES + ATTENTION_CASES}
