@@ -180,3 +180,24 @@ def test_smollm2_greedy_tokens_match_reference_up_to_first_near_tie(gpu_availabl
     first_tie = next((i for i, gap in enumerate(gaps) if gap < NEAR_TIE), N_GREEDY)
     assert first_tie >= 2, "the prompt must discriminate for more than one step"
     assert ours[:first_tie] == expected[:first_tie], f"{seconds:.1f}s on {info['adapter']}"
+
+
+def test_heads_wider_than_the_attention_kernel_are_refused_at_load(gpu_available, tmp_path):
+    """A head_dim beyond the GPU attention kernel's is a typed error from edge.load, not a failure at
+    the first prefill."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from converters.convert import convert
+    from devices.gpu.launches import MAX_HEAD_DIM
+    from edge.errors import ZllmError
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+                         num_key_value_heads=1, head_dim=2 * MAX_HEAD_DIM, vocab_size=64, max_position_embeddings=32)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    convert(str(tmp_path / "hf"), str(tmp_path / "ckpt"), QuantPlan(weights="f32"), progress=False)
+    with pytest.raises(ZllmError) as refused:
+        edge.load(str(tmp_path / "ckpt"), device="gpu")
+    assert str(refused.value) == (f"{tmp_path / 'ckpt'}: device 'gpu' runs attention heads of up to {MAX_HEAD_DIM} "
+                                  f"dimensions; this model's have {2 * MAX_HEAD_DIM}: use device 'cpu' or 'npu'")

@@ -5,11 +5,11 @@ import time
 
 import numpy as np
 
-from devices.base import check_gqa_only, has_moe_layers
+from devices.base import DeviceUnavailableError, check_gqa_only, has_moe_layers
 from devices.gpu.context import GpuContext, select_vulkan_adapter
 from devices.gpu.expert_cache import GpuExpertCache, HostExpertWeights
 from devices.gpu.forward import FusedForward
-from devices.gpu.launches import LaunchBuilder, Tuning
+from devices.gpu.launches import MAX_HEAD_DIM, LaunchBuilder, Tuning
 from devices.gpu.ops import GpuOps
 from devices.gpu.shaders import KernelCache
 from devices.gpu.tensors import GpuKV, GpuMatrix, GpuVector
@@ -112,6 +112,9 @@ class GpuBackend:
 
     def compile_forward(self, transformer):
         check_gqa_only(transformer, "gpu")
+        if transformer.spec.head_dim > MAX_HEAD_DIM:  # refused at load, not at the first prefill
+            raise DeviceUnavailableError(f"device 'gpu' runs attention heads of up to {MAX_HEAD_DIM} dimensions; "
+                                         f"this model's have {transformer.spec.head_dim}: use device 'cpu' or 'npu'")
         if has_moe_layers(transformer) and self.expert_cache is None:
             raise ValueError("device 'gpu' runs a Mixture-of-Experts model through its GPU expert cache: call "
                              "backend.configure_expert_cache(...) before building the model (edge.load does)")
