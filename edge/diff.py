@@ -284,7 +284,7 @@ class PassDiff:
 
     name: str
     tokens: list[int]
-    layers: list[TensorDiff]
+    layers: list[TensorDiff | None]  # None: the compared device does not show this layer's output
     logits: TensorDiff
     argmax_mismatch_positions: list[int]
     extras: dict
@@ -293,23 +293,26 @@ class PassDiff:
     def first_divergent_layer(self) -> int | str | None:
         routing = self.extras.get("routing", {})
         for index, layer in enumerate(self.layers):
-            if layer.exceeds or routing.get(index, {}).get("exceeds"):
+            if (layer is not None and layer.exceeds) or routing.get(index, {}).get("exceeds"):
                 return index
         return "logits" if self.logits.exceeds else None
 
     def as_dict(self) -> dict:
         return {"name": self.name, "tokens": self.tokens, "first_divergent_layer": self.first_divergent_layer,
-                "layers": [layer.as_dict() for layer in self.layers], "logits": self.logits.as_dict(),
+                "layers": [None if layer is None else layer.as_dict() for layer in self.layers], "logits": self.logits.as_dict(),
                 "argmax_mismatch_positions": self.argmax_mismatch_positions, **self.extras}
 
 
 def _compare_pass(name: str, tokens: list[int], recorders, logits, tolerance: Tolerance, n_layers: int) -> PassDiff:
     reference, other = recorders
-    missing = [layer for layer in range(n_layers) if layer not in reference.hidden or layer not in other.hidden]
+    missing = [layer for layer in range(n_layers) if layer not in reference.hidden]
     if missing:
         raise DiffError(f"{name}: the observer saw no hidden state for layers {missing}; a backend's fused "
                         "executor must call observer(layer, hidden) after every layer")
-    layers = [tensor_diff(reference.hidden[i], other.hidden[i], tolerance.relative(i + 1)) for i in range(n_layers)]
+    # A device that fuses several layers into one graph (npu) shows the hidden state only where a
+    # graph ends: the layers inside a graph are compared through the next one it shows (None here).
+    layers = [tensor_diff(reference.hidden[i], other.hidden[i], tolerance.relative(i + 1)) if i in other.hidden
+              else None for i in range(n_layers)]
     ref_logits, other_logits = (np.asarray(x, np.float32).reshape(-1, x.shape[-1]) for x in logits)
     logits_diff = tensor_diff(ref_logits, other_logits, tolerance.relative(n_layers + 1))
     mismatches = np.nonzero(ref_logits.argmax(axis=1) != other_logits.argmax(axis=1))[0]
@@ -403,9 +406,11 @@ def format_report(report: dict) -> str:
     for p in report["passes"]:
         if p["name"] == "prefill":
             for index, layer in enumerate(p["layers"]):
-                lines.append(row(p["name"], str(index), layer))
-        else:  # one line per decode step: its worst layer (relative to tolerance), then its logits
-            worst = max(range(len(p["layers"])), key=lambda i: _tolerance_ratio(p["layers"][i]))
+                lines.append(row(p["name"], str(index), layer) if layer is not None else
+                             f"{p['name']:10s} {index:>6d} not shown by {compared} (inside a fused graph)")
+        elif any(layer is not None for layer in p["layers"]):  # one line per decode step: its worst layer
+            shown = [i for i, layer in enumerate(p["layers"]) if layer is not None]
+            worst = max(shown, key=lambda i: _tolerance_ratio(p["layers"][i]))
             lines.append(row(p["name"], f"w{worst}", p["layers"][worst], "  (worst layer)"))
         mismatches = p["argmax_mismatch_positions"]
         note = f"  argmax differs at {len(mismatches)}/{len(p['tokens'])} positions" if mismatches else "  argmax agrees"

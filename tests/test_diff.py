@@ -29,6 +29,7 @@ from edge.diff import (
     LayerRecorder,
     compare_extras,
     derive_tolerance,
+    format_report,
     run_diff,
 )
 
@@ -210,3 +211,35 @@ def test_cpu_device_agrees_with_the_reference_on_moe_layers(tiny_zoo, case):
     assert report["first_divergence"] is None
     for p in report["passes"]:  # every MoE layer's route was recorded on both devices and agrees
         assert p["routing"] and all(route["tokens_with_other_experts"] == [] for route in p["routing"].values())
+
+
+class LastLayerOnly(ReferenceBackend):
+    """device "fused": the reference, whose executor (like npu's one graph for the whole model) shows
+    the observer only the last layer's output."""
+
+    name = "fused"
+
+    def compile_forward(self, transformer):
+        last = transformer.spec.num_hidden_layers - 1
+
+        def forward(ids, cache, all_logits, observer=None):
+            shown = None if observer is None else (
+                lambda layer, hidden, **extras: observer(layer, hidden, **extras) if layer == last else None)
+            return transformer.forward_ops(ids, cache, all_logits, shown)
+
+        return forward
+
+    def info(self):
+        return {**super().info(), "device": "fused", "arithmetic": {"accumulation": F32_UNIT}}
+
+
+def test_a_device_that_shows_only_some_layers_is_compared_where_it_does(tiny_checkpoint, monkeypatch, capsys):
+    monkeypatch.setitem(BACKENDS, "fused", f"{__name__}:LastLayerOnly")
+    report = run_diff(tiny_checkpoint, random_prompt(8), ["reference", "fused"], decode_steps=1)
+    assert report["first_divergence"] is None
+    for p in report["passes"]:
+        assert p["layers"][0] is None
+        assert p["layers"][1]["max_abs"] == 0.0 and p["logits"]["max_abs"] == 0.0
+    text = format_report(report)
+    assert "prefill         0 not shown by fused (inside a fused graph)" in text
+    assert "decode 1       w1" in text
