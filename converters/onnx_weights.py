@@ -14,10 +14,14 @@ w = (q - z) * s with s of the activation's type (float32 here):
                      with s = 0 (all weights equal to o) cannot be written this way and is rewritten
                      exactly as codes 0, s' = o, z' = -1 (its codes carry no information when s = 0).
     affine, int8     the CPU kernel refuses float zero points for 8 bits, so the affine part is
-    (and int4 in     computed dequantize-free and exactly: w = s * q + o gives
-     "group_offset",   x . w = MatMulNBits(x; q, s, z = 0) + groupsum(x) @ o^T,
-     the default)
-                     where groupsum(x) [.., K/g] sums x over each group; o is fed as float32 [K/g, N].
+    (and int4 in     computed dequantize-free: with m the codes' midpoint (8 / 128), w = s * q + o =
+     "group_offset",   s * (q - m) + (o + m * s) gives
+     the default)      x . w = MatMulNBits(x; q, s, z = m) + groupsum(x) @ (o + m s)^T,
+                     where groupsum(x) [.., K/g] sums x over each group; o + m s is fed as float32
+                     [K/g, N] (one float32 rounding of each group's midpoint value). Centring the codes
+                     matters where MatMulNBits rounds x to int8 (accuracy_level 4): that error
+                     multiplies (q - z), and with z = 0 the uncentred codes 0..15 turned it into
+                     errors several times those of a symmetric weight.
 
 Float weights [N, K] become MatMul's right-hand side [K, N] (transposed once at export);
 float16 stays float16 and is cast in the graph. Norm gains and biases are float32 vectors.
@@ -70,8 +74,11 @@ def matmul_nbits_arrays(weight: QuantizedTensor, affine_int4: str = "zero_point"
     if uses_group_offset(weight, affine_int4):
         n_rows, n_groups = weight.scales.shape
         packed_groups = -(-n_groups * scheme.bits // 8)  # ceil(G * bits / 8): zero points are bit-packed
-        arrays["zero_points_u8"] = np.zeros((n_rows, packed_groups), np.uint8)
-        arrays["offsets_t"] = np.ascontiguousarray(weight.offsets.astype(np.float32).T)
+        midpoint = 1 << (scheme.bits - 1)
+        packed_midpoints = 0x88 if scheme.bits == 4 else midpoint  # two 4-bit zero points per byte
+        arrays["zero_points_u8"] = np.full((n_rows, packed_groups), packed_midpoints, np.uint8)
+        midpoint_values = weight.offsets.astype(np.float64) + midpoint * weight.scales.astype(np.float64)
+        arrays["offsets_t"] = np.ascontiguousarray(midpoint_values.astype(np.float32).T)
         return arrays
     scales = arrays["scales"]
     offsets = weight.offsets.astype(np.float32)

@@ -9,7 +9,9 @@ Bounds: at accuracy_level 0 both sides compute the same float32 math in differen
 kernels, GroupQueryAttention's own softmax), measured <= 4e-6 relative, bound REL_TOL = 1e-4 (the
 parity suite's f32 bound). accuracy_level 4 (the CPU default) quantizes activations to int8 per block
 of the weight's group (scale max|x|/127): measured 5-6 % relative on these random 2-layer models,
-bound INT8_ACTIVATION_TOL = 0.12.
+bound # MatMulNBits with int8 activations (accuracy_level 4), 2-layer tiny models: symmetric weights measured
+# 0.019-0.022, affine ones 0.022-0.032 with centred codes (0.044-0.065 when the codes were uncentred)
+INT8_ACTIVATION_TOL = 0.04.
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ from edge.errors import SessionError, ZllmError  # noqa: E402
 from tiny_models import random_prompt  # noqa: E402
 
 REL_TOL = 1e-4
-INT8_ACTIVATION_TOL = 0.12
+# MatMulNBits with int8 activations (accuracy_level 4), 2-layer tiny models: symmetric weights measured
+# 0.019-0.022, affine ones 0.022-0.032 with centred codes (0.044-0.065 when the codes were uncentred)
+INT8_ACTIVATION_TOL = 0.04
 PROMPT = random_prompt(12, seed=7)
 APPEND = [17, 29, 41]
 DECODE = [5, 9, 11]
@@ -39,6 +43,7 @@ PLANS = {
     "f32": QuantPlan(weights="f32"),
     "int4_affine_g32": QuantPlan(weights="int4", group_size=32, symmetric=False),
     "int8_sym_g32": QuantPlan(weights="int8", group_size=32, symmetric=True),
+    "int8_affine_g64": QuantPlan(weights="int8", group_size=64, symmetric=False),
 }
 # (case, why it is here): GroupQueryAttention needs head_dim % 16 == 0, the others take the standard form
 CASES = ["llama_mha", "llama_gqa_tied", "qwen3_qknorm", "mistral_swa4", "qwen2_swa_layer1"]
@@ -99,9 +104,10 @@ def test_logits_match_reference(case, plan_name, variant, reference_runs):
         assert {ep for graph in placement.values() for ep in graph} == {"CPUExecutionProvider"}
 
 
-@pytest.mark.parametrize("case", ["llama_mha", "qwen3_qknorm"])
-def test_default_int8_activations_within_bound(case, reference_runs):
-    path, expected, _, _ = reference_runs(case, "int4_affine_g32")
+@pytest.mark.parametrize("plan_name", ["int4_affine_g32", "int8_affine_g64", "int8_sym_g32"])
+@pytest.mark.parametrize("case", ["llama_mha", "qwen3_qknorm", "llama_gqa_tied"])
+def test_default_int8_activations_within_bound(case, plan_name, reference_runs):
+    path, expected, _, _ = reference_runs(case, plan_name)
     with edge.load(path, device="npu:cpu") as model:
         assert model.device_info()["accuracy_level"] == 4
         steps, _ = run_protocol(model)
