@@ -165,13 +165,16 @@ def open_source(src: str) -> SourceModel:
     from converters.gguf_source import GGUFSource
     from converters.hf_source import HFSource
 
-    if os.path.isdir(src):
-        try:
+    try:
+        if os.path.isdir(src):
             return HFSource(src)
-        except SafetensorsFormatError as exc:  # a damaged source is a ConversionError, as documented
-            raise ConversionError(f"{src}: {exc}") from None
-    if os.path.isfile(src):
-        return GGUFSource(src)
+        if os.path.isfile(src):
+            return GGUFSource(src)
+    except SafetensorsFormatError as exc:  # a damaged source is a ConversionError, as documented
+        raise ConversionError(f"{src}: {exc}") from None
+    except OSError as exc:  # no permission, an I/O error
+        raise ConversionError(f"{src}: cannot read {exc.filename or 'it'}: {exc.strerror or exc}; "
+                              "check the file's permissions and the disk") from None
     raise ConversionError(f"{src} does not exist; SRC is a Hugging Face model folder or a .gguf file")
 
 

@@ -121,18 +121,24 @@ def moe_config_fields(model_type: str, arch: str, meta, config: dict, has_tensor
     meta(key, default): the value of `{arch}.key`; config: the dense fields already read (hidden
     size, feed_forward_length as intermediate_size, layer count); has_tensor(hf_name): whether the
     file holds that tensor (after renaming)."""
-    expert_count = int(meta("expert_count", 0))
-    used = meta("expert_used_count")
+    def integer(key: str, default: int | None = None, minimum: int = 0) -> int | None:
+        value = meta(key, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+            raise ConversionError(f"GGUF key '{arch}.{key}' is {value!r}; expected an integer >= {minimum}")
+        return value
+
+    expert_count = integer("expert_count", 0)
+    used = integer("expert_used_count", minimum=1)
     if used is None:
         raise ConversionError(f"the GGUF file has {arch}.expert_count {expert_count} but no {arch}.expert_used_count; "
                               "export the GGUF file again")
-    gating = meta("expert_gating_func")
-    if gating is not None and int(gating) != GATING_SOFTMAX:
+    gating = integer("expert_gating_func")
+    if gating is not None and gating != GATING_SOFTMAX:
         raise UnsupportedModelError(
-            f"GGUF {arch}.expert_gating_func {int(gating)} is not supported for {model_type}; "
+            f"GGUF {arch}.expert_gating_func {gating} is not supported for {model_type}; "
             f"supported: {GATING_SOFTMAX} (softmax)")
     norm_topk_prob = bool(meta("expert_weights_norm", DEFAULT_EXPERT_WEIGHTS_NORM[arch]))
-    expert_size = int(meta("expert_feed_forward_length", config["intermediate_size"]))
+    expert_size = integer("expert_feed_forward_length", config["intermediate_size"], minimum=1)
     # llama.cpp puts no sparse step in the file: a layer without a router keeps its dense FFN.
     dense_layers = [layer for layer in range(config["num_hidden_layers"])
                     if not has_tensor(f"model.layers.{layer}.mlp.gate.weight")]
@@ -141,16 +147,18 @@ def moe_config_fields(model_type: str, arch: str, meta, config: dict, has_tensor
             raise UnsupportedModelError(
                 f"a llama GGUF with experts is read as Mixtral, which renormalises top-k weights in every layer; "
                 f"this file has expert_weights_norm {norm_topk_prob} and dense layers {dense_layers}")
-        return {"num_local_experts": expert_count, "num_experts_per_tok": int(used), "intermediate_size": expert_size}
-    fields = {"num_experts": expert_count, "num_experts_per_tok": int(used), "norm_topk_prob": norm_topk_prob}
+        return {"num_local_experts": expert_count, "num_experts_per_tok": used, "intermediate_size": expert_size}
+    fields = {"num_experts": expert_count, "num_experts_per_tok": used, "norm_topk_prob": norm_topk_prob}
     if model_type == "olmoe":
         if dense_layers:
             raise UnsupportedModelError(f"OLMoE has a MoE block in every layer; this GGUF has dense layers {dense_layers}")
         clamp = meta("attention.clamp_kqv")
+        if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or clamp <= 0):
+            raise ConversionError(f"GGUF key '{arch}.attention.clamp_kqv' is {clamp!r}; expected a positive number")
         return {**fields, "intermediate_size": expert_size, "clip_qkv": None if clamp is None else float(clamp)}
     fields.update(moe_intermediate_size=expert_size, decoder_sparse_step=1, mlp_only_layers=dense_layers)
     if model_type == "qwen2_moe":
-        shared = int(meta("expert_shared_feed_forward_length", 0))
+        shared = integer("expert_shared_feed_forward_length", 0)
         if shared == 0 and any(has_tensor(f"model.layers.{layer}.mlp.shared_expert.up_proj.weight")
                                for layer in range(config["num_hidden_layers"])):
             raise ConversionError(f"the GGUF file holds shared experts (ffn_*_shexp) but no "

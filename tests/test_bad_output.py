@@ -220,3 +220,20 @@ def test_a_version_of_the_wrong_type_is_shown_as_it_is(tiny_checkpoint, capsys):
     assert run_cli(capsys, "inspect", tiny_checkpoint) == (
         2, "", f"error: {tiny_checkpoint}: zllm format version '1' is not supported (this zllm-edge reads "
                "version 1); convert the model again with this version of zllm-edge\n")
+
+
+def test_an_unreadable_source_is_a_typed_error(tmp_path, monkeypatch):
+    from converters import gguf_source
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF")
+
+    def refuse(self, path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(gguf_source.GGUFSource, "__init__", refuse)
+    with pytest.raises(ConversionError) as raised:
+        convert(str(source), str(tmp_path / "out"), INT8, progress=False)
+    assert str(raised.value) == (f"{source}: cannot read {source}: Permission denied; check the file's permissions "
+                                 "and the disk")
+    assert_nothing_written(tmp_path / "out")

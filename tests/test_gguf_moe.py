@@ -182,6 +182,22 @@ def test_expert_weights_norm_defaults_to_llama_cpp_per_architecture():
 # ------------------------------------------------------------------------------- bad input
 
 
+@pytest.mark.parametrize("key, value, expected", [
+    ("expert_used_count", "two", "an integer >= 1"),
+    ("expert_used_count", 0, "an integer >= 1"),
+    ("expert_feed_forward_length", 3.5, "an integer >= 1"),
+    ("expert_count", True, "an integer >= 0"),
+])
+def test_mistyped_moe_metadata_is_named(key, value, expected):
+    config = {"intermediate_size": 96, "num_hidden_layers": 2}
+    meta = {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32, key: value}
+    with pytest.raises(ConversionError) as raised:
+        moe_config_fields("qwen3_moe", "qwen3moe", lambda k, default=None: meta.get(k, default), config,
+                          lambda name: ".mlp.gate." in name)
+    assert str(raised.value) == f"GGUF key 'qwen3moe.{key}' is {value!r}; expected {expected}"
+
+
+
 def write_edited(tiny_zoo, path, edit) -> str:
     write_hf_model_gguf(tiny_zoo.hf_model("qwen3_moe_norm"), path, "qwen3moe", edit=edit)
     return str(path)
