@@ -151,7 +151,7 @@ def _load_for_text(model_path: str | None, args):
                          args.prefetch_depth)
     path = _resolve_model(model_path, args.quiet)
     model = edge.load(path, device=args.device, threads=args.threads, kv_cache=args.kv_cache,
-                      kv_capacity=args.kv_capacity, **_memory_options(args))
+                      kv_capacity=args.kv_capacity, verify=args.verify, **_memory_options(args))
     if model.tokenizer is None:  # the API takes token ids then; the command line has only text
         model.close()
         raise ZllmError(f"{path} has no tokenizer, so it cannot take text; convert the model from a source that "
@@ -243,6 +243,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[],
                    help="stop string (repeatable): the text ends before it; --json's tokens keep every generated "
                         "token (as llama.cpp's do) and stop_string names the one that matched")
+    p.add_argument("--verify", action="store_true",
+                   help="check every file's sha256 (and each MoE expert's crc32) before running: finds a damaged "
+                        "checkpoint whose sizes are intact, at the cost of reading it all once")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 

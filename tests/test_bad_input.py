@@ -455,3 +455,15 @@ def test_corrupted_checkpoint_weights_fail_verification(tiny_checkpoint):
     assert str(raised.value) == (
         f"{tiny_checkpoint}: model.safetensors fails its sha256 check; the checkpoint is damaged"
     )
+
+
+def test_generate_verify_finds_a_damaged_checkpoint(tiny_checkpoint, capsys):
+    weights = tiny_checkpoint / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    code, stdout, stderr = run_cli(capsys, "generate", tiny_checkpoint, "hello", "--max-new-tokens", "1", "--verify")
+    assert (code, stdout, stderr) == (
+        2, "", f"error: {tiny_checkpoint}: model.safetensors fails its sha256 check; the checkpoint is damaged\n")
