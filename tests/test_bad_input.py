@@ -442,13 +442,18 @@ def test_truncated_checkpoint_weights(tiny_checkpoint, capsys):
     assert (code, stdout, stderr) == (2, "", f"error: {message}\n")
 
 
-def test_corrupted_checkpoint_weights_fail_verification(tiny_checkpoint):
-    weights = tiny_checkpoint / "model.safetensors"
-    with open(weights, "r+b") as f:
+def flip_last_byte(path: Path) -> None:
+    """Damage a file without changing its size: only a checksum can tell."""
+    with open(path, "r+b") as f:
         f.seek(-1, os.SEEK_END)
         last = f.read(1)
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 0xFF]))
+
+
+def test_corrupted_checkpoint_weights_fail_verification(tiny_checkpoint):
+    weights = tiny_checkpoint / "model.safetensors"
+    flip_last_byte(weights)
     edge.load(str(tiny_checkpoint)).close()  # same size: only the checksum can tell
     with pytest.raises(CheckpointError) as raised:
         edge.load(str(tiny_checkpoint), verify=True)
@@ -459,11 +464,7 @@ def test_corrupted_checkpoint_weights_fail_verification(tiny_checkpoint):
 
 def test_generate_verify_finds_a_damaged_checkpoint(tiny_checkpoint, capsys):
     weights = tiny_checkpoint / "model.safetensors"
-    with open(weights, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0xFF]))
+    flip_last_byte(weights)
     code, stdout, stderr = run_cli(capsys, "generate", tiny_checkpoint, "hello", "--max-new-tokens", "1", "--verify")
     assert (code, stdout, stderr) == (
         2, "", f"error: {tiny_checkpoint}: model.safetensors fails its sha256 check; the checkpoint is damaged\n")
