@@ -220,6 +220,15 @@ def _as_float32(value: np.ndarray | QuantizedTensor) -> np.ndarray:
     return value.dequantize() if isinstance(value, QuantizedTensor) else np.asarray(value, dtype=np.float32)
 
 
+def _equal_values(a, b, rows_per_block: int = 4096) -> bool:
+    """a == b as float32 values; plain arrays (a source's mmap views) are compared a block of rows at a
+    time, so a large vocabulary's two tables are never both copied whole."""
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+        return np.array_equal(_as_float32(a), _as_float32(b))
+    return all(np.array_equal(_as_float32(a[i:i + rows_per_block]), _as_float32(b[i:i + rows_per_block]))
+               for i in range(0, len(a), rows_per_block))
+
+
 def _untie_differing_lm_head(source: SourceModel, spec: LlamaSpec, src: str) -> LlamaSpec:
     """A config that ties the LM head to the embeddings while the source holds an lm_head.weight of other
     values: transformers (5.x) then does not tie them and warns; so do we, and the checkpoint keeps the
@@ -229,8 +238,8 @@ def _untie_differing_lm_head(source: SourceModel, spec: LlamaSpec, src: str) -> 
     if not spec.tie_word_embeddings or head is None or embeddings is None:
         return spec
     same = tuple(head.shape) == tuple(embeddings.shape)
-    if same:  # both in memory at once, as float32: a small multiple of the largest tensor, as converting is
-        same = np.array_equal(_as_float32(source.load(head.name)), _as_float32(source.load(embeddings.name)))
+    if same:
+        same = _equal_values(source.load(head.name), source.load(embeddings.name))
         source.release(head.name)
         source.release(embeddings.name)
     if same:

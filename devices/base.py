@@ -121,6 +121,7 @@ BACKENDS: dict[str, str] = {
     "npu": "devices.npu:NpuBackend",
 }
 DEVICES = tuple(BACKENDS)
+THREADED_DEVICES = ("cpu", "npu")  # the others schedule their own work and refuse a thread count
 
 
 def split_device_list(text: str) -> list[str]:

@@ -52,12 +52,16 @@ def check_load_arguments(device: str = "reference", threads: int | None = None,
     """edge.load's checks that need no checkpoint (InvalidArgumentError, or the budget parser's
     ZllmError), so that the CLI runs them before it converts or loads a model. What a device accepts
     beyond this (a thread count above what it can start, a variant) its backend checks."""
-    from devices.base import BACKENDS  # read now: tests register devices of their own
+    from devices.base import BACKENDS, THREADED_DEVICES  # read now: tests register devices of their own
 
     if not isinstance(device, str) or device.partition(":")[0] not in BACKENDS:
         raise InvalidArgumentError(f"device {device!r} is not available; available devices: {', '.join(BACKENDS)}")
     if threads is not None:
         integer("threads", threads, minimum=1)
+        kind = device.partition(":")[0]
+        if kind not in THREADED_DEVICES:  # their backends refuse it too, but only once the model is converted
+            raise InvalidArgumentError(f"device {kind!r} runs no threads of its own; --threads/threads= applies to "
+                                       f"the {' and '.join(THREADED_DEVICES)} devices")
     if kv_capacity is not None:
         integer("kv_capacity", kv_capacity, minimum=1)
     integer("prefetch_threads", prefetch_threads, minimum=1)
@@ -244,7 +248,7 @@ class Model:
         elif prompt is None or isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__len__"):
             raise InvalidArgumentError(f"prompt must be text (a str) or a list of token ids, got {prompt!r}")
         else:
-            ids = check_token_ids(prompt, self.spec.vocab_size).tolist()
+            ids = check_token_ids(prompt, self.spec.vocab_size, InvalidArgumentError).tolist()
         return Generation(self, ids, options)
 
     def chat(self, messages: list[dict], **kwargs) -> Generation:
@@ -300,7 +304,7 @@ class Model:
 
 
 def _check_messages(messages) -> None:
-    """Chat messages are a non-empty list of {"role": str, "content": str} dicts; refused here with the
+    """Chat messages are a non-empty list of {"role": str, "content": ...} dicts; refused here with the
     culprit named, rather than as a template engine's error about an undefined attribute."""
     shape = 'a list of {"role": ..., "content": ...} dicts'
     if not isinstance(messages, (list, tuple)):
@@ -312,10 +316,15 @@ def _check_messages(messages) -> None:
         if not isinstance(message, dict):
             raise InvalidArgumentError(f"messages must be {shape}; messages[{i}] is {type(message).__name__} "
                                        f"{message!r:.80}")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                found = "has none" if key not in message else f"is {message[key]!r:.80}"
-                raise InvalidArgumentError(f"messages[{i}] needs a string {key!r}; its {key!r} {found}")
+        if not isinstance(message.get("role"), str):
+            found = "has none" if "role" not in message else f"is {message['role']!r:.80}"
+            raise InvalidArgumentError(f"messages[{i}] needs a string 'role'; its 'role' {found}")
+        # content: text, a list of parts, or None beside tool calls, as chat templates take them
+        if "content" not in message and "tool_calls" not in message:
+            raise InvalidArgumentError(f"messages[{i}] has no 'content'")
+        if not isinstance(message.get("content"), (str, list, type(None))):
+            raise InvalidArgumentError(f"messages[{i}]'s 'content' must be text, a list of parts or null; "
+                                       f"it is {message['content']!r:.80}")
 
 
 def load(path, device: str = "reference", threads: int | None = None,

@@ -62,16 +62,11 @@ def cmd_inspect(args) -> int:
     from collections import Counter
 
     from converters.checkpoint import open_checkpoint
-    from edge.errors import CheckpointError
     from edge.spec import spec_from_dict
 
     with open_checkpoint(args.checkpoint) as checkpoint:  # files present, sizes and tensors as the manifest says
         manifest = checkpoint.manifest
-    try:
-        spec = spec_from_dict(manifest["model"])
-    except ZllmError as exc:
-        raise CheckpointError(f"{args.checkpoint}: the manifest's model entry is invalid ({exc}); "
-                              "convert the model again") from None
+    spec = spec_from_dict(manifest["model"])  # open_checkpoint has checked it against the tensors
     if args.json:
         print(json.dumps(manifest, indent=1))
         return 0
@@ -330,8 +325,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
-class Terminated(Exception):
-    """SIGTERM (timeout, docker stop, systemd) arrived: unwind like Ctrl-C, so staging directories go."""
+class Terminated(BaseException):
+    """SIGTERM (timeout, docker stop, systemd) arrived: unwind like Ctrl-C, so staging directories go
+    (a BaseException, as KeyboardInterrupt is, so that no `except Exception` swallows it)."""
 
 
 def _terminate(signum, frame):

@@ -11,8 +11,9 @@ import numpy as np
 
 from edge.errors import UnsupportedModelError
 from edge.spec import LlamaSpec
+from edge.spec_dense import ROPE_PARAMETERS
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
+SUPPORTED_ROPE_TYPES = tuple(ROPE_PARAMETERS)  # each with the parameters it needs (edge/spec_dense.py)
 
 
 def rope_inv_freq(spec: LlamaSpec) -> tuple[np.ndarray, float]:

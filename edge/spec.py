@@ -202,11 +202,6 @@ def spec_layer_tensors(spec: LlamaSpec, layer: int) -> dict[str, ExpectedShape]:
     return tensors
 
 
-def spec_layer_tensor_names(spec: LlamaSpec, layer: int) -> list[str]:
-    """Every weight a decoder layer of this spec owns, in checkpoint order."""
-    return list(spec_layer_tensors(spec, layer))
-
-
 def ffn_tensors(hidden: int, intermediate: int, intermediate_name: str, prefix: str,
                 bias: bool = False) -> dict[str, ExpectedShape]:
     """A SwiGLU feed-forward block: gate_proj and up_proj [I, D], down_proj [D, I] (and their biases)."""
@@ -234,10 +229,6 @@ def moe_block_tensors(spec: LlamaSpec, moe: MoeConfig, prefix: str) -> dict[str,
             tensors[prefix + "shared_expert_gate.weight"] = _matrix(1, spec.hidden_size,
                                                                     f"hidden_size {spec.hidden_size}")
     return tensors
-
-
-def moe_block_tensor_names(spec: LlamaSpec, moe: MoeConfig, prefix: str) -> list[str]:
-    return list(moe_block_tensors(spec, moe, prefix))
 
 
 def spec_expert_tensors(spec: LlamaSpec) -> dict[int, list[dict[str, ExpectedShape]]]:
@@ -292,11 +283,6 @@ def gqa_tensors(spec: LlamaSpec, prefix: str) -> dict[str, ExpectedShape]:
     return tensors
 
 
-def gqa_tensor_names(spec: LlamaSpec, prefix: str) -> list[str]:
-    """The attention weights of one MHA/GQA/MQA layer."""
-    return list(gqa_tensors(spec, prefix))
-
-
 def mla_tensors(spec: DeepseekV2Spec, prefix: str) -> dict[str, ExpectedShape]:
     """The attention weights of one MLA layer (transformers' DeepseekV2Attention / V3)."""
     d, heads, rank, rope = spec.hidden_size, spec.num_attention_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
@@ -324,11 +310,6 @@ def mla_tensors(spec: DeepseekV2Spec, prefix: str) -> dict[str, ExpectedShape]:
     if spec.attention_bias:
         tensors[prefix + "o_proj.bias"] = _vector(d, f"hidden_size {d}")
     return tensors
-
-
-def mla_tensor_names(spec: DeepseekV2Spec, prefix: str) -> list[str]:
-    """The attention weights of one MLA layer (transformers' DeepseekV2Attention / V3)."""
-    return list(mla_tensors(spec, prefix))
 
 
 def spec_dense_tensors(spec: LlamaSpec) -> dict[str, ExpectedShape]:

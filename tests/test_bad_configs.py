@@ -137,8 +137,18 @@ def test_shape_table_matches_a_moefied_llama(tiny_zoo, tmp_path):
     assert checkpoint_shapes(out) == table_of(spec)
 
 
-def test_rope_types_the_spec_accepts_are_the_ones_rope_computes():
-    assert set(ROPE_PARAMETERS) == set(SUPPORTED_ROPE_TYPES)
+def test_every_rope_type_the_spec_accepts_computes_from_its_required_parameters():
+    from edge.rope import rope_inv_freq
+
+    values = {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16, "factors": [1.0] * 8}
+    for rope_type, needed in ROPE_PARAMETERS.items():
+        scaling = {"rope_type": rope_type, **{key: values[key] for key in needed}}
+        spec = spec_from_dict(dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, vocab_size=32, rope_scaling=scaling))
+        inv_freq, attention_factor = rope_inv_freq(spec)
+        assert inv_freq.shape == (8,) and np.isfinite(inv_freq).all() and attention_factor > 0, rope_type
+    assert SUPPORTED_ROPE_TYPES == tuple(ROPE_PARAMETERS)
 
 
 # --------------------------------------------------------------------- bad config values

@@ -146,10 +146,11 @@ def test_sigterm_leaves_nothing(tmp_path, tiny_llama, monkeypatch, capsys):
 
     monkeypatch.setattr(convert_module, "_encode", encode_then_terminate)
     out = tmp_path / "made" / "ckpt"
+    handler_before = signal.getsignal(signal.SIGTERM)
     assert run_cli(capsys, "convert", tiny_llama, out, "--quiet") == (128 + signal.SIGTERM, "", "terminated\n")
     assert 4 <= len(calls) < 21
     assert sorted(p.name for p in tmp_path.iterdir()) == []
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the CLI put the handler back
+    assert signal.getsignal(signal.SIGTERM) is handler_before  # the CLI put the handler back
 
 
 # --------------------------------------------------------------------------- usage mistakes
