@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 
 from converters.expert_file import expert_tensor_name
+from edge.arguments import is_integer, is_number
 from edge.errors import ConversionError, UnsupportedModelError
 
 # GGUF architecture -> our model_type, for architectures that are always MoE.
@@ -123,7 +124,7 @@ def moe_config_fields(model_type: str, arch: str, meta, config: dict, has_tensor
     file holds that tensor (after renaming)."""
     def integer(key: str, default: int | None = None, minimum: int = 0) -> int | None:
         value = meta(key, default)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        if value is not None and not is_integer(value, minimum):
             raise ConversionError(f"GGUF key '{arch}.{key}' is {value!r}; expected an integer >= {minimum}")
         return value
 
@@ -153,7 +154,7 @@ def moe_config_fields(model_type: str, arch: str, meta, config: dict, has_tensor
         if dense_layers:
             raise UnsupportedModelError(f"OLMoE has a MoE block in every layer; this GGUF has dense layers {dense_layers}")
         clamp = meta("attention.clamp_kqv")
-        if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or clamp <= 0):
+        if clamp is not None and not (is_number(clamp) and clamp > 0):
             raise ConversionError(f"GGUF key '{arch}.attention.clamp_kqv' is {clamp!r}; expected a positive number")
         return {**fields, "intermediate_size": expert_size, "clip_qkv": None if clamp is None else float(clamp)}
     fields.update(moe_intermediate_size=expert_size, decoder_sparse_step=1, mlp_only_layers=dense_layers)

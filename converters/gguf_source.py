@@ -18,6 +18,7 @@ from converters.gguf_moe import (
 )
 from converters.safetensors_io import release_pages
 from converters.source import SourceTensor, SourceTokenizer
+from edge.arguments import is_integer
 from edge.errors import ConversionError, UnsupportedModelError
 from quant import QuantizedTensor
 from quant.gguf_import import from_gguf
@@ -186,7 +187,7 @@ class GGUFSource:
         return value
 
     def _count(self, key: str, default: int | None = None, minimum: int = 1) -> int:
-        return self._checked(key, default, lambda v: isinstance(v, int) and v >= minimum, f"an integer >= {minimum}")
+        return self._checked(key, default, lambda v: is_integer(v, minimum), f"an integer >= {minimum}")
 
     def _number(self, key: str, default: float | None = None) -> float:
         return float(self._checked(key, default, lambda v: isinstance(v, (int, float)), "a number"))

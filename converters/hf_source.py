@@ -11,6 +11,7 @@ import numpy as np
 
 from converters.safetensors_io import SafetensorsFile
 from converters.source import SourceTensor, SourceTokenizer
+from edge.arguments import is_integer
 from edge.errors import ConversionError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def _chat_template(value, path: str) -> str | None:
 def _token_ids(value, key: str, path: str) -> list[int]:
     """A config's token id entry (an id, a list of ids, or null) as a list of ids."""
     values = value if isinstance(value, list) else [] if value is None else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+    if not all(is_integer(v, minimum=0) for v in values):
         raise ConversionError(f"{path}: {key} is {value!r}; expected a token id or a list of token ids")
     return values
 

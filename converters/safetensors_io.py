@@ -21,6 +21,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from edge.arguments import is_integer
 from edge.errors import ZllmError
 
 # safetensors dtype name -> numpy dtype. BF16 has no numpy dtype: it is read as uint16 bits.
@@ -183,10 +184,6 @@ def _read_header(path: str) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     return entries, metadata
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _entry_fields(info) -> tuple[str, tuple[int, ...], int, int] | None:
     """(dtype, shape, begin, end) of a header entry, or None when it is malformed.
 
@@ -195,8 +192,8 @@ def _entry_fields(info) -> tuple[str, tuple[int, ...], int, int] | None:
     if not isinstance(info, dict):
         return None
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if (not isinstance(dtype, str) or not isinstance(shape, list) or not all(_is_count(d) for d in shape)
-            or not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)):
+    if (not isinstance(dtype, str) or not isinstance(shape, list) or not all(is_integer(d, 0) for d in shape)
+            or not isinstance(offsets, list) or len(offsets) != 2 or not all(is_integer(o, 0) for o in offsets)):
         return None
     return dtype, tuple(shape), offsets[0], offsets[1]
 

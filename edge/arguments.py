@@ -22,11 +22,22 @@ def _bounds(minimum, maximum, above) -> str:
     return f" <= {maximum}" if high else ""
 
 
+def is_integer(value, minimum: int | None = None) -> bool:
+    """An int (numpy integers too), not a bool (an int to Python, never a count) nor a float, >= minimum."""
+    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            and (minimum is None or value >= minimum))
+
+
+def is_number(value) -> bool:
+    """A finite real number, not a bool (nan and infinities are refused)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def integer(name: str, value, minimum: int | None = None, maximum: int | None = None, note: str = "") -> int:
     """An int (numpy integers too; not a bool, a float or a string) within [minimum, maximum]."""
     kind = "a positive integer" if minimum == 1 and maximum is None else f"an integer{_bounds(minimum, maximum, None)}"
     wanted = f"{name} must be {kind}{note}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_integer(value):
         raise InvalidArgumentError(f"{wanted}, got {value!r}")
     value = int(value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):

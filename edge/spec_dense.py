@@ -9,45 +9,33 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from edge.arguments import is_integer, is_number
 from edge.errors import ConversionError, UnsupportedModelError
 from edge.moe import MoeConfig
 
 
 # --- field rules ----------------------------------------------------------------------------------
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _is_layer_list(value, spec) -> bool:
-    return isinstance(value, (list, tuple)) and all(_is_int(v) and 0 <= v < spec.num_hidden_layers for v in value)
-
-
-def _is_token_id(value) -> bool:
-    return _is_int(value) and value >= 0
+    return isinstance(value, (list, tuple)) and all(is_integer(v) and 0 <= v < spec.num_hidden_layers for v in value)
 
 
 # kind -> (test, what a value must be). The test also gets the spec, for ranges that depend on it.
 FIELD_KINDS: dict[str, tuple[Any, str]] = {
-    "count": (lambda v, spec: _is_int(v) and v >= 1, "a positive integer"),
-    "size": (lambda v, spec: _is_int(v) and v >= 0, "a non-negative integer"),
-    "positive": (lambda v, spec: _is_number(v) and v > 0, "a positive number"),
-    "non_negative": (lambda v, spec: _is_number(v) and v >= 0, "a non-negative number"),
+    "count": (lambda v, spec: is_integer(v, 1), "a positive integer"),
+    "size": (lambda v, spec: is_integer(v, 0), "a non-negative integer"),
+    "positive": (lambda v, spec: is_number(v) and v > 0, "a positive number"),
+    "non_negative": (lambda v, spec: is_number(v) and v >= 0, "a non-negative number"),
     "flag": (lambda v, spec: isinstance(v, bool), "true or false"),
     "text": (lambda v, spec: isinstance(v, str), "a string"),
     "layers": (_is_layer_list, "a list of layer indices in [0, num_hidden_layers)"),
     "layer_types": (lambda v, spec: isinstance(v, (list, tuple)) and all(isinstance(t, str) for t in v),
                     "a list of strings"),
-    "token_ids": (lambda v, spec: _is_token_id(v) or (isinstance(v, (list, tuple)) and all(map(_is_token_id, v))),
+    "token_ids": (lambda v, spec: is_integer(v, 0) or (isinstance(v, (list, tuple))
+                                                        and all(is_integer(i, 0) for i in v)),
                   "a token id (a non-negative integer) or a list of them"),
     "rope_scaling": (lambda v, spec: isinstance(v, dict), "an object"),
 }
@@ -72,9 +60,9 @@ def _normalized(value, kind: str):
     if kind in ("count", "size"):
         return int(value)
     if kind in ("positive", "non_negative"):
-        return int(value) if _is_int(value) else float(value)
+        return int(value) if is_integer(value) else float(value)
     if kind in ("layers", "layer_types"):
-        return [int(v) if _is_int(v) else v for v in value]
+        return [int(v) if is_integer(v) else v for v in value]
     if kind == "token_ids" and isinstance(value, (list, tuple)):
         return [int(v) for v in value]
     if kind == "token_ids":
@@ -128,7 +116,7 @@ def _check_rope_scaling(spec: "LlamaSpec") -> None:
         elif len(factors) != pairs:
             got = f"{len(factors)} values"
         else:
-            got = next((show(f) for f in factors if not (_is_number(f) and f > 0)), None)
+            got = next((show(f) for f in factors if not (is_number(f) and f > 0)), None)
         if got is not None:
             raise ConversionError(f"rope_scaling.factors must be {pairs} positive numbers (one per rotary pair of "
                                   f"head_dim {spec.head_dim}), got {got}")
