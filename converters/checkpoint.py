@@ -29,6 +29,7 @@ from quant import QuantizedTensor, Scheme
 
 if TYPE_CHECKING:
     from converters.expert_file import ExpertIndex
+    from edge.spec import LlamaSpec
 
 FORMAT = "zllm"
 FORMAT_VERSION = 1
@@ -166,6 +167,7 @@ class Checkpoint:
     tensors: dict[str, np.ndarray | QuantizedTensor]
     _files: list[SafetensorsFile]
     experts: "ExpertIndex | None" = None  # routed experts of a MoE model (experts.bin), else None
+    spec: "LlamaSpec | None" = None  # the manifest's model spec, checked against the tensors
 
     @property
     def model_config(self) -> dict:
@@ -300,15 +302,15 @@ def open_checkpoint(path: str, verify: bool = False) -> Checkpoint:
                     f.close()
                 raise
     try:
-        check_shapes_against_spec(path, manifest, tensors, experts)
+        spec = check_shapes_against_spec(path, manifest, tensors, experts)
     except CheckpointError:
         for f in files.values():
             f.close()
         raise
-    return Checkpoint(path, manifest, tensors, list(files.values()), experts)
+    return Checkpoint(path, manifest, tensors, list(files.values()), experts, spec)
 
 
-def check_shapes_against_spec(path: str, manifest: dict, tensors: dict, experts: "ExpertIndex | None") -> None:
+def check_shapes_against_spec(path: str, manifest: dict, tensors: dict, experts: "ExpertIndex | None") -> "LlamaSpec":
     """Every tensor of an opened checkpoint, and each MoE layer's expert layout and count, against what the
     manifest's model spec gives them (edge/spec.py `spec_tensor_shapes`), so that a hand-edited or damaged
     manifest is a CheckpointError at load instead of a numpy error (or garbage) at generate time."""
@@ -352,3 +354,4 @@ def check_shapes_against_spec(path: str, manifest: dict, tensors: dict, experts:
         more = f" ({len(problems) - 1} more tensors disagree too)" if len(problems) > 1 else ""
         raise CheckpointError(f"{path}: {problems[0]}{more}; the manifest's model spec and the weights disagree: "
                               f"{damaged}")
+    return spec

@@ -58,7 +58,6 @@ from converters.onnx_weights import (
     float_matrix_t,
     float_vector,
     matmul_nbits_arrays,
-    onnx_type,
     uses_group_offset,
 )
 from quant import QuantizedTensor

@@ -15,7 +15,6 @@ from edge.generation import Generation, GenerationOptions
 from edge.model import Transformer
 from edge.saved_session import restore_session
 from edge.session import Session, check_token_ids
-from edge.spec import spec_from_dict
 from edge.tokenizer import Tokenizer, TokenizerError
 from quant import QuantizedTensor
 from streaming.budget import parse_budget, plan_memory
@@ -81,7 +80,7 @@ class Model:
         # a session's default capacity (and a generation's most); a budget reserves this many positions
         self.kv_capacity = None if kv_capacity is None else int(kv_capacity)
         self.checkpoint = open_checkpoint(self.path, verify=verify)
-        self.spec = spec_from_dict(self.checkpoint.model_config)
+        self.spec = self.checkpoint.spec
         self.weight_bytes = sum(  # every tensor that is not a routed expert (those live in experts.bin)
             t.nbytes for t in self.checkpoint.tensors.values()
         )

@@ -62,11 +62,9 @@ def cmd_inspect(args) -> int:
     from collections import Counter
 
     from converters.checkpoint import open_checkpoint
-    from edge.spec import spec_from_dict
 
-    with open_checkpoint(args.checkpoint) as checkpoint:  # files present, sizes and tensors as the manifest says
-        manifest = checkpoint.manifest
-    spec = spec_from_dict(manifest["model"])  # open_checkpoint has checked it against the tensors
+    with open_checkpoint(args.checkpoint) as checkpoint:  # files present, tensors as the manifest's spec says
+        manifest, spec = checkpoint.manifest, checkpoint.spec
     if args.json:
         print(json.dumps(manifest, indent=1))
         return 0
