@@ -250,6 +250,30 @@ def open_checkpoint(path: str, verify: bool = False) -> Checkpoint:
     path = os.fspath(path)
     manifest = read_manifest(path)
     files: dict[str, SafetensorsFile] = {}
+    try:  # whatever is refused, the files opened so far are closed
+        tensors = _open_tensors(path, manifest, verify, files)
+        experts = None
+        if manifest.get("experts") is not None:
+            from converters.expert_file import ExpertIndex  # expert_file imports this module
+
+            try:
+                experts = ExpertIndex(path, manifest["experts"])
+            except (KeyError, ValueError, TypeError) as exc:
+                raise CheckpointError(f"{path}: the manifest's experts entry is malformed ({exc}); "
+                                      "convert the model again") from None
+            if verify:
+                _verify_experts(path, experts, manifest["files"][os.path.basename(experts.path)]["sha256"])
+        spec = check_shapes_against_spec(path, manifest, tensors, experts)
+    except BaseException:
+        for f in files.values():
+            f.close()
+        raise
+    return Checkpoint(path, manifest, tensors, list(files.values()), experts, spec)
+
+
+def _open_tensors(path: str, manifest: dict, verify: bool, files: dict[str, SafetensorsFile]) -> dict:
+    """Every dense tensor of the manifest as a view of its file (opened into `files`), after each
+    file's size (and, with `verify`, sha256) matched the manifest."""
     try:
         for filename, info in manifest["files"].items():
             file_path = os.path.join(path, filename)
@@ -275,39 +299,11 @@ def open_checkpoint(path: str, verify: bool = False) -> Checkpoint:
                 tensors[name] = QuantizedTensor.from_arrays(scheme, tuple(info["shape"]), arrays, name)
             else:
                 tensors[name] = st.raw(name)
+        return tensors
     except SafetensorsFormatError as exc:
-        for f in files.values():
-            f.close()
         raise CheckpointError(f"{path}: {exc}") from None
     except (KeyError, ValueError, TypeError) as exc:
-        for f in files.values():
-            f.close()
         raise CheckpointError(f"{path}: manifest and weights disagree ({exc!r}); convert the model again") from None
-    experts = None
-    if manifest.get("experts") is not None:
-        from converters.expert_file import ExpertIndex  # expert_file imports this module
-
-        try:
-            experts = ExpertIndex(path, manifest["experts"])
-        except (KeyError, ValueError, TypeError) as exc:
-            for f in files.values():
-                f.close()
-            raise CheckpointError(f"{path}: the manifest's experts entry is malformed ({exc}); "
-                                  "convert the model again") from None
-        if verify:
-            try:
-                _verify_experts(path, experts, manifest["files"][os.path.basename(experts.path)]["sha256"])
-            except CheckpointError:
-                for f in files.values():
-                    f.close()
-                raise
-    try:
-        spec = check_shapes_against_spec(path, manifest, tensors, experts)
-    except CheckpointError:
-        for f in files.values():
-            f.close()
-        raise
-    return Checkpoint(path, manifest, tensors, list(files.values()), experts, spec)
 
 
 def check_shapes_against_spec(path: str, manifest: dict, tensors: dict, experts: "ExpertIndex | None") -> "LlamaSpec":
