@@ -23,7 +23,7 @@ _F32_RO, _F32_RO_2D, _F64_RO, _I64_RO = (readonly(types.float32, 1), readonly(ty
 
 
 @kernel(types.void(_F32_RO, _F32_RO_2D, _F32_RO, _F32_RO, types.float32, _F64_RO, _I64_RO, _I64_RO, _I64_RO,
-                   mutable(types.float32, 1), mutable(types.float64, 1), mutable(types.int64, 2)))
+                   mutable(types.float32, 1), mutable(types.float64, 1), mutable(types.int64, 2)), keep_gil=True)
 def gate_forecast(x, routers, bias, drift, eps, mix, top_k, distance, offsets, raw, need, sets):
     """x [D], routers [S, D], bias and drift [S] (f32); eps; per target: mix weight, top_k, distance,
     offsets [n + 1] into S. Out: raw [S] (the lookahead logits), need [S], sets [n, >= max top_k]."""
@@ -64,7 +64,7 @@ def gate_forecast(x, routers, bias, drift, eps, mix, top_k, distance, offsets, r
 
 
 @kernel(types.void(_I64_RO, _I64_RO, mutable(types.float64, 2), _I64_RO, mutable(types.float64, 2),
-                   mutable(types.float64, 1)))
+                   mutable(types.float64, 1)), keep_gil=True)
 def count_decode_route(ids, previous, temporal, before, spatial, frequency):
     """What one decode token's route `ids` [A] at a layer teaches the predictor's counts
     (streaming/predictor.py `observe`), each pair counted once per occurrence (as np.add.at):
@@ -82,7 +82,7 @@ def count_decode_route(ids, previous, temporal, before, spatial, frequency):
         frequency[j] += 1.0
 
 
-@kernel(types.void(mutable(types.float32, 1), _F32_RO, _F32_RO, types.float32))
+@kernel(types.void(mutable(types.float32, 1), _F32_RO, _F32_RO, types.float32), keep_gil=True)
 def learn_decode_drift(drift, actual, lookahead, rate):
     """drift <- (1 - rate) drift + rate (actual - lookahead): one decode token's step of the moving
     average of how far a layer's real router logits [E] drift from those looked ahead."""

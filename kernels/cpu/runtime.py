@@ -119,11 +119,12 @@ class Kernel:
     new specialisation silently."""
 
     def __init__(self, function, signatures, parallel: bool = False, name: str | None = None,
-                 optimization: int | None = None):
+                 optimization: int | None = None, keep_gil: bool = False):
         self.function = function
         self.signatures = list(signatures)
         self.parallel = parallel
         self.optimization = optimization
+        self.keep_gil = keep_gil
         self.__name__ = name or function.__name__
         self.__doc__ = function.__doc__
         self._dispatcher = None
@@ -134,7 +135,8 @@ class Kernel:
             with _lock:
                 if self._dispatcher is None:
                     use_cache_dir()
-                    dispatcher = numba.njit(cache=True, parallel=self.parallel, **JIT_OPTIONS)(self.function)
+                    options = dict(JIT_OPTIONS, nogil=not self.keep_gil)
+                    dispatcher = numba.njit(cache=True, parallel=self.parallel, **options)(self.function)
                     default_level = numba.config.OPT
                     if self.optimization is not None:
                         numba.config.OPT = self.optimization
@@ -155,12 +157,17 @@ class Kernel:
         return self._dispatcher is not None
 
 
-def kernel(*signatures, parallel: bool = False, optimization: int | None = None):
+def kernel(*signatures, parallel: bool = False, optimization: int | None = None, keep_gil: bool = False):
     """Decorator: a lazily compiled Kernel with these explicit signatures (and, if given, this LLVM
-    optimisation level instead of Numba's default 3)."""
+    optimisation level instead of Numba's default 3).
+
+    Kernels release the GIL, so that other threads (the expert loaders) run while they compute.
+    `keep_gil` is for kernels of a few microseconds on the model's thread: releasing the GIL there
+    hands it to a waiting loader, and taking it back waits for that loader's Python to finish,
+    which costs far more than the kernel itself."""
 
     def wrap(function):
-        return Kernel(function, signatures, parallel=parallel, optimization=optimization)
+        return Kernel(function, signatures, parallel=parallel, optimization=optimization, keep_gil=keep_gil)
 
     return wrap
 
