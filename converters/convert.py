@@ -100,10 +100,19 @@ class QuantPlan:
             ) from None
 
     def scheme_for(self, tensor: SourceTensor) -> Scheme:
+        """The scheme `tensor` is stored in. A bare bit width ("int8", "int4") keeps a GGUF tensor that
+        already holds that many bits in one of our schemes (Q4_0, Q4_1 at 4 bits, Q8_0 at 8) as it is:
+        rounding 4-bit codes onto a second 4-bit grid compounds both roundings (SmolLM2's Q4_1 layers
+        requantized to int4_sym_g32 lose "Paris" in "The capital of France is"), for no saving worth
+        it. A full scheme ("int4_sym_g64") is requantized as asked."""
         cls = tensor_class(tensor.name)
         if cls == "norm" or len(tensor.shape) != 2:
             return Scheme("f32")
-        choice = self._parse_choice(self.overrides.get(cls, CLASS_DEFAULTS.get(cls, self.weights)))
+        asked = self.overrides.get(cls, CLASS_DEFAULTS.get(cls, self.weights))
+        choice = self._parse_choice(asked)
+        kept = LOSSLESS_SOURCE_SCHEMES.get(tensor.source_format)
+        if asked in ("int8", "int4") and kept is not None and kept.dtype == choice.dtype:
+            return kept
         if choice != "source":
             return choice
         if tensor.source_format in LOSSLESS_SOURCE_SCHEMES:
@@ -186,7 +195,13 @@ def _to_scheme(value: np.ndarray | QuantizedTensor, scheme: Scheme, name: str
     try:
         reference = value.dequantize() if isinstance(value, QuantizedTensor) else np.asarray(value, dtype=np.float32)
         if not scheme.is_quantized:
-            stored = reference.astype(np.float16 if scheme.dtype == "f16" else np.float32)
+            _check_finite(reference)
+            with np.errstate(over="ignore"):
+                stored = reference.astype(np.float16 if scheme.dtype == "f16" else np.float32)
+            if not np.isfinite(stored).all():  # finite float32 values beyond float16's range became inf
+                option = f"--{tensor_class(name).replace('_', '-')} f32"
+                raise ConversionError(f"a value of magnitude {np.abs(reference).max():.6g} exceeds the float16 range "
+                                      f"(65504); keep this tensor f32 ({option}, or --weights f32)")
             report = quantization_error(reference, stored)
             return stored, report.max_abs == 0.0, report.max_abs, report.rel_rms
         quantized = quantize(reference, scheme)
@@ -194,6 +209,15 @@ def _to_scheme(value: np.ndarray | QuantizedTensor, scheme: Scheme, name: str
         raise ConversionError(f"tensor {name} ({scheme}): {exc}") from None
     report = quantization_error(reference, quantized)
     return quantized, False, report.max_abs, report.rel_rms
+
+
+def _check_finite(values: np.ndarray) -> None:
+    """Refuse NaN or infinity in a source's weights (the quantizers refuse them too): a model holding
+    them computes NaN logits whatever format it is stored in."""
+    if not np.isfinite(values).all():
+        where = tuple(int(i) for i in np.argwhere(~np.isfinite(values))[0])
+        raise ConversionError(f"the source holds a non-finite value ({values[where]}) at index {list(where)}; its "
+                              "weights are damaged: download or export the model again")
 
 
 def _encode(value: np.ndarray | QuantizedTensor, source: SourceTensor, scheme: Scheme

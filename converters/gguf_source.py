@@ -215,6 +215,8 @@ class GGUFSource:
             "rope_theta": number("rope.freq_base", 10000.0),
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
             "attention_bias": "model.layers.0.self_attn.o_proj.bias" in self._tensors,
+            # llama.cpp writes a Llama's MLP biases (mlp_bias) as blk.N.ffn_{gate,up,down}.bias; no key says so
+            "mlp_bias": "model.layers.0.mlp.down_proj.bias" in self._tensors,
         }
         scaling_type = meta("rope.scaling.type")
         if scaling_type in ("linear", "yarn"):

@@ -30,6 +30,7 @@ import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from converters.gguf_source import gguf_field
+from edge.arguments import is_integer
 from edge.errors import ConversionError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,9 @@ class _GGUFVocab:
             token_id = gguf_field(reader, key)
             if token_id is None:
                 continue
+            if not is_integer(token_id):
+                raise ConversionError(
+                    f"The GGUF file's {key!r} is {token_id!r}; expected a token id (an integer in [0, {len(tokens)})).")
             if not 0 <= token_id < len(tokens):
                 raise ConversionError(
                     f"The GGUF file names token {token_id} in {key!r}, but its vocabulary has {len(tokens)} tokens."
@@ -263,7 +267,7 @@ def _byte_level_bpe(vocab: _GGUFVocab) -> Tokenizer:
     tokenizer = Tokenizer(
         models.BPE(
             vocab=token_to_id,
-            merges=_parse_merges(vocab.merges),
+            merges=_parse_merges(vocab.merges, token_to_id),
             dropout=None,
             continuing_subword_prefix="",
             end_of_word_suffix="",
@@ -284,13 +288,21 @@ def _byte_level_bpe(vocab: _GGUFVocab) -> Tokenizer:
     return tokenizer
 
 
-def _parse_merges(merges: list[str]) -> list[tuple[str, str]]:
+def _parse_merges(merges: list[str], token_to_id: dict[str, int]) -> list[tuple[str, str]]:
+    """(left, right) pairs; both pieces and the token they make must be in the vocabulary, which the
+    BPE model needs (tokenizers refuses such a merge with a bare Exception)."""
     pairs = []
     for index, merge in enumerate(merges):
-        parts = merge.split(" ")
+        parts = merge.split(" ") if isinstance(merge, str) else []
         if len(parts) != 2:
             raise ConversionError(
                 f"GGUF merge {index} is {merge!r}; a merge must be two tokens separated by one space."
+            )
+        outside = next((piece for piece in (*parts, "".join(parts)) if piece not in token_to_id), None)
+        if outside is not None:
+            raise ConversionError(
+                f"GGUF merge {index} is {merge!r}, but {outside!r} is not a token of the vocabulary; the merges and "
+                "the tokens disagree: export the GGUF again, or convert the model's Hugging Face tokenizer.json."
             )
         pairs.append((parts[0], parts[1]))
     return pairs
@@ -309,7 +321,7 @@ def _sentencepiece_bpe(vocab: _GGUFVocab) -> Tokenizer:
         )
     token_to_id = {token: index for index, token in enumerate(vocab.tokens)}
     if vocab.merges is not None:
-        merges = _parse_merges(vocab.merges)
+        merges = _parse_merges(vocab.merges, token_to_id)
     elif vocab.scores is not None:
         merges = _merges_from_scores(token_to_id, dict(zip(vocab.tokens, vocab.scores)))
     else:

@@ -153,12 +153,25 @@ class HFSource:
                         self._stored_name[name] = stored_name
                         if part is not None:
                             self._part[name] = part
+            self._check_index()
             self.tokenizer = self._read_tokenizer()
         except BaseException:
             self.close()
             raise
 
+    def _check_index(self) -> None:
+        """Every tensor the index maps to a shard is in that shard: an index that disagrees with its
+        shards means a shard from another revision (or a hand-edited index), whose weights may not be
+        the model's."""
+        for stored_name, filename in self._weight_map.items():
+            if stored_name not in self._files[filename].entries:
+                raise ConversionError(
+                    f"{os.path.join(self.folder, INDEX_FILE)} maps tensor {stored_name!r} to shard {filename}, but "
+                    f"that shard does not hold it; the index and the shards disagree: download the model again "
+                    f"(every shard and the index from one revision)")
+
     def _weight_files(self) -> list[str]:
+        self._weight_map: dict[str, str] = {}  # the index's tensor name -> shard file, when sharded
         index_path = os.path.join(self.folder, INDEX_FILE)
         if os.path.isfile(index_path):
             weight_map = _read_json(index_path, "safetensors index").get("weight_map")
@@ -171,6 +184,7 @@ class HFSource:
             missing = [f for f in files if not os.path.isfile(os.path.join(self.folder, f))]
             if missing:
                 raise ConversionError(f"{INDEX_FILE} names shards that are missing from {self.folder}: {missing}")
+            self._weight_map = weight_map
         else:
             files = sorted(f for f in os.listdir(self.folder) if f.endswith(".safetensors"))
         if not files:

@@ -69,11 +69,10 @@ def _normalize_rope(config: dict[str, Any]) -> dict[str, Any]:
         scaling = dict(scaling)
         scaling["rope_type"] = scaling.get("rope_type", scaling.pop("type", "default"))
         scaling.pop("type", None)
-        if scaling["rope_type"] in ("llama3", "yarn"):
-            scaling.setdefault(
-                "original_max_position_embeddings",
-                config.get("original_max_position_embeddings", config.get("max_position_embeddings")),
-            )
+        if scaling["rope_type"] in ("llama3", "yarn", "longrope"):
+            # transformers (`standardize_rope_params`, run before a config's extra keys become attributes):
+            # max_position_embeddings stands in; a top-level original_max_position_embeddings key is ignored
+            scaling.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
         config["rope_scaling"] = None if scaling["rope_type"] == "default" and len(scaling) == 1 else scaling
     return config
 

@@ -74,10 +74,16 @@ def _normalized(value, kind: str):
 ROPE_PARAMETERS: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
+    # NTK scaling that transformers applies only to sequences longer than max_position_embeddings,
+    # which no session reaches (capacity <= context): within the context it is the default rope
+    "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor",),  # as transformers requires
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
     "freq_factors": ("factors",),
 }
+# rope parameters that are lists of one positive divisor per rotary pair (head_dim / 2 values)
+ROPE_FACTOR_LISTS = {"freq_factors": ("factors",), "longrope": ("short_factor", "long_factor")}
 # optional numeric rope parameters and what they must be
 ROPE_NUMBERS = {"factor": "positive", "low_freq_factor": "positive", "high_freq_factor": "positive",
                 "original_max_position_embeddings": "count", "attention_factor": "positive",
@@ -109,8 +115,8 @@ def _check_rope_scaling(spec: "LlamaSpec") -> None:
         raise ConversionError(
             f"rope_scaling.low_freq_factor ({show(scaling['low_freq_factor'])}) must be below high_freq_factor "
             f"({show(scaling['high_freq_factor'])})")
-    if rope_type == "freq_factors":
-        factors, pairs = scaling["factors"], spec.head_dim // 2
+    for key in ROPE_FACTOR_LISTS.get(rope_type, ()):
+        factors, pairs = scaling[key], spec.head_dim // 2
         if not isinstance(factors, (list, tuple)):
             got = show(factors)
         elif len(factors) != pairs:
@@ -118,7 +124,7 @@ def _check_rope_scaling(spec: "LlamaSpec") -> None:
         else:
             got = next((show(f) for f in factors if not (is_number(f) and f > 0)), None)
         if got is not None:
-            raise ConversionError(f"rope_scaling.factors must be {pairs} positive numbers (one per rotary pair of "
+            raise ConversionError(f"rope_scaling.{key} must be {pairs} positive numbers (one per rotary pair of "
                                   f"head_dim {spec.head_dim}), got {got}")
 
 
@@ -266,6 +272,12 @@ class MistralSpec(LlamaSpec):
 
     FIELD_RULES: ClassVar[dict[str, FieldRule]] = {"sliding_window": FieldRule("count", nullable=True)}
 
+    def _derive_fields(self) -> None:
+        super()._derive_fields()
+        # transformers' Mistral (and Mixtral) build every projection without a bias, whatever the
+        # config says: an attention_bias / mlp_bias key there is ignored, so it is here
+        self.attention_bias = self.mlp_bias = False
+
     def sliding_window_for_layer(self, layer: int) -> int | None:
         return self.sliding_window
 
@@ -285,6 +297,12 @@ class Qwen2Spec(LlamaSpec):
         "max_window_layers": FieldRule("size"),
         "layer_types": FieldRule("layer_types", nullable=True),
     }
+
+    def _derive_fields(self) -> None:
+        super()._derive_fields()
+        # transformers' Qwen2 has q/k/v biases always (qkv_bias), never an o_proj or MLP bias: its
+        # config has no attention_bias / mlp_bias switch, and a key of that name is ignored
+        self.attention_bias = self.mlp_bias = False
 
     def _check_consistency(self) -> None:
         super()._check_consistency()
@@ -307,6 +325,16 @@ class Qwen2Spec(LlamaSpec):
 @dataclass
 class Qwen3Spec(Qwen2Spec):
     model_type: str = "qwen3"
+
+    def _derive_fields(self) -> None:
+        # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / num_attention_heads
+        # (Qwen3-MoE's config has no head_dim field and derives it like Llama)
+        if self.head_dim is None and self.model_type == "qwen3":
+            self.head_dim = 128
+        attention_bias = self.attention_bias
+        super()._derive_fields()
+        # unlike Qwen2, q/k/v and o_proj biases follow attention_bias (as in Llama); the MLP has none
+        self.attention_bias = attention_bias
 
     @property
     def qkv_bias(self) -> bool:

@@ -2,6 +2,7 @@
 detokenization that never splits a multi-byte character."""
 from __future__ import annotations
 
+import json
 from datetime import date
 
 import jinja2
@@ -52,14 +53,25 @@ class Tokenizer:
         def raise_exception(message):
             raise TokenizerError(f"chat template refused the messages: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, loader=jinja2.BaseLoader())
+        # the environment transformers renders chat templates in (`_compile_jinja_template`): loop
+        # controls ({% break %}, {% continue %}) and a tojson that keeps non-ASCII text and does not
+        # HTML-escape, unlike jinja's own
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, loader=jinja2.BaseLoader(),
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=raise_exception,
                            strftime_now=lambda fmt: date.today().strftime(fmt))
         token = lambda tid: self._tok.id_to_token(tid) if tid is not None else ""  # noqa: E731
+        # a template that does not parse or fails on these messages raises jinja2.TemplateError or
+        # TypeError: edge/api.py `_render_chat` retries with text-only contents, then names the failure
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=token(self.bos_token_id), eos_token=token(self.eos_token_id),
         )
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class IncrementalDecoder:

@@ -141,7 +141,8 @@ def test_every_rope_type_the_spec_accepts_computes_from_its_required_parameters(
     from edge.rope import rope_inv_freq
 
     values = {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 16, "factors": [1.0] * 8}
+              "original_max_position_embeddings": 16, "factors": [1.0] * 8, "short_factor": [1.0] * 8,
+              "long_factor": [2.0] * 8}
     for rope_type, needed in ROPE_PARAMETERS.items():
         scaling = {"rope_type": rope_type, **{key: values[key] for key in needed}}
         spec = spec_from_dict(dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
@@ -233,13 +234,13 @@ def test_bad_config_value_is_refused_at_convert(name, tiny_zoo, tmp_path):
         assert refused(src, tmp_path) == f"{src / 'config.json'}: {message}"
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["proportional", "ntk_by_parts"])
 def test_unknown_rope_type_is_refused_at_convert(rope_type, tiny_zoo, tmp_path):
     src = edited_hf_folder(tiny_zoo, "llama_mha", tmp_path / "rope", config=lambda c: c.update(
         rope_parameters={"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0}))
     assert refused(src, tmp_path, UnsupportedModelError) == (
-        f'rope_scaling.rope_type "{rope_type}" is not supported; supported: default, linear, llama3, yarn, '
-        "freq_factors")
+        f'rope_scaling.rope_type "{rope_type}" is not supported; supported: default, linear, dynamic, llama3, yarn, '
+        "longrope, freq_factors")
 
 
 @pytest.mark.parametrize("case, field", [
@@ -535,9 +536,10 @@ def test_manifest_expert_count_disagreeing_with_the_spec_is_a_checkpoint_error(d
 
 
 def test_manifest_naming_an_unsupported_rope_is_a_checkpoint_error_at_load(damaged):
-    path = damaged("llama_mha", lambda m: m["model"].update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    path = damaged("llama_mha", lambda m: m["model"].update(rope_scaling={"rope_type": "proportional", "factor": 2.0}))
     with pytest.raises(CheckpointError) as raised:
         edge.load(path)
     assert str(raised.value) == (
-        f'{os.path.join(path, MANIFEST)}: model: rope_scaling.rope_type "dynamic" is not supported; supported: '
-        "default, linear, llama3, yarn, freq_factors; the checkpoint is damaged, convert the model again")
+        f'{os.path.join(path, MANIFEST)}: model: rope_scaling.rope_type "proportional" is not supported; supported: '
+        "default, linear, dynamic, llama3, yarn, longrope, freq_factors; the checkpoint is damaged, convert the model "
+        "again")

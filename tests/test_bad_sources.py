@@ -295,3 +295,39 @@ def test_cli_subprocess_without_traceback(tmp_path):
         "error: no-heads.gguf: GGUF key 'llama.attention.head_count' is missing; the file does not describe the "
         "model, export it again with llama.cpp's convert_hf_to_gguf.py\n"))
     assert_nothing_written(out)
+
+
+# ------------------------------------------------------------------------------ weight values
+
+
+def _edit_weight(folder: Path, name: str, edit) -> None:
+    """Rewrite folder/model.safetensors with tensor `name` changed in place by `edit(array)`."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors[name])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("weights", ["f32", "f16"])
+def test_non_finite_weight_is_refused(weights, src, tmp_path):
+    # the quantized formats refused NaN already; stored as a float it used to pass, and every logit was NaN
+    _edit_weight(src, VICTIM, lambda values: values.__setitem__(17, float("nan")))
+    out = tmp_path / "out" / "ckpt"
+    with pytest.raises(ConversionError) as raised:
+        convert(str(src), str(out), QuantPlan(weights=weights), progress=False)
+    assert_nothing_written(out)
+    assert str(raised.value) == (f"tensor {VICTIM} (f32): the source holds a non-finite value (nan) at index [17]; its "
+                                 "weights are damaged: download or export the model again")
+
+
+def test_weight_beyond_float16_range_is_refused_for_f16(src, tmp_path):
+    name = "model.layers.1.mlp.up_proj.weight"
+    _edit_weight(src, name, lambda values: values.__setitem__((3, 5), 1e6))
+    out = tmp_path / "out" / "ckpt"
+    with pytest.raises(ConversionError) as raised:
+        convert(str(src), str(out), QuantPlan(weights="f16"), progress=False)
+    assert_nothing_written(out)
+    assert str(raised.value) == (f"tensor {name} (f16): a value of magnitude 1e+06 exceeds the float16 range (65504); "
+                                 "keep this tensor f32 (--ffn f32, or --weights f32)")
+    convert(str(src), str(out), QuantPlan(weights="f16", overrides={"ffn": "f32"}), progress=False)  # the remedy

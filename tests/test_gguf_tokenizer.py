@@ -282,8 +282,10 @@ def test_phi3_keeps_leading_space(tmp_path):
 # --------------------------------------------------------------- toy byte-level GGUF
 
 
-def _write_byte_level_gguf(path: pathlib.Path, pre: str) -> pathlib.Path:
-    """The 256 byte-alphabet symbols, three merges, a user-defined `<think>` and a control `<|end|>`."""
+def _write_byte_level_gguf(path: pathlib.Path, pre: str, merges: tuple[str, ...] = ("Ġ t", "h e", "Ġt he"),
+                           extra: dict | None = None) -> pathlib.Path:
+    """The 256 byte-alphabet symbols, three merges, a user-defined `<think>` and a control `<|end|>`;
+    `extra` adds metadata keys: {key: (value, gguf.GGUFValueType)}."""
     tokens = byte_alphabet() + ["Ġt", "he", "Ġthe", "<think>", "<|end|>"]
     types = [gguf.TokenType.NORMAL] * (len(tokens) - 2) + [gguf.TokenType.USER_DEFINED, gguf.TokenType.CONTROL]
 
@@ -292,7 +294,9 @@ def _write_byte_level_gguf(path: pathlib.Path, pre: str) -> pathlib.Path:
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    writer.add_token_merges(list(merges))
+    for key, (value, value_type) in (extra or {}).items():
+        writer.add_key_value(key, value, value_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -355,3 +359,39 @@ def test_missing_tokenizer(tmp_path):
         "The GGUF file has no 'tokenizer.ggml.model' key, so it describes no tokenizer; "
         "convert the tokenizer from the model's Hugging Face tokenizer.json instead."
     )
+
+
+def test_merge_making_a_token_outside_the_vocabulary(tmp_path):
+    # tokenizers itself refuses such a merge with a bare Exception ("Token `Ġh` out of vocabulary")
+    path = _write_byte_level_gguf(tmp_path / "bad-merge.gguf", "gpt-2", merges=("Ġ t", "Ġ h", "h e"))
+    with pytest.raises(ConversionError) as raised:
+        tokenizer_from_gguf(gguf.GGUFReader(path))
+    assert str(raised.value) == (
+        "GGUF merge 1 is 'Ġ h', but 'Ġh' is not a token of the vocabulary; the merges and the tokens disagree: "
+        "export the GGUF again, or convert the model's Hugging Face tokenizer.json."
+    )
+
+
+def test_special_token_id_that_is_not_an_integer(tmp_path):
+    path = _write_byte_level_gguf(tmp_path / "bad-bos.gguf", "gpt-2",
+                                  extra={"tokenizer.ggml.bos_token_id": ("1", gguf.GGUFValueType.STRING)})
+    with pytest.raises(ConversionError) as raised:
+        tokenizer_from_gguf(gguf.GGUFReader(path))
+    assert str(raised.value) == (
+        "The GGUF file's 'tokenizer.ggml.bos_token_id' is '1'; expected a token id (an integer in [0, 261))."
+    )
+
+
+def test_chat_templates_render_as_in_transformers(tmp_path):
+    """Loop controls and transformers' tojson (non-ASCII kept, nothing HTML-escaped), which chat
+    templates of real models use, render as transformers renders them."""
+    from edge.tokenizer import Tokenizer as EdgeTokenizer
+
+    info, _ = _build(_write_byte_level_gguf(tmp_path / "toy-bpe.gguf", "gpt-2"))
+    (tmp_path / "tokenizer.json").write_text(info.tokenizer_json)
+    template = ("{% for m in messages %}{% if m.role == 'stop' %}{% break %}{% endif %}"
+                "{{ m.role }}:{{ m.content | tojson }};{% endfor %}")
+    tokenizer = EdgeTokenizer(str(tmp_path / "tokenizer.json"), {**info.to_config(), "chat_template": template})
+    messages = [{"role": "user", "content": "café <b> & 'x'"}, {"role": "stop", "content": ""},
+                {"role": "user", "content": "unseen"}]
+    assert tokenizer.apply_chat_template(messages) == 'user:"café <b> & \'x\'";'

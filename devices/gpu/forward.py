@@ -200,12 +200,12 @@ class FusedForward:
         ids = np.asarray(ids).reshape(-1)
         observed = [[] for _ in self.layers] if observer is not None else None
         routes = [[] for _ in self.layers] if observer is not None else None
-        pieces = []
+        pieces, call_end = [], cache.length + len(ids)
         for begin in range(0, len(ids), self.max_tokens):
             chunk = ids[begin : begin + self.max_tokens]
             is_last = begin + len(chunk) == len(ids)
             head = "all" if all_logits else ("last" if is_last else None)
-            logits = self._run(chunk, cache, head, observed, routes)
+            logits = self._run(chunk, cache, head, observed, routes, call_end)
             if all_logits:
                 pieces.append(logits)
         if observer is not None:  # each layer's output for all the call's tokens, as forward_ops gives it
@@ -221,9 +221,11 @@ class FusedForward:
         """Run ids like __call__ and return the greedy next token, the argmax of the last token's logits
         computed on the device: one id is read back instead of the logits."""
         ids = np.asarray(ids).reshape(-1)
+        call_end = cache.length + len(ids)
         for begin in range(0, len(ids), self.max_tokens):
             chunk = ids[begin : begin + self.max_tokens]
-            token = self._run(chunk, cache, "token" if begin + len(chunk) == len(ids) else None, None)
+            token = self._run(chunk, cache, "token" if begin + len(chunk) == len(ids) else None, None,
+                              call_end=call_end)
         return int(token)
 
     def _route(self, index: int, router_logits: np.ndarray, residual: np.ndarray):
@@ -233,12 +235,13 @@ class FusedForward:
         return transformer.route_moe_layer(index, router_logits, residual)
 
     def _run(self, ids: np.ndarray, cache, head: str | None, observed: list | None,
-             routes: list | None = None) -> np.ndarray | int | None:
+             routes: list | None = None, call_end: int | None = None) -> np.ndarray | int | None:
         """One submission for up to max_tokens tokens (one more after each MoE layer's router, and one per
         layer when `observed` collects layer outputs). Returns what `head` asks for: logits, the next token
-        id ("token"), or nothing (None: a prompt chunk before the last)."""
+        id ("token"), or nothing (None: a prompt chunk before the last). `call_end`: one past the last
+        position of the whole call this chunk belongs to (longrope rotates a call by where it ends)."""
         ctx, n_tokens, start = self.ctx, len(ids), cache.length
-        cos, sin = self.rope.cos_sin(np.arange(start, start + n_tokens))
+        cos, sin = self.rope.cos_sin(np.arange(start, start + n_tokens), call_end=call_end)
         ctx.write(self.step, np.array([n_tokens, start, 0, 0], np.uint32))
         ctx.write(self.ids, ids.astype(np.uint32))
         ctx.write(self.cos, cos)

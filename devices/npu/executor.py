@@ -87,7 +87,7 @@ class NpuExecutor:
         self.moe_layers = {i for i, layer in enumerate(model.layers) if layer.moe is not None}
         self.layer_ranges = graph_ranges(n_layers, settings.layers_per_graph or n_layers, self.moe_layers)
         self._chunks: dict[tuple, list[Chunk]] = {}
-        self._rope_caches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._rope_caches: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}  # (capacity, long) -> cos, sin
         self.ort = runtime.ort
         if not settings.static_shapes:
             self.chunks(None, None, None)  # build and load now, so that edge.load reports any failure
@@ -223,20 +223,23 @@ class NpuExecutor:
 
     def _attention_feeds(self, start: int, valid: int, tokens: int, capacity: int) -> dict[str, np.ndarray]:
         if self.attention == "contrib":
-            cos, sin = self._rope_cache(capacity)
+            cos, sin = self._rope_cache(capacity, start + valid)
             return {"seqlens_k": np.array([start + valid - 1], np.int32),
                     "total_sequence_length": np.array(start + valid, np.int32),
                     "cos_cache": cos, "sin_cache": sin}
-        cos, sin = self.model.rope.cos_sin(np.arange(start, start + tokens))
+        cos, sin = self.model.rope.cos_sin(np.arange(start, start + tokens), call_end=start + valid)  # rows past valid: padding
         feeds = {"cos": cos, "sin": sin}
         for window in {layer.sliding_window for layer in self.model.layers}:
             feeds[mask_input_name(window)] = attention_mask(start, valid, tokens, capacity, window)
         return feeds
 
-    def _rope_cache(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-        if capacity not in self._rope_caches:
-            self._rope_caches[capacity] = self.model.rope.cos_sin(np.arange(capacity))
-        return self._rope_caches[capacity]
+    def _rope_cache(self, capacity: int, call_end: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin of every position of the cache, as a call ending at `call_end` rotates them (longrope's
+        factors depend on the call's end: one table for calls within its original context, one beyond)."""
+        key = (capacity, self.model.rope.uses_long(call_end))
+        if key not in self._rope_caches:
+            self._rope_caches[key] = self.model.rope.cos_sin(np.arange(capacity), call_end=call_end)
+        return self._rope_caches[key]
 
 
 def graph_ranges(n_layers: int, step: int, moe_layers: set[int]) -> list[tuple[int, int]]:
