@@ -109,7 +109,9 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def _sigmoid(logits: np.ndarray) -> np.ndarray:
-    return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+    # exp(-x) overflows float32 below x = -88: 1 / (1 + inf) = 0 is then the right limit, not an error
+    with np.errstate(over="ignore"):
+        return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
 
 
 def _top_k(values: np.ndarray, k: int) -> np.ndarray:

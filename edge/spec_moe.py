@@ -82,6 +82,17 @@ class DeepseekV2Spec(LlamaSpec):
                 f"qk_rope_head_dim must be even for rotary embeddings, got {self.qk_rope_head_dim}")
         super()._check_consistency()
         self._check_routing()
+        self._check_shared_expert_bias()
+
+    def _check_shared_expert_bias(self) -> None:
+        # transformers' DeepseekV2MLP follows mlp_bias, in the dense layers (supported) and as the MoE
+        # layers' shared experts (even n_shared_experts 0 keeps down_proj's bias), whose biases a MoE
+        # block has no place for: refused here rather than as tensors the config does not describe
+        if self.mlp_bias and any(self.is_moe_layer(layer) for layer in range(self.num_hidden_layers)):
+            raise UnsupportedModelError(
+                f"{self.model_type} with mlp_bias true gives the shared experts of its MoE layers biases "
+                "(mlp.shared_experts.*.bias), which are not supported; supported: mlp_bias false, or mlp_bias "
+                "true with every layer dense (first_k_dense_replace >= num_hidden_layers)")
 
     def _check_routing(self) -> None:
         if self.topk_method not in ("greedy", "group_limited_greedy"):
@@ -165,6 +176,12 @@ class DeepseekV3Spec(DeepseekV2Spec):
     rope_interleave: bool = True
 
     FIELD_RULES: ClassVar[dict[str, FieldRule]] = {"rope_interleave": FieldRule("flag")}
+
+    def _derive_fields(self) -> None:
+        super()._derive_fields()
+        # transformers' DeepseekV3MLP (dense layers and shared experts) has no biases whatever the
+        # config says, unlike V2's: an mlp_bias key is ignored, so it is here
+        self.mlp_bias = False
 
     def _check_routing(self) -> None:
         if self.topk_method != "noaux_tc":
