@@ -12,6 +12,7 @@ from edge.arguments import integer
 from edge.errors import (CheckpointError, ExpertCacheError, InvalidArgumentError, SessionError,
                          UnsupportedModelError, ZllmError)
 from edge.generation import Generation, GenerationOptions
+from edge.kv_cache import check_kv_format_name
 from edge.model import Transformer
 from edge.saved_session import restore_session
 from edge.session import Session, check_token_ids
@@ -47,7 +48,7 @@ def load_tokenizer(path: str | None, config: dict) -> tuple[Tokenizer | None, in
 
 def check_load_arguments(device: str = "reference", threads: int | None = None,
                          memory_budget: int | str | None = None, kv_capacity: int | None = None,
-                         prefetch_threads: int = 4, prefetch_depth: int = 2) -> None:
+                         prefetch_threads: int = 4, prefetch_depth: int = 2, kv_cache: str = "f32") -> None:
     """edge.load's checks that need no checkpoint (InvalidArgumentError, or the budget parser's
     ZllmError), so that the CLI runs them before it converts or loads a model. What a device accepts
     beyond this (a thread count above what it can start, a variant) its backend checks."""
@@ -65,6 +66,7 @@ def check_load_arguments(device: str = "reference", threads: int | None = None,
         integer("kv_capacity", kv_capacity, minimum=1)
     integer("prefetch_threads", prefetch_threads, minimum=1)
     integer("prefetch_depth", prefetch_depth, minimum=1)
+    check_kv_format_name(kv_cache)
     parse_budget(memory_budget)
 
 
@@ -74,12 +76,28 @@ class Model:
                  expert_strategy: str | None = None, expert_policy: str | None = None, prefetch_depth: int = 2,
                  prefetch_threads: int = 4, kv_capacity: int | None = None, kv_cache: str = "f32",
                  gpu_expert_cache: int | str | None = None):
-        check_load_arguments(device, threads, memory_budget, kv_capacity, prefetch_threads, prefetch_depth)
+        check_load_arguments(device, threads, memory_budget, kv_capacity, prefetch_threads, prefetch_depth, kv_cache)
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidArgumentError(f"path must be a checkpoint directory (a str or os.PathLike), got {path!r}")
         self._closed = False
         self.path = os.fspath(path)
         # a session's default capacity (and a generation's most); a budget reserves this many positions
         self.kv_capacity = None if kv_capacity is None else int(kv_capacity)
         self.checkpoint = open_checkpoint(self.path, verify=verify)
+        self.experts = None
+        try:
+            self._open(device, threads, memory_budget, verify, storage, expert_strategy, expert_policy,
+                       prefetch_depth, prefetch_threads, kv_capacity, kv_cache, gpu_expert_cache)
+        except BaseException:  # a refused device, format or budget: nothing stays mapped or running
+            if self.experts is not None:
+                self.experts.close()
+            self.checkpoint.close()
+            self._closed = True
+            raise
+
+    def _open(self, device, threads, memory_budget, verify, storage, expert_strategy, expert_policy,
+              prefetch_depth, prefetch_threads, kv_capacity, kv_cache, gpu_expert_cache) -> None:
+        """Everything Model() does once the checkpoint is open (it closes the checkpoint if this fails)."""
         self.spec = self.checkpoint.spec
         self.weight_bytes = sum(  # every tensor that is not a routed expert (those live in experts.bin)
             t.nbytes for t in self.checkpoint.tensors.values()
@@ -228,6 +246,7 @@ class Model:
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise InvalidArgumentError(f"encode takes text (a str), got {type(text).__name__} {text!r}")
+        check_unicode("the text", text)
         return self._require_tokenizer().encode(text)
 
     def decode(self, ids) -> str:
@@ -242,6 +261,9 @@ class Model:
         the first one that appears; GenerationResult says what `tokens` then hold)."""
         self.require_open()
         options = GenerationOptions.of(max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop)
+        if options.stop and self.tokenizer is None:  # without text there is nothing a stop string could match
+            raise InvalidArgumentError(f"stop strings need text, and {self.path} has no tokenizer; stop on token ids "
+                                       "instead: iterate generation.steps() and close() it at the ids you want")
         if isinstance(prompt, str):
             ids = self.encode(prompt)
         elif prompt is None or isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__len__"):
@@ -255,7 +277,12 @@ class Model:
         self.require_open()
         _check_messages(messages)
         tokenizer = self._require_tokenizer()
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        for i, message in enumerate(messages):
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_unicode(f"messages[{i}][{key!r}]", value)
+        text = _render_chat(tokenizer, messages)
+        check_unicode("the chat template's output", text)  # e.g. a text part of a list content
         return self.generate(tokenizer.encode(text, add_special_tokens=False), **kwargs)
 
     # --- reporting ------------------------------------------------------------------------
@@ -324,6 +351,72 @@ def _check_messages(messages) -> None:
         if not isinstance(message.get("content"), (str, list, type(None))):
             raise InvalidArgumentError(f"messages[{i}]'s 'content' must be text, a list of parts or null; "
                                        f"it is {message['content']!r:.80}")
+
+
+def check_unicode(what: str, text: str) -> None:
+    """Refuse text with a lone surrogate (InvalidArgumentError), which no tokenizer can encode: on the command
+    line it is a byte that is not UTF-8, kept by Python's surrogateescape (U+DC80-U+DCFF stand for 0x80-0xFF)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        found = (f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= code <= 0xDCFF
+                 else f"the lone surrogate U+{code:04X}")
+        raise InvalidArgumentError(f"{what} is not valid Unicode: character {exc.start} is {found}; give UTF-8 "
+                                   "text (on the command line, check the terminal's encoding)") from None
+
+
+def _render_chat(tokenizer: Tokenizer, messages) -> str:
+    """The chat template applied to messages. A template that concatenates `content` as a string
+    cannot take a list of parts or null: then, as llama.cpp does for templates without typed content,
+    it gets each list's text parts joined by newlines (and "" for null). Whatever the template still
+    cannot render is a TokenizerError naming the template's complaint."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except jinja2.TemplateSyntaxError as exc:  # no messages can help
+        raise TokenizerError(f"the checkpoint's chat template is not valid Jinja ({exc}, line {exc.lineno}); "
+                             "generate with a plain prompt, or convert the model from a source with a valid "
+                             "template") from None
+    except (TypeError, jinja2.TemplateError) as exc:
+        failure = exc
+    flat = _text_content(messages)
+    if flat is not None:
+        try:
+            return tokenizer.apply_chat_template(flat, add_generation_prompt=True)
+        except (TypeError, jinja2.TemplateError) as exc:
+            failure = exc
+    raise TokenizerError(f"the checkpoint's chat template cannot render these messages ({type(failure).__name__}: "
+                         f"{failure}); give each message's 'content' as text") from None
+
+
+def _text_content(messages) -> list[dict] | None:
+    """messages with list contents flattened to their text parts (joined by newlines) and null contents as "",
+    or None when no message has either. A part that is not text is refused (InvalidArgumentError)."""
+    if all(isinstance(m.get("content"), str) or "content" not in m for m in messages):
+        return None
+    flat = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if content is None:  # null (or absent) beside tool calls
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if isinstance(part, str):
+                    texts.append(part)
+                elif (isinstance(part, dict) and part.get("type", "text") == "text"
+                      and isinstance(part.get("text"), str)):
+                    texts.append(part["text"])
+                else:
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise InvalidArgumentError(f"messages[{i}]['content'][{j}] is a {kind!r} part; this model's chat "
+                                               f"template takes text only: give text parts "
+                                               '({"type": "text", "text": ...}) or a string')
+            content = "\n".join(texts)
+        flat.append({**message, "content": content})
+    return flat
 
 
 def load(path, device: str = "reference", threads: int | None = None,

@@ -5,6 +5,7 @@ Each check returns the value normalised (a Python int or float) or raises Invali
 names the argument, what it got and what it accepts."""
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
@@ -58,11 +59,24 @@ def number(name: str, value, minimum: float | None = None, maximum: float | None
     return value
 
 
-def writable_file(option: str, path: str | None) -> None:
-    """Refuse an output path that cannot be written (missing directory, a directory, no permission)
-    before the work whose result it would receive runs; None and "-" (stdout) pass."""
-    if path is None or path == "-":
+def path_argument(name: str, value) -> str:
+    """A file system path (a str or os.PathLike, not empty) as a str."""
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise InvalidArgumentError(f"{name} must be a file path (a str or os.PathLike), got {value!r}")
+    return os.fspath(value)
+
+
+def writable_file(option: str, path: str | None, suffix: str | None = None) -> None:
+    """Refuse an output path that cannot be written (missing directory, a directory, no permission, or a
+    name without `suffix`, e.g. ".png" for a plot) before the work whose result it would receive runs;
+    None and "-" (stdout) pass."""
+    if path is None or path == "-" and suffix is None:
         return
+    if path == "":
+        raise InvalidArgumentError(f"{option} needs a file name, got an empty one")
+    if suffix is not None and not path.lower().endswith(suffix):
+        raise InvalidArgumentError(f"{option} {path}: the file is written as {suffix[1:].upper()}; "
+                                   f"name a {suffix} file")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         problem = "that is a directory"
@@ -74,3 +88,27 @@ def writable_file(option: str, path: str | None) -> None:
         return
     raise InvalidArgumentError(f"{option} {path}: cannot write there, {problem}; choose a file in an existing, "
                                "writable directory")
+
+
+@contextlib.contextmanager
+def replacing(path: str):
+    """Yield a hidden temporary path beside `path` to write; renamed over `path` when the block ends
+    without an error, removed otherwise: an interrupted or failed write never leaves a half-written
+    file at `path` (nor removes an older one)."""
+    import secrets
+
+    folder, name = os.path.split(os.path.abspath(path))
+    temporary = os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # an ordinary file's mode (umask)
+    try:
+        yield temporary
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def write_atomically(path: str, write, mode: str = "w") -> None:
+    """Write `path` through `write(f)` (f opened with `mode`) as `replacing` does: all of it or nothing."""
+    with replacing(path) as temporary, open(temporary, mode) as f:
+        write(f)

@@ -40,7 +40,7 @@ import numpy as np
 import psutil
 
 from devices.base import DeviceUnavailableError, split_device_list
-from edge.errors import ZllmError
+from edge.errors import InvalidArgumentError, ZllmError
 
 PROMPT_TOPIC = "execmodel"  # pydoc_data.topics entry the text prompt is cut from: plain English prose
 PROMPT_SEED = 0
@@ -67,6 +67,17 @@ def check_counts(prompt_tokens: int, new_tokens: int, repeats: int) -> None:
     check_prompt_tokens(prompt_tokens)
     if new_tokens < 1 or repeats < 1:
         raise BenchError(f"--new-tokens and --repeats must be at least 1, got {new_tokens} and {repeats}")
+
+
+def check_device_names(devices: list[str]) -> None:
+    """Every device names a known kind (its variant and settings are its worker's to check): a typo is a
+    usage error before the default model is converted, not a failed column after it."""
+    from devices.base import BACKENDS
+
+    for device in devices:
+        if device.partition(":")[0].partition(",")[0] not in BACKENDS:
+            raise InvalidArgumentError(f"device {device}: device {device!r} is not available; available devices: "
+                                       f"{', '.join(BACKENDS)}")  # the words of a worker's refusal
 
 
 class BenchError(ZllmError):
@@ -691,7 +702,7 @@ def cmd_bench(args) -> int:
     if args.threads is not None:
         integer("--threads", args.threads, minimum=1)
     writable_file("--json", args.json)
-    writable_file("--plot", args.plot)
+    writable_file("--plot", args.plot, suffix=".png")
     if args.memory_budget is not None or args.random_moe or args.plot or args.storage:
         from edge.bench_moe import cmd_bench_moe
 
@@ -699,6 +710,7 @@ def cmd_bench(args) -> int:
     devices = split_device_list(args.device)
     if not devices:
         raise BenchError("name at least one device, e.g. --device reference")
+    check_device_names(devices)
     check_counts(args.prompt_tokens, args.new_tokens, args.repeats)
     path = args.model or default_model_checkpoint(progress=not args.quiet)
     progress = None if args.quiet else (lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))
@@ -716,5 +728,6 @@ def emit_report(table: str, report: dict, json_target: str | None) -> None:
     else:
         print(table)
         if json_target:
-            with open(json_target, "w") as f:
-                json.dump(report, f, indent=1)
+            from edge.arguments import write_atomically
+
+            write_atomically(json_target, lambda f: json.dump(report, f, indent=1))

@@ -154,6 +154,9 @@ def check_moe_counts(prompt_tokens: int, new_tokens: int, repeats: int) -> None:
     if new_tokens < 2 or repeats < 1:
         raise BenchError(f"the MoE benchmark decodes: --new-tokens must be at least 2 and --repeats at least 1, "
                          f"got {new_tokens} and {repeats}")
+    if repeats > len(WORKLOAD_TOPICS) - 1:  # one distinct prompt per repeat, plus the warm-up's
+        raise BenchError(f"the MoE benchmark runs at most {len(WORKLOAD_TOPICS) - 1} repeats (one distinct prompt "
+                         f"each, plus the warm-up's), got --repeats {repeats}")
 
 
 def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str], storage: str | None,
@@ -297,11 +300,17 @@ def plot_moe_report(report: dict, path: str) -> None:
         axis.legend()
     figure.suptitle(f"{os.path.basename(report['model'])} on {report['device']}, storage {report['storage']}")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    try:
+        from edge.arguments import write_atomically
+
+        write_atomically(path, lambda f: figure.savefig(f, format="png", dpi=120), mode="wb")
+    finally:
+        plt.close(figure)
 
 
 def cmd_bench_moe(args) -> int:
+    from edge.api import check_load_arguments
+    from edge.bench import load_threads
     from edge.home import default_moe_checkpoint, home_dir
     from streaming.storage import parse_storage
 
@@ -311,6 +320,10 @@ def cmd_bench_moe(args) -> int:
     strategies = parse_strategies(args.strategies)
     check_moe_counts(args.prompt_tokens, args.new_tokens, args.repeats)
     parse_storage(args.storage)
+    # the device, --threads and --prefetch-depth as every configuration's edge.load will check them: before the
+    # default MoE is built (minutes), not as a refusal of every configuration after it
+    device = args.device.strip()
+    check_load_arguments(device, load_threads(device, args.threads), prefetch_depth=args.prefetch_depth)
     if args.plot:
         try:  # checked before the sweep, not after minutes of it
             import matplotlib  # noqa: F401
@@ -327,7 +340,7 @@ def cmd_bench_moe(args) -> int:
     progress = None if args.quiet else (lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))
     given = [option for option, value in (("--memory-budget", args.memory_budget), ("--storage", args.storage),
                                           ("--plot", args.plot)) if value is not None]
-    report = run_moe_bench(path, budgets, strategies, args.storage, device=args.device.strip(), threads=args.threads,
+    report = run_moe_bench(path, budgets, strategies, args.storage, device=device, threads=args.threads,
                            prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
                            prefetch_depth=args.prefetch_depth, progress=progress,
                            options=", ".join(given) or "--memory-budget")

@@ -26,7 +26,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="reference", help="device that runs the model while recording")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="route trace (npz): replayed when FILE exists, else recorded and saved there")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the figures of every mix as JSON")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="write the figures of every mix as JSON to FILE ('-': stdout)")
     parser.add_argument("--no-save", action="store_true", help="do not write predictor.json into the checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
@@ -77,7 +78,8 @@ def _record(path: str, args):
 
 
 def cmd_calibrate(args) -> int:
-    from edge.arguments import writable_file
+    from edge.api import check_load_arguments
+    from edge.arguments import replacing, write_atomically, writable_file
     from edge.home import default_moe_checkpoint
     from streaming.calibration import RouteTrace, calibrate, format_calibration
     from streaming.predictor import SignalWeights, write_predictor_file
@@ -85,6 +87,9 @@ def cmd_calibrate(args) -> int:
     replay = args.trace is not None and os.path.isfile(args.trace)
     if not replay:  # checked before the default MoE is built (minutes) and before the recording
         _check_recording(args)
+        check_load_arguments(args.device)
+        if args.trace == "-":
+            raise ZllmError("--trace names a file (npz); it cannot be '-' (stdout)")
         writable_file("--trace", args.trace)
     writable_file("--json", args.json)
     path = args.model or default_moe_checkpoint(progress=not args.quiet)
@@ -93,14 +98,18 @@ def cmd_calibrate(args) -> int:
     else:
         trace = _record(path, args)
         if args.trace:
-            trace.save(args.trace)
+            with replacing(args.trace) as temporary:  # a trace cut short would be replayed by the next run
+                trace.save(temporary)
     result = calibrate(trace, depth=min(args.depth, trace.depth))
-    print(format_calibration(result))
+    # `--json -`: the JSON alone on stdout, the table on stderr (as bench does)
+    table = sys.stderr if args.json == "-" else sys.stdout
+    print(format_calibration(result), file=table)
     if not args.no_save:
         saved = write_predictor_file(path, SignalWeights.from_dict(result["weights"]),
                                      {key: result[key] for key in ("tokens", "requests", "phase", "source")})
-        print(f"predictor weights saved to {saved}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        print(f"predictor weights saved to {saved}", file=table)
+    if args.json == "-":
+        print(json.dumps(result, indent=1))
+    elif args.json:
+        write_atomically(args.json, lambda f: json.dump(result, f, indent=1))
     return 0

@@ -140,8 +140,12 @@ def _load_for_text(model_path: str | None, args):
     from edge.generation import GenerationOptions
 
     GenerationOptions.of(**_generation_kwargs(args))
+    if getattr(args, "system", None):
+        from edge.api import check_unicode
+
+        check_unicode("--system", args.system)
     check_load_arguments(args.device, args.threads, args.memory_budget, args.kv_capacity, args.prefetch_threads,
-                         args.prefetch_depth)
+                         args.prefetch_depth, args.kv_cache)
     path = _resolve_model(model_path, args.quiet)
     model = edge.load(path, device=args.device, threads=args.threads, kv_cache=args.kv_cache,
                       kv_capacity=args.kv_capacity, verify=args.verify, **_memory_options(args))
@@ -161,6 +165,9 @@ def cmd_generate(args) -> int:
         raise ZllmError("usage: zllm-edge generate [MODEL] PROMPT")
     if not prompt:
         raise ZllmError("the prompt is empty; give the text to continue: zllm-edge generate [MODEL] PROMPT")
+    from edge.api import check_unicode
+
+    check_unicode("the text", prompt)  # before the default model is converted or any model loaded
     model = _load_for_text(model_path, args)
     generation = model.generate(prompt, **_generation_kwargs(args))
     _stream(generation, args)
@@ -168,7 +175,8 @@ def cmd_generate(args) -> int:
         r = generation.result
         print(json.dumps({
             "text": r.text, "tokens": r.tokens, "prompt_tokens": r.prompt_tokens,
-            "finish_reason": r.finish_reason, "stop_string": r.stop_string, "device": model.device_info(),
+            "finish_reason": r.finish_reason, "stop_string": r.stop_string, "seed": r.seed,
+            "device": model.device_info(),
             "timings": r.timings, "stats": model.stats(),
         }))
     return 0
@@ -176,6 +184,10 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     model = _load_for_text(args.model, args)
+    if not model.tokenizer.chat_template:  # refused before the user types a first message, not after it
+        model.close()
+        raise ZllmError(f"{model.path} has no chat template, so it cannot chat; use zllm-edge generate with a "
+                        "plain prompt")
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:

@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from devices.base import split_device_list
+from edge.arguments import integer
 from edge.errors import ZllmError
 
 SAFETY = 2.0
@@ -215,7 +216,7 @@ def compare_routes(reference: dict, other: dict, tolerance: float) -> dict:
     weight_error = float(np.abs(ref_weights - other_weights)[agree].max(initial=0.0)) / scale
     return {"tokens_with_other_experts": [int(t) for t in np.nonzero(~agree)[0]],
             "weights_rel_max_abs": weight_error, "tolerance": tolerance,
-            "exceeds": bool((~agree).any()) or weight_error > tolerance}
+            "exceeds": bool((~agree).any()) or not weight_error <= tolerance}  # nan weights exceed too
 
 
 def compare_extras(reference: LayerRecorder, other: LayerRecorder, tolerance: "Tolerance | None" = None) -> dict:
@@ -245,7 +246,8 @@ class TensorDiff:
 
     @property
     def exceeds(self) -> bool:
-        return self.rel_max_abs > self.tolerance
+        # a nan (a device that produced nan or inf) fails every comparison: it must exceed, not pass
+        return not self.rel_max_abs <= self.tolerance
 
     def as_dict(self) -> dict:
         return {**asdict(self), "exceeds": self.exceeds}
@@ -324,6 +326,21 @@ def _compare_pass(name: str, tokens: list[int], recorders, logits, tolerance: To
 # ---------------------------------------------------------------------------------- the comparison
 
 
+def check_diff_arguments(devices: list[str], decode_steps: int, threads: int | None) -> None:
+    """What diff is asked for, checked before a model is converted or loaded (DiffError / InvalidArgumentError)."""
+    from edge.api import check_load_arguments
+    from edge.bench import load_threads
+
+    if len(devices) != 2:
+        raise DiffError(f"diff compares exactly two devices, got {len(devices)}: {','.join(devices) or '(none)'}")
+    if decode_steps < 0:
+        raise DiffError(f"--decode-steps must be >= 0, got {decode_steps}")
+    if threads is not None:
+        integer("--threads", threads, minimum=1)
+    for device in devices:
+        check_load_arguments(device, load_threads(device, threads))
+
+
 def run_diff(checkpoint_path: str, prompt_ids: list[int], devices: list[str], decode_steps: int = 4,
              threads: int | None = None) -> dict:
     """Compare devices[1] against devices[0] (the reference) on prompt_ids and decode_steps greedy steps."""
@@ -331,19 +348,18 @@ def run_diff(checkpoint_path: str, prompt_ids: list[int], devices: list[str], de
     from converters.checkpoint import read_manifest
     from edge.bench import load_threads
 
-    if len(devices) != 2:
-        raise DiffError(f"diff compares exactly two devices, got {len(devices)}: {','.join(devices) or '(none)'}")
+    check_diff_arguments(devices, decode_steps, threads)
     if not prompt_ids:
         raise DiffError("the prompt has no tokens")
-    if decode_steps < 0:
-        raise DiffError(f"--decode-steps must be >= 0, got {decode_steps}")
     context = read_manifest(checkpoint_path)["model"]["max_position_embeddings"]
     if len(prompt_ids) + decode_steps > context:
         raise DiffError(f"the prompt's {len(prompt_ids)} tokens and --decode-steps {decode_steps} exceed the model's "
                         f"context of {context} tokens; shorten the prompt or lower --decode-steps")
     # --threads is for the devices that run threads (cpu, npu); reference and gpu refuse a count
-    models = [edge.load(checkpoint_path, device=device, threads=load_threads(device, threads)) for device in devices]
+    models = []
     try:
+        for device in devices:  # a device that fails to load leaves none open
+            models.append(edge.load(checkpoint_path, device=device, threads=load_threads(device, threads)))
         n_layers = models[0].spec.num_hidden_layers
         manifest = models[0].checkpoint.manifest
         infos = [model.device_info() for model in models]
@@ -435,7 +451,20 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _finite(value):
+    """value with every nan or infinite float replaced by None, for strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
 def _tolerance_ratio(d: dict) -> float:
+    if d["rel_max_abs"] is None or math.isnan(d["rel_max_abs"]):  # nan (None once made JSON): the worst
+        return math.inf
     if d["tolerance"] > 0:
         return d["rel_max_abs"] / d["tolerance"]
     return math.inf if d["rel_max_abs"] > 0 else 0.0
@@ -450,7 +479,8 @@ def add_arguments(parser) -> None:
                         help="PROMPT is comma-separated token ids (for checkpoints without a tokenizer)")
     parser.add_argument("--decode-steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print the whole report as JSON (nan and infinite figures as null)")
     parser.add_argument("--quiet", action="store_true")
 
 
@@ -458,18 +488,18 @@ def cmd_diff(args) -> int:
     """Exit status 0 when the devices agree within tolerance, 1 when a layer diverges."""
     from edge.home import default_model_checkpoint
 
-    if len(args.words) == 1:
-        path, prompt = default_model_checkpoint(progress=not args.quiet), args.words[0]
-    elif len(args.words) == 2:
-        path, prompt = args.words
-    else:
+    if len(args.words) not in (1, 2):
         raise DiffError("usage: zllm-edge diff [MODEL] PROMPT --devices reference,cpu")
+    devices = split_device_list(args.devices)
+    check_diff_arguments(devices, args.decode_steps, args.threads)  # before the default model is converted
+    prompt = args.words[-1]
     if args.ids:
         try:
             prompt_ids = [int(word) for word in prompt.replace(",", " ").split()]
         except ValueError:
             raise DiffError(f"--ids expects comma-separated integers, got {prompt!r}") from None
-    else:
+    path = args.words[0] if len(args.words) == 2 else default_model_checkpoint(progress=not args.quiet)
+    if not args.ids:
         from converters.checkpoint import open_checkpoint
         from edge.tokenizer import Tokenizer, TokenizerError
 
@@ -477,8 +507,8 @@ def cmd_diff(args) -> int:
             if checkpoint.tokenizer_path is None:
                 raise TokenizerError(f"{path} has no tokenizer; pass token ids with --ids 1,2,3")
             prompt_ids = Tokenizer(checkpoint.tokenizer_path, checkpoint.tokenizer_config).encode(prompt)
-    devices = split_device_list(args.devices)
     report = run_diff(path, prompt_ids, devices, decode_steps=args.decode_steps, threads=args.threads)
-    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    # strict JSON: nan and infinity (a device that produced nan, a zero reference row) become null
+    print(json.dumps(_finite(report), indent=1, allow_nan=False) if args.json else format_report(report))
     sys.stdout.flush()
     return 0 if report["first_divergence"] is None else 1

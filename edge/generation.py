@@ -26,6 +26,7 @@ class GenerationResult:
     text: str = ""
     finish_reason: str | None = None  # "eos", "stop", "length"
     stop_string: str | None = None
+    seed: int | None = None  # the sampler's seed, the one drawn for seed None / -1 too: pass it to sample again
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # the model's decode steps (forward and sampling), not the consumer's time
 
@@ -54,6 +55,11 @@ def _stop_strings(stop) -> tuple[str, ...]:
     for s in strings:
         if not isinstance(s, str):
             raise InvalidArgumentError(f"stop must be a string or a list of strings, got {s!r} in {stop!r}")
+        try:  # a lone surrogate (a byte that is not UTF-8 on the command line) could never match decoded text
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgumentError(f"stop string {s!r} is not valid Unicode (it holds a lone surrogate, such as "
+                                       "a byte that is not UTF-8 on the command line); give UTF-8 text") from None
     return tuple(s for s in strings if s)
 
 
@@ -154,7 +160,9 @@ def _generate(model, result: GenerationResult, options: GenerationOptions, capac
 
 def _run(model, session, result: GenerationResult, options: GenerationOptions):
     params, stop = options.sampling, options.stop
-    rng = np.random.default_rng(options.seed)
+    # a random seed is drawn here and reported (llama.cpp prints its own), so that any run can be repeated
+    result.seed = options.seed if options.seed is not None else int(np.random.SeedSequence().generate_state(1)[0])
+    rng = np.random.default_rng(result.seed)
     decoder = IncrementalDecoder(model.tokenizer, result.prompt_tokens) if model.tokenizer else None
     history = np.asarray(result.prompt_tokens, dtype=np.int64)
     # plain greedy decoding needs only each step's argmax, which a device may pick without

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from devices.cache_buffers import CacheBuffer, StoredRows, concat_stored
-from edge.errors import SessionError, ZllmError
+from edge.errors import InvalidArgumentError, SessionError, ZllmError
 from quant.kv_formats import KV_FORMATS, kv_bytes_per_row
 
 
@@ -173,8 +173,9 @@ class KVCache:
 
 
 def check_kv_format_name(kv_format: str) -> None:
-    if kv_format not in KV_FORMATS:
-        raise ZllmError(f"kv_cache {kv_format!r} is unknown; choose one of {', '.join(KV_FORMATS)}")
+    """A KV cache format's name (InvalidArgumentError, also a ZllmError and a ValueError, for any other value)."""
+    if not isinstance(kv_format, str) or kv_format not in KV_FORMATS:
+        raise InvalidArgumentError(f"kv_cache {kv_format!r} is unknown; choose one of {', '.join(KV_FORMATS)}")
 
 
 def check_kv_format(kv_format: str, backend) -> None:

@@ -21,7 +21,8 @@ class SamplingParams:
         checked = {
             "temperature": number("temperature", self.temperature, minimum=0, note=" (0 = greedy)"),
             "top_k": integer("top_k", self.top_k, minimum=0, note=" (0 = no limit)"),
-            "top_p": number("top_p", self.top_p, above=0, maximum=1),
+            # 0 keeps only the most likely token, as llama.cpp's and transformers' top-p do (min_keep 1)
+            "top_p": number("top_p", self.top_p, minimum=0, maximum=1, note=" (1 = no limit)"),
             "repetition_penalty": number("repetition_penalty", self.repetition_penalty, above=0,
                                          note=" (1 = none)"),
         }
@@ -47,11 +48,13 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.temperature == 0.0:
         return int(np.argmax(logits))
-    logits = logits / params.temperature
     order = np.argsort(-logits, kind="stable")  # candidates, most likely first
     if params.top_k:
         order = order[: params.top_k]
-    probs = np.exp(logits[order] - logits[order[0]])
+    # shifted by the best logit before the division: every value is <= 0, so a tiny temperature gives
+    # -inf (probability 0) instead of inf - inf = nan; the limit of T -> 0 is greedy (ties shared)
+    with np.errstate(over="ignore"):
+        probs = np.exp((logits[order] - logits[order[0]]) / params.temperature)
     probs /= probs.sum()
     if params.top_p < 1.0:
         # keep the smallest prefix whose mass reaches top_p (always at least one token)

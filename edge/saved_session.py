@@ -26,6 +26,7 @@ import numpy as np
 
 from converters.checkpoint import MANIFEST, sha256_file
 from devices.cache_buffers import CacheBuffer
+from edge.arguments import integer, path_argument
 from edge.errors import SessionError
 
 MAGIC = b"ZLLMSESS"
@@ -60,6 +61,7 @@ def _store_arrays(buffer, rows: np.ndarray, arrays: dict[str, np.ndarray]) -> No
 
 
 def save_session(session, path) -> None:
+    path = path_argument("path", path)
     cache = session.cache
     model = session.model
     entries, chunks, offset = [], [], 0
@@ -87,7 +89,6 @@ def save_session(session, path) -> None:
         "payload_bytes": len(payload),
     }
     header_bytes = json.dumps(header).encode()
-    path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise SessionError(f"cannot save the session to {path}: the directory {folder} does not exist; create it first")
@@ -148,6 +149,9 @@ def read_session_file(path) -> tuple[dict, bytes]:
 
 def restore_session(model, path, capacity: int | None = None):
     """A new session of `model` holding the saved state (no prefill runs)."""
+    if capacity is not None:  # checked before the file is read: "10" or 1.5 is a caller's mistake, not a file's
+        capacity = integer("capacity", capacity, minimum=1)
+    path = path_argument("path", path)
     header, payload = read_session_file(path)
     identity = model_identity(model)
     if header["model"] != identity:

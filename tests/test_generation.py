@@ -50,7 +50,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     np.testing.assert_array_equal(penalized, [1.0, -4.0, 1.0])
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0.0), dict(repetition_penalty=0)])
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=-0.1), dict(repetition_penalty=0)])
 def test_bad_sampling_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
