@@ -296,7 +296,7 @@ def _tensors_in_checkpoint_order(source: SourceModel, spec, src: str
         )
     if spec.tie_word_embeddings:
         by_name.pop("lm_head.weight", None)  # a copy of the embeddings (_untie_differing_lm_head checked it)
-    unexpected = sorted(set(by_name) - set(required))
+    unexpected = sorted(set(by_name) - set(required) - _configured_away(by_name, set(required)))
     if unexpected:
         raise ConversionError(
             f"{src} holds tensors the {spec.model_type} config does not describe, e.g. {unexpected[:3]}"
@@ -304,6 +304,16 @@ def _tensors_in_checkpoint_order(source: SourceModel, spec, src: str
     _check_shapes(spec, src, [by_name[n] for n in required])
     experts = {layer: [[by_name[n] for n in expert] for expert in names] for layer, names in expert_names.items()}
     return [by_name[n] for n in expected], experts
+
+
+def _configured_away(by_name: dict[str, SourceTensor], required: set[str]) -> set[str]:
+    """Tensors of blocks a config sizes to nothing, which transformers still saves: zero-size weights
+    (n_shared_experts 0, shared_expert_intermediate_size 0), and the gate of such a shared expert,
+    which scales its zero output. Nothing to store or compute."""
+    empty = {name for name, tensor in by_name.items() if name not in required and 0 in tensor.shape}
+    gates = {name for name in by_name if name.endswith("mlp.shared_expert_gate.weight") and name not in required
+             and name.replace("shared_expert_gate.weight", "shared_expert.down_proj.weight") in empty}
+    return empty | gates
 
 
 def _check_shapes(spec: LlamaSpec, src: str, tensors: list[SourceTensor]) -> None:

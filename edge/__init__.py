@@ -5,11 +5,11 @@
     for piece in model.generate("The capital of France is", max_new_tokens=16):
         print(piece, end="", flush=True)
 """
-from edge.errors import (CheckpointError, ConversionError, InvalidArgumentError, SessionError, UnsupportedModelError,
-                         ZllmError)
+from edge.errors import (CheckpointError, ConversionError, ExpertCacheError, InvalidArgumentError, SessionError,
+                         UnsupportedModelError, ZllmError)
 
 __all__ = ["load", "Model", "ZllmError", "ConversionError", "UnsupportedModelError", "CheckpointError",
-           "SessionError", "InvalidArgumentError"]
+           "SessionError", "ExpertCacheError", "InvalidArgumentError", "TokenizerError"]
 __version__ = "0.1.0"
 
 
@@ -20,4 +20,8 @@ def __getattr__(name: str):
         from edge import api
 
         return getattr(api, name)
+    if name == "TokenizerError":  # lives beside the tokenizer, which imports the tokenizers package
+        from edge.tokenizer import TokenizerError
+
+        return TokenizerError
     raise AttributeError(f"module 'edge' has no attribute {name!r}")

@@ -81,7 +81,9 @@ def cmd_calibrate(args) -> int:
     from edge.api import check_load_arguments
     from edge.arguments import replacing, write_atomically, writable_file
     from edge.home import default_moe_checkpoint
-    from streaming.calibration import RouteTrace, calibrate, format_calibration
+    from converters.checkpoint import read_manifest
+    from edge.spec import spec_from_dict
+    from streaming.calibration import RouteTrace, calibrate, check_trace_fits, format_calibration
     from streaming.predictor import SignalWeights, write_predictor_file
 
     replay = args.trace is not None and os.path.isfile(args.trace)
@@ -95,6 +97,7 @@ def cmd_calibrate(args) -> int:
     path = args.model or default_moe_checkpoint(progress=not args.quiet)
     if replay:
         trace = RouteTrace.load(args.trace)
+        check_trace_fits(trace, spec_from_dict(read_manifest(path)["model"]), args.trace, path)
     else:
         trace = _record(path, args)
         if args.trace:

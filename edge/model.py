@@ -121,7 +121,7 @@ class Transformer:
             shared_gate=weight(shared_prefix + "gate_proj.weight") if shared else None,
             shared_up=weight(shared_prefix + "up_proj.weight") if shared else None,
             shared_down=weight(shared_prefix + "down_proj.weight") if shared else None,
-            shared_expert_gate=weight(prefix + "shared_expert_gate.weight") if moe.shared_expert_gate else None,
+            shared_expert_gate=weight(prefix + "shared_expert_gate.weight") if shared and moe.shared_expert_gate else None,
         )
 
     def routed_experts(self, index: int, x: np.ndarray, residual: np.ndarray, router_logits: np.ndarray):

@@ -169,12 +169,34 @@ def calibration_prompts(tokenizer, n_requests: int, prompt_tokens: int) -> tuple
 
     from edge.bench_moe import WORKLOAD_TOPICS
 
-    names = sorted(set(topics) - set(WORKLOAD_TOPICS))  # the benchmark's prompts are not calibrated on
+    prefix = [tokenizer.bos_token_id] if tokenizer.add_bos_token and tokenizer.bos_token_id is not None else []
+    encoded = {name: prefix + tokenizer.encode(text, add_special_tokens=False)
+               for name, text in sorted(topics.items()) if name not in WORKLOAD_TOPICS}  # (the benchmark's prompts)
+    names = [name for name, ids in encoded.items() if len(ids) >= prompt_tokens]  # every prompt as long as asked
+    if n_requests > len(names):
+        raise PredictorError(f"{n_requests} requests of {prompt_tokens} prompt tokens need as many pydoc topics of that "
+                             f"length; {len(names)} have it: lower --requests or the prompt length")
     step = max(1, len(names) // n_requests)
     chosen = names[::step][:n_requests]
-    prefix = [tokenizer.bos_token_id] if tokenizer.add_bos_token and tokenizer.bos_token_id is not None else []
-    prompts = [(prefix + tokenizer.encode(topics[name], add_special_tokens=False))[:prompt_tokens] for name in chosen]
+    prompts = [encoded[name][:prompt_tokens] for name in chosen]
     return prompts, f"pydoc_data.topics {chosen}, {prompt_tokens} prompt tokens each"
+
+
+def check_trace_fits(trace: RouteTrace, spec, trace_path: str, model_path: str) -> None:
+    """Refuse a trace recorded on another model: its MoE layers, expert counts and top-k must be the model's
+    (the calibrated weights are written into the model's checkpoint)."""
+    model = {layer: spec.moe_for_layer(layer) for layer in range(spec.num_hidden_layers)}
+    model = {layer: (config.num_experts, config.top_k) for layer, config in model.items() if config is not None}
+    recorded = {layer: (trace.num_experts[layer], trace.top_k[layer]) for layer in trace.layers}
+    if recorded != model:
+        raise PredictorError(f"{trace_path} was recorded on another model: its MoE layers (layer: (experts, top_k)) "
+                             f"are {_abridged(recorded)}, {model_path} has {_abridged(model)}; record a trace of this "
+                             "model (--trace with a new file name)")
+
+
+def _abridged(layers: dict) -> str:
+    items = [f"{layer}: {value}" for layer, value in layers.items()]
+    return "{" + ", ".join(items if len(items) <= 4 else [*items[:3], "...", items[-1]]) + "}"
 
 
 def record_trace(model, prompts: list[list[int]], new_tokens: int, depth: int = 2, source: str = "") -> RouteTrace:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from tiny_models import tiny_zoo  # noqa: F401
 
+import edge
 import edge.cli
 from converters.convert import QuantPlan
 from streaming.predictor import PREDICTOR_FILE, SignalWeights
@@ -109,6 +110,30 @@ def test_calibrate_records_replays_and_saves_weights(moe_checkpoint, tmp_path, c
     code, out, err = run_cli(capsys, "calibrate", checkpoint, "--trace", trace, "--json", figures, "--no-save")
     assert code == 0, err
     assert json.loads(figures.read_text())["distances"] == result["distances"]
+
+
+def test_calibrate_refuses_a_trace_of_another_model(moe_checkpoint, tiny_zoo, tmp_path, capsys):
+    trace = tmp_path / "trace.npz"
+    code, _, err = run_cli(capsys, "calibrate", moe_checkpoint, "--tokens", 16, "--requests", 2, "--prompt-tokens", 2,
+                           "--trace", trace, "--no-save", "--quiet")
+    assert code == 0, err
+    other = tiny_zoo.converted("mixtral", QuantPlan(weights="f32"))  # 4 experts where the trace's model has 8
+    code, _, err = run_cli(capsys, "calibrate", other, "--trace", trace, "--no-save", "--quiet")
+    assert code == 2 and err.startswith(f"error: {trace} was recorded on another model: its MoE layers (layer: "
+                                        "(experts, top_k)) are {0: (8, 2), 1: (8, 2)}, ")
+    assert err.endswith("has {0: (4, 2), 1: (4, 2)}; record a trace of this model (--trace with a new file name)\n")
+    assert not (tmp_path / "mixtral" / "predictor.json").exists()
+
+
+def test_calibration_prompts_are_as_many_and_as_long_as_asked(smollm2_checkpoint):
+    from streaming.calibration import calibration_prompts
+    from streaming.predictor import PredictorError
+
+    with edge.load(smollm2_checkpoint) as model:
+        prompts, _ = calibration_prompts(model.tokenizer, 8, 256)
+        assert len(prompts) == 8 and all(len(prompt) == 256 for prompt in prompts)
+        with pytest.raises(PredictorError, match="^400 requests of 256 prompt tokens need as many pydoc topics"):
+            calibration_prompts(model.tokenizer, 400, 256)
 
 
 def test_calibrate_refuses_a_dense_model(tiny_zoo, capsys):

@@ -9,6 +9,9 @@ layers mixing dense and sparse blocks (mlp_only_layers, decoder_sparse_step, fir
 DeepSeek's grouped routing with topk_group < n_group and routed_scaling_factor != 1, prompts of one
 token and of many.
 
+A block a config sizes to nothing (n_shared_experts 0, shared_expert_intermediate_size 0) is saved by
+transformers as zero-size tensors (and Qwen2-MoE's gate of the empty shared expert): nothing to store.
+
 Configs whose keys a family's transformers model reads differently from its neighbours':
   - DeepSeek-V3's MLP never has biases: an mlp_bias key is ignored;
   - DeepSeek-V2's mlp_bias also gives the MoE layers' shared experts biases: refused by name;
@@ -72,6 +75,14 @@ CASES = {c.name: c for c in (
                   moe_intermediate_size=20, n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=False,
                   routed_scaling_factor=0.5, mlp_bias=True),
              "mlp_bias true, which transformers' DeepseekV3MLP ignores; not renormalised, x0.5"),
+    TinyCase("qwen2_moe_no_shared_expert", "qwen2_moe",
+             dict(_GQA, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                  shared_expert_intermediate_size=0),
+             "shared_expert_intermediate_size 0: transformers saves zero-size shared weights and their gate"),
+    TinyCase("deepseek_v3_no_shared_experts", "deepseek_v3",
+             dict(_MLA, num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=20, n_shared_experts=0, n_group=1, topk_group=1, norm_topk_prob=True),
+             "n_shared_experts 0: zero-size shared weights in the file, nothing to store"),
 )}
 PROMPT_LENGTHS = (1, 17)
 
@@ -111,6 +122,7 @@ def _assert_matches_transformers(path: str, device: str, prompt: list[int], expe
     assert max(errors) <= REL_TOL, (device, errors)
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op:UserWarning")  # torch, the empty shared experts
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_shape_matches_transformers(tiny_zoo, name):
     model, path = _converted(tiny_zoo, CASES[name])
