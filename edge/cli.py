@@ -18,7 +18,8 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--weights", default=None,
                    help=f"weight format: {', '.join(WEIGHT_CHOICES)} or a full scheme such as int4_affine_g64 "
-                        "(default: source for GGUF, int8 for Hugging Face folders)")
+                        "(default: source for GGUF, int8 for Hugging Face folders; a bare int4/int8 keeps GGUF "
+                        "Q4_0/Q4_1/Q8_0 tensors of that width as they are, a full scheme requantizes them)")
     p.add_argument("--group-size", type=int, default=32, choices=GROUP_SIZES)
     sym = p.add_mutually_exclusive_group()
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=True,
