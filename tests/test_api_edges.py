@@ -19,6 +19,7 @@ from test_cli import run_cli
 import edge
 import edge.cli
 import edge.home
+import edge.random_moe
 from converters.convert import QuantPlan
 from edge.errors import InvalidArgumentError, SessionError, ZllmError
 from edge.generation import GenerationOptions
@@ -59,6 +60,7 @@ def no_default_models(monkeypatch):
 
     monkeypatch.setattr(edge.home, "default_model_checkpoint", refuse)
     monkeypatch.setattr(edge.home, "default_moe_checkpoint", refuse)
+    monkeypatch.setattr(edge.random_moe, "random_moe_checkpoint", refuse)
 
 
 def assert_cli_error(capsys, argv, message: str) -> None:

@@ -64,16 +64,6 @@ PARITY = [
 ]
 
 
-def _converted(tiny_zoo, case: TinyCase) -> tuple[object, str]:
-    """(the transformers model, its f32 zllm checkpoint), built under the zoo's directory."""
-    model = build_hf_model(case)
-    folder = tiny_zoo.root / "dense_shapes" / case.name
-    if not (folder / "zllm").exists():
-        model.save_pretrained(folder / "hf", safe_serialization=True)
-        convert(os.fspath(folder / "hf"), os.fspath(folder / "zllm"), F32, progress=False)
-    return model, os.fspath(folder / "zllm")
-
-
 def _ours(path: str, device: str, prompt: list[int], fed: list[int]) -> np.ndarray:
     model = edge.load(path, device=device)
     try:
@@ -92,7 +82,7 @@ def _assert_agrees(ours: np.ndarray, theirs: np.ndarray) -> None:
 
 @pytest.mark.parametrize("case, prompt_length, n_decode", PARITY, ids=[c.name for c, _, _ in PARITY])
 def test_agrees_with_transformers(case, prompt_length, n_decode, tiny_zoo):
-    hf, path = _converted(tiny_zoo, case)
+    hf, path = tiny_zoo.converted_case(case, F32)
     prompt = random_prompt(prompt_length, seed=7)
     prefill, steps, fed = hf_logits(hf, prompt, n_decode)
     _assert_agrees(_ours(path, "reference", prompt, fed), np.concatenate([prefill, np.stack(steps)]))
@@ -127,7 +117,7 @@ def test_longrope_on_every_device_follows_the_whole_call(device, tiny_zoo, monke
         open_gpu()  # skips where there is no Vulkan device
         monkeypatch.setattr(devices.gpu.forward, "MAX_TOKENS_PER_SUBMISSION", 4)
     case = next(c for c, _, _ in PARITY if c.name == "qwen2_longrope_long_prefill")
-    _, path = _converted(tiny_zoo, case)
+    _, path = tiny_zoo.converted_case(case, F32)
     prompt, fed = random_prompt(18, seed=7), random_prompt(3, seed=8)  # 18 > the original 16
     expected = _ours(path, "reference", prompt, fed)
     ours = _ours(path, f"{device}:f32" if device == "cpu" else device, prompt, fed)

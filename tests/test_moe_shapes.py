@@ -21,7 +21,6 @@ T = tokens, E = experts, A = active experts per token.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import numpy as np
@@ -37,7 +36,7 @@ from gguf_files import write_hf_model_gguf
 from streaming.budget import plan_memory
 from streaming.prefetch import DEFAULT_THREADS
 from test_moe_parity import hf_routes, record_routes, relative_error
-from tiny_models import TinyCase, build_hf_model, greedy_decode, hf_logits, random_prompt
+from tiny_models import TinyCase, greedy_decode, hf_logits, random_prompt
 
 REL_TOL = 1e-4  # as tests/test_moe_parity.py: f32 against f32
 F32 = QuantPlan(weights="f32")
@@ -87,16 +86,6 @@ CASES = {c.name: c for c in (
 PROMPT_LENGTHS = (1, 17)
 
 
-def _converted(tiny_zoo, case: TinyCase) -> tuple[torch.nn.Module, str]:
-    """(the transformers model, its f32 zllm checkpoint), built once under the zoo's directory."""
-    model = build_hf_model(case)
-    folder = tiny_zoo.root / "moe_shapes" / case.name
-    if not (folder / "zllm").exists():
-        model.save_pretrained(folder / "hf", safe_serialization=True)
-        convert(os.fspath(folder / "hf"), os.fspath(folder / "zllm"), F32, progress=False)
-    return model, os.fspath(folder / "zllm")
-
-
 def _transformers_run(model, prompt: list[int]):
     """transformers' logits (prefill rows, then each decode step) and its routes [(layer, ids [T, A])]."""
     routes, handles = hf_routes(model)
@@ -125,7 +114,7 @@ def _assert_matches_transformers(path: str, device: str, prompt: list[int], expe
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op:UserWarning")  # torch, the empty shared experts
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_shape_matches_transformers(tiny_zoo, name):
-    model, path = _converted(tiny_zoo, CASES[name])
+    model, path = tiny_zoo.converted_case(CASES[name], F32)
     for length in PROMPT_LENGTHS:
         prompt = random_prompt(length, seed=length)
         expected, fed, expected_routes = _transformers_run(model, prompt)
@@ -181,7 +170,7 @@ def test_sigmoid_routing_of_very_negative_logits_is_warning_free():
 def test_minimum_budget_streams_bit_identically(tiny_zoo, name, device):
     """A route needing every expert (top-5 of 5), grouped routing after no dense layer: streamed
     through the smallest cache the budget allows, the tokens and logits equal the all-resident run's."""
-    _, path = _converted(tiny_zoo, CASES[name])
+    _, path = tiny_zoo.converted_case(CASES[name], F32)
     prompt = random_prompt(17, seed=3)
     with edge.load(path, device=device) as model:
         resident = greedy_decode(model, prompt, N_DECODE, capacity=32)
@@ -200,7 +189,7 @@ def test_minimum_budget_streams_bit_identically(tiny_zoo, name, device):
 def test_gguf_of_an_odd_shape_matches_transformers(tiny_zoo, tmp_path, name, arch):
     """llama.cpp's layout of the same model (dense layers without a router keep their FFN, experts
     stacked) converts into a checkpoint that routes and computes as transformers does."""
-    model, _ = _converted(tiny_zoo, CASES[name])
+    model, _ = tiny_zoo.converted_case(CASES[name], F32)
     source = write_hf_model_gguf(model, tmp_path / f"{name}.gguf", arch)
     convert(str(source), str(tmp_path / "zllm"), F32, progress=False)
     prompt = random_prompt(17, seed=17)

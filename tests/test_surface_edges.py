@@ -16,55 +16,18 @@ import warnings
 
 import numpy as np
 import pytest
+from test_api_edges import assert_cli_error, dense_path, llama, moe_path, no_default_models  # noqa: F401
 from test_cli import run_cli
 
 import edge
 import edge.api
 import edge.cli
-import edge.home
-import edge.random_moe
-from converters.convert import QuantPlan
 from devices.base import BACKENDS
 from devices.reference import ReferenceBackend, as_float32
 from edge.errors import InvalidArgumentError, ZllmError
 from edge.sampling import SamplingParams, sample_token
 from edge.tokenizer import TokenizerError
 from tiny_models import random_prompt
-
-DENSE = ("llama_gqa_tied", QuantPlan(weights="f32"))
-MOE = ("qwen3_moe_norm", QuantPlan(weights="int8"))
-
-
-@pytest.fixture(scope="module")
-def dense_path(tiny_zoo) -> str:
-    return tiny_zoo.converted(*DENSE)
-
-
-@pytest.fixture(scope="module")
-def moe_path(tiny_zoo) -> str:
-    return tiny_zoo.converted(*MOE)
-
-
-@pytest.fixture(scope="module")
-def llama(dense_path):
-    with edge.load(dense_path) as model:
-        yield model
-
-
-@pytest.fixture
-def no_default_models(monkeypatch):
-    """Building any built-in model fails the test: the arguments must be refused before that."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a default model was built before the arguments were checked")
-
-    monkeypatch.setattr(edge.home, "default_model_checkpoint", refuse)
-    monkeypatch.setattr(edge.home, "default_moe_checkpoint", refuse)
-    monkeypatch.setattr(edge.random_moe, "random_moe_checkpoint", refuse)
-
-
-def assert_cli_error(capsys, argv, message: str) -> None:
-    code, out, err = run_cli(capsys, *argv)
-    assert (code, err) == (2, f"error: {message}\n"), out
 
 
 # ---------------------------------------------------------------------------------- sampling extremes

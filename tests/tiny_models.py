@@ -315,6 +315,19 @@ class TinyZoo:
         return self._converted[key]
 
 
+    def converted_case(self, case: TinyCase, plan: QuantPlan) -> tuple[torch.nn.Module, str]:
+        """A case of a test's own (not in this module's lists): (its transformers model, its conversion
+        with `plan`), written once under the zoo's directory."""
+        model = build_hf_model(case)
+        folder = self.root / "cases" / case.name
+        out = folder / plan_key(plan)
+        if not out.exists():
+            if not (folder / "hf").exists():
+                model.save_pretrained(folder / "hf", safe_serialization=True)
+            convert(os.fspath(folder / "hf"), os.fspath(out), plan, progress=False)
+        return model, os.fspath(out)
+
+
 _ZOOS: dict[Path, TinyZoo] = {}
 
 
