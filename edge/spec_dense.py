@@ -325,12 +325,12 @@ class Qwen2Spec(LlamaSpec):
 @dataclass
 class Qwen3Spec(Qwen2Spec):
     model_type: str = "qwen3"
+    # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / num_attention_heads
+    DEFAULT_HEAD_DIM: ClassVar[int | None] = 128
 
     def _derive_fields(self) -> None:
-        # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / num_attention_heads
-        # (Qwen3-MoE's config has no head_dim field and derives it like Llama)
-        if self.head_dim is None and self.model_type == "qwen3":
-            self.head_dim = 128
+        if self.head_dim is None and self.DEFAULT_HEAD_DIM is not None:
+            self.head_dim = self.DEFAULT_HEAD_DIM
         attention_bias = self.attention_bias
         super()._derive_fields()
         # unlike Qwen2, q/k/v and o_proj biases follow attention_bias (as in Llama); the MLP has none

@@ -294,6 +294,7 @@ class Qwen2MoeSpec(Qwen2Spec):
 @dataclass
 class Qwen3MoeSpec(Qwen3Spec):
     model_type: str = "qwen3_moe"
+    DEFAULT_HEAD_DIM: ClassVar[int | None] = None  # its config has no head_dim field: derived as in Llama
     num_experts: int = 128
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768
