@@ -278,7 +278,8 @@ def _open_tensors(path: str, manifest: dict, verify: bool, files: dict[str, Safe
         for filename, info in manifest["files"].items():
             file_path = os.path.join(path, filename)
             if not os.path.isfile(file_path):
-                raise CheckpointError(f"{path}: weight file {filename} is missing")
+                state = "is not a file" if os.path.exists(file_path) else "is missing"
+                raise CheckpointError(f"{path}: weight file {filename} {state}; convert the model again")
             if os.path.getsize(file_path) != info["bytes"]:
                 raise CheckpointError(
                     f"{path}: {filename} has {os.path.getsize(file_path)} bytes, the manifest says {info['bytes']}; "

@@ -210,7 +210,10 @@ def test_inspect_and_load_refuse_a_manifest_missing_its_parts(tiny_checkpoint, c
 def test_inspect_checks_the_files_the_manifest_lists(tiny_checkpoint, capsys):
     (tiny_checkpoint / "model.safetensors").unlink()
     assert run_cli(capsys, "inspect", tiny_checkpoint) == (
-        2, "", f"error: {tiny_checkpoint}: weight file model.safetensors is missing\n")
+        2, "", f"error: {tiny_checkpoint}: weight file model.safetensors is missing; convert the model again\n")
+    (tiny_checkpoint / "model.safetensors").mkdir()
+    assert run_cli(capsys, "inspect", tiny_checkpoint) == (
+        2, "", f"error: {tiny_checkpoint}: weight file model.safetensors is not a file; convert the model again\n")
 
 
 def test_a_version_of_the_wrong_type_is_shown_as_it_is(tiny_checkpoint, capsys):
