@@ -99,7 +99,8 @@ class KVCache:
                           f"model with a larger kv_capacity (--kv-capacity) and memory_budget")
             else:
                 budget = " (the KV positions the memory budget reserves)" if ceiling < context_limit else ""
-                advice = f"open the session with model.session(capacity=...) up to {ceiling}{budget}"
+                advice = (f"open the session with model.session(capacity=...) (a saved one: model.load_session(path, "
+                          f"capacity=...)) up to {ceiling}{budget}")
             raise SessionError(
                 f"the sequence would grow from {self.length} to {end} tokens, beyond this session's KV cache "
                 f"capacity of {self.capacity}; {advice}"

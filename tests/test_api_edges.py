@@ -378,8 +378,9 @@ def test_budget_messages_state_the_real_capacity(moe_path):
             small.prefill([5, 6, 7, 8])
             with pytest.raises(SessionError) as error:
                 small.decode(9)
-            assert str(error.value).endswith("capacity of 4; open the session with model.session(capacity=...) up to "
-                                             "8 (the KV positions the memory budget reserves)")
+            assert str(error.value).endswith("capacity of 4; open the session with model.session(capacity=...) (a saved "
+                                             "one: model.load_session(path, capacity=...)) up to 8 (the KV positions "
+                                             "the memory budget reserves)")
         with model.session(capacity=8) as full:
             full.prefill(list(range(5, 13)))
             with pytest.raises(SessionError) as error:

@@ -115,7 +115,8 @@ def test_sessions_are_independent(model):
 # --- limits ------------------------------------------------------------------------------------------
 def capacity_message(n_new: int, end: int, capacity: int) -> str:
     return (f"the sequence would grow from {end - n_new} to {end} tokens, beyond this session's KV cache "
-            f"capacity of {capacity}; open the session with model.session(capacity=...) up to {CONTEXT}")
+            f"capacity of {capacity}; open the session with model.session(capacity=...) (a saved one: "
+            f"model.load_session(path, capacity=...)) up to {CONTEXT}")
 
 
 def context_message(n_new: int, end: int) -> str:
