@@ -281,7 +281,7 @@ class Model:
             for key, value in message.items():
                 if isinstance(value, str):
                     check_unicode(f"messages[{i}][{key!r}]", value)
-        text = _render_chat(tokenizer, messages)
+        text = render_chat(tokenizer, messages)
         check_unicode("the chat template's output", text)  # e.g. a text part of a list content
         return self.generate(tokenizer.encode(text, add_special_tokens=False), **kwargs)
 
@@ -366,7 +366,7 @@ def check_unicode(what: str, text: str) -> None:
                                    "text (on the command line, check the terminal's encoding)") from None
 
 
-def _render_chat(tokenizer: Tokenizer, messages) -> str:
+def render_chat(tokenizer: Tokenizer, messages) -> str:
     """The chat template applied to messages. A template that concatenates `content` as a string
     cannot take a list of parts or null: then, as llama.cpp does for templates without typed content,
     it gets each list's text parts joined by newlines (and "" for null). Whatever the template still

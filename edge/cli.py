@@ -201,12 +201,34 @@ def cmd_chat(args) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
+        _fit_conversation(model, messages, args.max_new_tokens, quiet=args.quiet)
         generation = model.chat(messages, **_generation_kwargs(args))
         for piece in generation:
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": generation.result.text})
+
+
+def _fit_conversation(model, messages: list[dict], max_new_tokens: int, quiet: bool) -> None:
+    """Drop the oldest exchanges (user message and reply; a system message stays) until the rendered
+    conversation leaves room for a reply of max_new_tokens within what a generation may hold, as
+    llama.cpp's chat discards old context instead of ending. The newest message always stays: if it
+    does not fit alone, the generation refuses it with the limit's own message."""
+    from edge.api import render_chat
+
+    limit, _ = model.generation_limit()
+    first = 1 if messages[0]["role"] == "system" else 0
+    dropped = 0
+    while len(messages) - first > 1:
+        tokens = len(model.tokenizer.encode(render_chat(model.tokenizer, messages), add_special_tokens=False))
+        if tokens + max_new_tokens <= limit:
+            break
+        del messages[first: first + 2 if messages[first + 1]["role"] == "assistant" else first + 1]
+        dropped += 1
+    if dropped and not quiet:
+        print(f"[chat] the conversation outgrew the {limit} positions a reply may use: dropped its "
+              f"{dropped} oldest exchange{'s' if dropped > 1 else ''}", file=sys.stderr, flush=True)
 
 
 def _memory_options(args) -> dict:

@@ -63,7 +63,7 @@ class Tokenizer:
                            strftime_now=lambda fmt: date.today().strftime(fmt))
         token = lambda tid: self._tok.id_to_token(tid) if tid is not None else ""  # noqa: E731
         # a template that does not parse or fails on these messages raises jinja2.TemplateError or
-        # TypeError: edge/api.py `_render_chat` retries with text-only contents, then names the failure
+        # TypeError: edge/api.py `render_chat` retries with text-only contents, then names the failure
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=token(self.bos_token_id), eos_token=token(self.eos_token_id),

@@ -146,3 +146,14 @@ def test_chat_answers_each_line_of_stdin(smollm2):
     assert len(replies) == 2, result.stdout
     assert all(reply.strip() for reply in replies), replies
     assert replies[0] != replies[1]
+
+
+def test_chat_drops_the_oldest_exchanges_instead_of_ending(smollm2):
+    """A conversation longer than the KV capacity keeps going: the oldest exchanges make room."""
+    lines = "".join(f"Tell me fact number {i} about Paris, please.\n" for i in range(6))
+    result = run_cli_subprocess("chat", smollm2, "--device", "cpu", "--kv-capacity", "96", "--max-new-tokens", "8",
+                                "--system", "Answer briefly.", input=lines)
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split("\n")) == 7  # six replies, each ending with a newline
+    assert "[chat] the conversation outgrew the 96 positions a reply may use: dropped its" in result.stderr
+    assert "Traceback" not in result.stderr and "error:" not in result.stderr
