@@ -88,6 +88,16 @@ def check_output(out: str, force: bool, sources: tuple[str, ...] = ()) -> str:
     return out
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class StagingDirectory:
     """A temporary directory beside `destination` that becomes it on `commit()`, or vanishes (with the
     parent directories it had to create)."""
@@ -99,11 +109,25 @@ class StagingDirectory:
         self._created = _first_missing_ancestor(parent)  # removed again if the conversion fails
         try:
             os.makedirs(parent, exist_ok=True)
-            self.path = tempfile.mkdtemp(prefix=f".{os.path.basename(self.destination)}.partial-", dir=parent)
+            self._sweep_dead_stagings(parent)
+            self.path = tempfile.mkdtemp(prefix=f"{self._prefix}{os.getpid()}-", dir=parent)
         except OSError as exc:
             self._remove_created()
             raise ConversionError(f"cannot write the checkpoint {self.destination}: {exc.strerror or exc} "
                                   f"({exc.filename or parent}); choose an OUT in a writable directory") from None
+
+    @property
+    def _prefix(self) -> str:
+        return f".{os.path.basename(self.destination)}.partial-"
+
+    def _sweep_dead_stagings(self, parent: str) -> None:
+        """Remove what a killed conversion to the same destination left (SIGKILL or a power cut skip
+        every clean-up): staging directories whose process is gone. A live one's stays."""
+        for name in os.listdir(parent):
+            pid = name[len(self._prefix):].partition("-")[0]
+            if not (name.startswith(self._prefix) and pid.isdigit()) or _process_alive(int(pid)):
+                continue
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
     def commit(self) -> None:
         if os.path.lexists(self.destination):

@@ -153,6 +153,23 @@ def test_sigterm_leaves_nothing(tmp_path, tiny_llama, monkeypatch, capsys):
     assert signal.getsignal(signal.SIGTERM) is handler_before  # the CLI put the handler back
 
 
+def test_a_killed_conversions_staging_is_swept_by_the_next(tmp_path, tiny_llama):
+    """SIGKILL skips every clean-up: the next conversion to the same OUT removes the staging of a
+    process that is gone, and leaves a live process's (a conversion running now) alone."""
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f".ckpt.partial-{int(gone.stdout)}-abc123"
+    live = tmp_path / f".ckpt.partial-{os.getpid()}-def456"
+    other = tmp_path / f".other.partial-{int(gone.stdout)}-ghi789"  # another destination's: not ours to judge
+    for folder in (dead, live, other):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    convert(tiny_llama, os.fspath(tmp_path / "ckpt"), QuantPlan(weights="f32"), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, "ckpt"])
+
+
 # --------------------------------------------------------------------------- usage mistakes
 
 
