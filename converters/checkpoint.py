@@ -370,7 +370,7 @@ def check_shapes_against_spec(path: str, manifest: dict, tensors: dict, experts:
         missing = sorted(set(moe_layers) - set(experts.layers))
         if missing:
             raise CheckpointError(f"{path}: the expert index has no experts for MoE layer {missing[0]}; {damaged}")
-    problems = shape_mismatches(spec, shapes)
+    problems = shape_mismatches(spec, shapes, first_expert_only=True)  # shapes name expert 0 of each layer
     if problems:
         more = f" ({len(problems) - 1} more tensors disagree too)" if len(problems) > 1 else ""
         raise CheckpointError(f"{path}: {problems[0]}{more}; the manifest's model spec and the weights disagree: "

@@ -230,14 +230,16 @@ def moe_block_tensors(spec: LlamaSpec, moe: MoeConfig, prefix: str) -> dict[str,
     return tensors
 
 
-def spec_expert_tensors(spec: LlamaSpec) -> dict[int, list[dict[str, ExpectedShape]]]:
-    """Routed expert weights by MoE layer: layer -> per expert, its {gate_proj, up_proj, down_proj} names and shapes."""
+def spec_expert_tensors(spec: LlamaSpec, first_only: bool = False) -> dict[int, list[dict[str, ExpectedShape]]]:
+    """Routed expert weights by MoE layer: layer -> per expert, its {gate_proj, up_proj, down_proj} names and
+    shapes; `first_only`: expert 0's alone (every expert of a layer has the same shapes)."""
     experts = {}
     for layer in range(spec.num_hidden_layers):
         moe = spec.moe_for_layer(layer)
         if moe is not None:
             experts[layer] = [ffn_tensors(spec.hidden_size, moe.intermediate_size, "expert intermediate size",
-                                          f"model.layers.{layer}.mlp.experts.{e}.") for e in range(moe.num_experts)]
+                                          f"model.layers.{layer}.mlp.experts.{e}.")
+                              for e in range(1 if first_only else moe.num_experts)]
     return experts
 
 
@@ -328,20 +330,23 @@ def spec_tensor_names(spec: LlamaSpec) -> list[str]:
     return list(spec_dense_tensors(spec))
 
 
-def spec_tensor_shapes(spec: LlamaSpec) -> dict[str, ExpectedShape]:
-    """Every weight name the spec declares (dense, optional and routed experts) -> the shape it must have."""
+def spec_tensor_shapes(spec: LlamaSpec, first_expert_only: bool = False) -> dict[str, ExpectedShape]:
+    """Every weight name the spec declares (dense, optional and routed experts; of the experts, only
+    each layer's expert 0 with `first_expert_only`) -> the shape it must have."""
     shapes = {**spec_dense_tensors(spec), **spec_optional_tensors(spec)}
-    for experts in spec_expert_tensors(spec).values():
+    for experts in spec_expert_tensors(spec, first_expert_only).values():
         for expert in experts:
             shapes.update(expert)
     return shapes
 
 
-def shape_mismatches(spec: LlamaSpec, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+def shape_mismatches(spec: LlamaSpec, shapes: Mapping[str, tuple[int, ...]], first_expert_only: bool = False
+                     ) -> list[str]:
     """For each tensor in `shapes` (name -> shape) whose shape the spec does not allow, what is wrong:
     "tensor NAME has shape [a, b]; the config (hidden_size 64, ...) needs [c, d]". Names the spec does
-    not declare are not this function's business (the callers list them)."""
-    expected = spec_tensor_shapes(spec)
+    not declare are not this function's business (the callers list them). Of the routed experts, a
+    checkpoint (one layout per layer) shows expert 0 only: `first_expert_only` spares building the rest."""
+    expected = spec_tensor_shapes(spec, first_expert_only)
     problems = []
     for name, shape in shapes.items():
         want = expected.get(name)
