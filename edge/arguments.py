@@ -5,7 +5,6 @@ Each check returns the value normalised (a Python int or float) or raises Invali
 names the argument, what it got and what it accepts."""
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 import os
@@ -90,25 +89,20 @@ def writable_file(option: str, path: str | None, suffix: str | None = None) -> N
                                "writable directory")
 
 
-@contextlib.contextmanager
-def replacing(path: str):
-    """Yield a hidden temporary path beside `path` to write; renamed over `path` when the block ends
-    without an error, removed otherwise: an interrupted or failed write never leaves a half-written
-    file at `path` (nor removes an older one)."""
+def write_atomically(path, write, binary: bool = False) -> None:
+    """Write `path` through `write(f)`, all of it or nothing: into a hidden file beside it (the same file
+    system), flushed to the disk and renamed over `path` once `write` returns, removed if anything fails.
+    A reader sees the old file or the new one, never a part; an interrupted write leaves the old one."""
     import secrets
 
     folder, name = os.path.split(os.path.abspath(path))
     temporary = os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
-    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # an ordinary file's mode (umask)
     try:
-        yield temporary
+        with open(temporary, "xb" if binary else "x") as f:  # an ordinary file's mode (umask), never an existing file
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
-
-
-def write_atomically(path: str, write, mode: str = "w") -> None:
-    """Write `path` through `write(f)` (f opened with `mode`) as `replacing` does: all of it or nothing."""
-    with replacing(path) as temporary, open(temporary, mode) as f:
-        write(f)

@@ -303,7 +303,7 @@ def plot_moe_report(report: dict, path: str) -> None:
     try:
         from edge.arguments import write_atomically
 
-        write_atomically(path, lambda f: figure.savefig(f, format="png", dpi=120), mode="wb")
+        write_atomically(path, lambda f: figure.savefig(f, format="png", dpi=120), binary=True)
     finally:
         plt.close(figure)
 

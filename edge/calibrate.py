@@ -79,7 +79,7 @@ def _record(path: str, args):
 
 def cmd_calibrate(args) -> int:
     from edge.api import check_load_arguments
-    from edge.arguments import replacing, write_atomically, writable_file
+    from edge.arguments import write_atomically, writable_file
     from edge.home import default_moe_checkpoint
     from converters.checkpoint import read_manifest
     from edge.spec import spec_from_dict
@@ -101,8 +101,7 @@ def cmd_calibrate(args) -> int:
     else:
         trace = _record(path, args)
         if args.trace:
-            with replacing(args.trace) as temporary:  # a trace cut short would be replayed by the next run
-                trace.save(temporary)
+            trace.save(args.trace)
     result = calibrate(trace, depth=min(args.depth, trace.depth))
     # `--json -`: the JSON alone on stdout, the table on stderr (as bench does)
     table = sys.stderr if args.json == "-" else sys.stdout

@@ -26,7 +26,7 @@ import numpy as np
 
 from converters.checkpoint import MANIFEST, sha256_file
 from devices.cache_buffers import CacheBuffer
-from edge.arguments import integer, path_argument
+from edge.arguments import integer, path_argument, write_atomically
 from edge.errors import SessionError
 
 MAGIC = b"ZLLMSESS"
@@ -92,17 +92,16 @@ def save_session(session, path) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise SessionError(f"cannot save the session to {path}: the directory {folder} does not exist; create it first")
-    temporary = path + ".partial"  # beside the target, so that the rename below stays on one file system
-    try:
-        with open(temporary, "wb") as f:
-            checksum = hashlib.sha256(header_bytes + payload).digest()
-            f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes), checksum))
-            f.write(header_bytes)
-            f.write(payload)
-        os.replace(temporary, path)  # a crash mid-write never leaves a half-written session under `path`
+    checksum = hashlib.sha256(header_bytes + payload).digest()
+
+    def write(f) -> None:
+        f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes), checksum))
+        f.write(header_bytes)
+        f.write(payload)
+
+    try:  # a crash mid-write never leaves a half-written session under `path`
+        write_atomically(path, write, binary=True)
     except OSError as exc:
-        if os.path.exists(temporary):
-            os.remove(temporary)
         raise SessionError(f"cannot save the session to {path}: {exc.strerror or exc}") from None
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edge.arguments import write_atomically
 from edge.moe import MoeConfig
 from streaming.predictor import (SIGNALS, ExpertPredictor, PredictorError, SignalMix, SignalWeights,
                                  top_sets)
@@ -61,9 +62,9 @@ class RouteTrace:
                   "pass_request": self.pass_request.astype(np.int64), "source": np.array(self.source)}
         arrays.update({f"routes_{layer}": ids.astype(np.int16) for layer, ids in self.routes.items()})
         arrays.update({f"gate_{layer}_{target}": logits.astype(np.float16) for (layer, target), logits in self.gate.items()})
-        try:
-            with open(path, "wb") as f:  # a file object: numpy would otherwise append .npz to the name
-                np.savez_compressed(f, **arrays)
+        try:  # all or nothing: a trace cut short would be replayed by the next run; a file object, as numpy
+            # would otherwise append .npz to the name
+            write_atomically(path, lambda f: np.savez_compressed(f, **arrays), binary=True)
         except OSError as exc:
             raise PredictorError(f"cannot write the route trace to {path}: {exc.strerror or exc}") from None
 

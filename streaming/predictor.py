@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from devices.reference import rms_norm, softmax
+from edge.arguments import write_atomically
 from edge.errors import ZllmError
 from edge.moe import MoeConfig
 from kernels.cpu.forecast import count_decode_route, gate_forecast, learn_decode_drift
@@ -140,12 +141,7 @@ def write_predictor_file(checkpoint_path: str, weights: SignalWeights, calibrati
     path = os.path.join(checkpoint_path, PREDICTOR_FILE)
     entry = {"format": PREDICTOR_FORMAT, "version": PREDICTOR_VERSION, "weights": weights.to_dict(),
              "calibration": calibration}
-    temporary = f"{path}.partial-{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(entry, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    write_atomically(path, lambda f: json.dump(entry, f, indent=1))
     return path
 
 

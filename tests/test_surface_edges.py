@@ -333,14 +333,13 @@ def test_calibrate_json_dash_prints_json_on_stdout(capsys, moe_path, tmp_path, m
 
 
 def test_calibrate_writes_its_trace_whole(capsys, moe_path, tmp_path, monkeypatch):
-    from streaming.calibration import RouteTrace
+    import streaming.calibration
 
-    def interrupted(self, path):
-        with open(path, "wb") as f:
-            f.write(b"PK\x03\x04 half an archive")
+    def interrupted(f, **arrays):  # Ctrl-C halfway through writing the archive
+        f.write(b"PK\x03\x04 half an archive")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(RouteTrace, "save", interrupted)
+    monkeypatch.setattr(streaming.calibration.np, "savez_compressed", interrupted)
     trace = tmp_path / "trace.npz"
     code, out, err = run_cli(capsys, "calibrate", moe_path, "--tokens", 16, "--requests", 2, "--prompt-tokens", 4,
                              "--depth", 1, "--no-save", "--quiet", "--trace", trace)
