@@ -119,7 +119,9 @@ def test_seed_minus_one_is_a_random_seed(llama, capsys):
     assert GenerationOptions(seed=-1).seed is None and GenerationOptions(seed=7).seed == 7
     generation = llama.generate([5, 6], max_new_tokens=3, temperature=1.0, seed=-1)
     list(generation.steps())
-    assert len(generation.result.tokens) == 3
+    # sampling may draw the end-of-sequence token early (about 2 runs in 100 on this tiny model)
+    assert len(generation.result.tokens) == 3 or generation.result.finish_reason == "eos"
+    assert isinstance(generation.result.seed, int)  # the seed drawn, reported so the run can be repeated
     with pytest.raises(SystemExit):
         edge.cli.main(["generate", "--help"])
     assert "-1 (as in llama.cpp) or none: a random seed" in " ".join(capsys.readouterr().out.split())
