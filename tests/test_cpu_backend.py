@@ -210,34 +210,50 @@ def test_bad_thread_counts_and_variants_are_refused(tiny_zoo):
         edge.load(path, device="cpu:fast")
 
 
-def test_vnni_is_trusted_only_once_a_child_process_has_run_it(monkeypatch, tmp_path):
-    """A CPU that advertises VNNI but kills the probe (SIGILL) gets the generic int8 dot; the
-    verdict is kept per CPU in the home, so the next load does not start a child again."""
+def test_int8_dots_are_trusted_only_once_a_child_process_has_run_them(monkeypatch, tmp_path):
+    """A CPU that advertises AVX-512 VNNI, AVX-VNNI and AVX2 but kills each probe (SIGILL) gets no
+    int8 dot-product instruction: plain "cpu" then runs f32 activations (generic int8 code is the
+    slower one) and says why, cpu:int8 runs the generic IR. The verdicts are kept per CPU in the home,
+    so the next process does not start the children again; a CPU whose AVX2 child sums right gets
+    vpmaddubsw and int8 by default."""
+    from devices.cpu import CpuBackend
     from kernels.cpu import cpu_probe
+    from kernels.cpu.llvm_ir import ACT_F32, ACT_INT8, ACT_INT8_AVX2
 
     monkeypatch.setenv("ZLLM_EDGE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_probe, "_verdicts", {})
-    monkeypatch.setattr(cpu_probe, "host_features", lambda: {"avx512vnni": True, "avx512bw": True, "avx2": True})
+    monkeypatch.setattr(cpu_probe, "target_features",
+                        lambda: {"avx512vnni": True, "avx512bw": True, "avxvnni": True, "avx2": True})
     children = []
 
     def killed_by_sigill(*args, **kwargs):
-        children.append(args)
+        children.append(args[0][-1])
         return subprocess.CompletedProcess(args, -4, stdout="", stderr="")
 
     monkeypatch.setattr(cpu_probe.subprocess, "run", killed_by_sigill)
-    assert cpu_probe.runs_vnni() is False and len(children) == 1
-    monkeypatch.setattr(cpu_probe, "_verdicts", {})  # a new process: the verdict comes from the file
-    assert cpu_probe.runs_vnni() is False and len(children) == 1
-    assert list(json.loads((tmp_path / "cpu-probe.json").read_text()).values()) == [False]
-
-    from devices.cpu import CpuBackend
-    from kernels.cpu.llvm_ir import ACT_F32, ACT_INT8
-
-    assert CpuBackend(threads=1).activation_style == ACT_INT8
-    assert CpuBackend(threads=1, variant="f32").activation_style == ACT_F32
-    monkeypatch.setattr(cpu_probe, "host_features", lambda: {"avx2": True})  # LLVM would not emit it at all
+    assert [cpu_probe.runs(probe) for probe in ("vnni", "avxvnni", "avx2")] == [False] * 3
+    assert len(children) == 3 and "child_main('avx2')" in children[2]
+    monkeypatch.setattr(cpu_probe, "_verdicts", {})  # a new process: the verdicts come from the file
+    assert cpu_probe.best_int8_dot() == ACT_INT8 and len(children) == 3
+    assert list(json.loads((tmp_path / "cpu-probe.json").read_text()).values()) == [False] * 3
+    default = CpuBackend(threads=1)
+    assert default.activations == "f32" and default.activation_style == ACT_F32
+    assert default.info()["variant_reason"] == ("no int8 dot-product instruction runs on this CPU, and generic "
+                                                "int8 code is slower than f32")
+    assert CpuBackend(threads=1, variant="int8").activation_style == ACT_INT8
+    monkeypatch.setattr(cpu_probe, "target_features", lambda: {"sse4.2": True})  # LLVM would not emit them at all
     monkeypatch.setattr(cpu_probe, "_verdicts", {})
-    assert cpu_probe.runs_vnni() is False and len(children) == 1
+    assert cpu_probe.best_int8_dot() == ACT_INT8 and len(children) == 3
+
+    (tmp_path / "cpu-probe.json").unlink()
+    monkeypatch.setattr(cpu_probe, "_verdicts", {})
+    monkeypatch.setattr(cpu_probe, "target_features", lambda: {"avx2": True})
+    monkeypatch.setattr(cpu_probe.subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(
+        args, 0, stdout="avx2 ok\n", stderr=""))
+    default = CpuBackend(threads=1)
+    assert default.activations == "int8" and default.activation_style == ACT_INT8_AVX2
+    assert default.info()["variant_reason"] == "this CPU runs avx2 vpmaddubsw for int8 dot products"
+    assert default.info()["int8_dot"] == "avx2 vpmaddubsw"
 
 
 def test_bf16_prefill_is_trusted_only_once_a_child_process_has_run_it(monkeypatch, tmp_path):
@@ -248,7 +264,7 @@ def test_bf16_prefill_is_trusted_only_once_a_child_process_has_run_it(monkeypatc
 
     monkeypatch.setenv("ZLLM_EDGE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_probe, "_verdicts", {})
-    monkeypatch.setattr(cpu_probe, "host_features", lambda: {"avx512bf16": True, "avx512f": True})
+    monkeypatch.setattr(cpu_probe, "target_features", lambda: {"avx512bf16": True, "avx512f": True})
     children = []
 
     def child(*args, **kwargs):
@@ -257,24 +273,24 @@ def test_bf16_prefill_is_trusted_only_once_a_child_process_has_run_it(monkeypatc
         return subprocess.CompletedProcess(args, -4 if killed else 0, stdout="", stderr="")
 
     monkeypatch.setattr(cpu_probe.subprocess, "run", child)
-    assert cpu_probe.runs_bf16() is False and CpuBackend(threads=1).bf16_prefill is False
+    assert cpu_probe.runs_bf16() is False and CpuBackend(threads=1, variant="int8").bf16_prefill is False
     assert len(children) == 1 and "child_main('bf16')" in children[0]
     monkeypatch.setattr(cpu_probe, "_verdicts", {})
     monkeypatch.setattr(cpu_probe.subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(
-        args, 0, stdout="vdpbf16ps ok\n", stderr=""))
+        args, 0, stdout="bf16 ok\n", stderr=""))
     (tmp_path / "cpu-probe.json").unlink()
-    assert cpu_probe.runs_bf16() is True and CpuBackend(threads=1).bf16_prefill is True
+    assert cpu_probe.runs_bf16() is True and CpuBackend(threads=1, variant="int8").bf16_prefill is True
     assert CpuBackend(threads=1, variant="f32").bf16_prefill is False
 
 
 def test_a_probe_that_cannot_run_is_reported_and_asked_again(monkeypatch, tmp_path):
     """A child that fails for another reason (here: exit status 1) gives no verdict: this process
-    uses the generic int8 dot with a warning, and nothing is kept, so the next process probes again."""
+    does without the instruction, with a warning, and nothing is kept, so the next process probes again."""
     from kernels.cpu import cpu_probe
 
     monkeypatch.setenv("ZLLM_EDGE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_probe, "_verdicts", {})
-    monkeypatch.setattr(cpu_probe, "host_features", lambda: {"avx512vnni": True, "avx512bw": True})
+    monkeypatch.setattr(cpu_probe, "target_features", lambda: {"avx512vnni": True, "avx512bw": True})
     children = []
 
     def import_error(*args, **kwargs):
@@ -283,11 +299,11 @@ def test_a_probe_that_cannot_run_is_reported_and_asked_again(monkeypatch, tmp_pa
 
     monkeypatch.setattr(cpu_probe.subprocess, "run", import_error)
     with pytest.warns(RuntimeWarning, match=r"VNNI probe failed \(exit status 1: ModuleNotFoundError"):
-        assert cpu_probe.runs_vnni() is False
+        assert cpu_probe.runs("vnni") is False
     assert not (tmp_path / "cpu-probe.json").exists()
     monkeypatch.setattr(cpu_probe, "_verdicts", {})
     with pytest.warns(RuntimeWarning):
-        assert cpu_probe.runs_vnni() is False
+        assert cpu_probe.runs("vnni") is False
     assert len(children) == 2
 
 
@@ -373,14 +389,24 @@ def test_smollm2_greedy_ids_match_the_reference_up_to_first_near_tie(smollm2_che
     assert generation.result.tokens[: len(expected)] == expected
 
 
-def test_smollm2_one_and_two_threads_give_the_same_tokens(smollm2_checkpoint, smollm2_cpu):
+def test_smollm2_one_and_two_threads_give_the_same_bits(smollm2_checkpoint, smollm2_cpu):
+    """Work is split across threads by rows and tasks, never inside a sum (a decode token's keys are
+    cut by their count, kernels/cpu/attention.py decode_splits): the logits of a prefill and of
+    greedy decode steps are the same bits at 1 thread as at 2, so are the tokens."""
     ids = smollm2_cpu.encode("Once upon a time")
     two = smollm2_cpu.generate(ids, max_new_tokens=12)
     list(two)
     with edge.load(smollm2_checkpoint, device="cpu", threads=1) as single:
         one = single.generate(ids, max_new_tokens=12)
         list(one)
-    assert one.result.tokens == two.result.tokens
+        assert one.result.tokens == two.result.tokens
+        sessions = [model.session(capacity=64) for model in (single, smollm2_cpu)]
+        logits = [[session.prefill(ids, all_logits=True)] for session in sessions]
+        for token in two.result.tokens[:6]:
+            for session, steps in zip(sessions, logits):
+                steps.append(session.decode(token))
+    for at_one, at_two in zip(*logits):
+        np.testing.assert_array_equal(at_one, at_two)
 
 
 def test_weights_are_copied_into_huge_pages_and_experts_streamed_in_place(load):

@@ -84,29 +84,44 @@ def quantized_input(x: np.ndarray) -> np.ndarray:
     return (codes * (peak / np.float32(127.0))).reshape(t, -1)[:, :k].astype(np.float32)
 
 
+def int8_dot_probe(style: int) -> str | None:
+    from kernels.cpu.llvm_ir import INT8_DOTS
+
+    return INT8_DOTS[style].probe
+
+
 INT8_SHAPES = SHAPES + [(9, 32), (5, 96), (11, 160), (64, 576), (6, 1536)]  # 1, 3, 5, 18, 48 blocks of 32
 
 
+def int8_styles():
+    from kernels.cpu.llvm_ir import INT8_DOTS
+
+    return list(INT8_DOTS)
+
+
 @pytest.mark.parametrize("scheme", QUANTIZED, ids=str)
-@pytest.mark.parametrize("int8_dot", ["generic", "vnni"])
-def test_decode_with_int8_activations_multiplies_the_quantized_input(scheme, int8_dot):
+@pytest.mark.parametrize("style", int8_styles(), ids=lambda style: int8_dot_probe(style) or "generic")
+def test_decode_with_int8_activations_multiplies_the_quantized_input(scheme, style):
     """Decode in an int8 variant computes W x^ (x^: the input rounded to int8 per block of 32) up to
-    f32 rounding, by generic integer IR or by VNNI, and W x within x^'s rounding: |W (x^ - x)|."""
+    f32 rounding, by each int8 dot-product instruction this CPU runs (generic IR everywhere), and
+    W x within x^'s rounding: |W (x^ - x)|. The integer sums are exact, so every instruction gives
+    the generic IR's bits."""
     from devices.cpu import CpuBackend
     from devices.cpu.weights import prepare_weight
-    from kernels.cpu.cpu_probe import runs_vnni
-    from kernels.cpu.llvm_ir import ACT_INT8, ACT_INT8_VNNI
+    from kernels.cpu.cpu_probe import runs
+    from kernels.cpu.llvm_ir import ACT_INT8, INT8_DOTS
 
-    if int8_dot == "vnni" and not runs_vnni():
-        pytest.skip("this CPU does not run AVX-512 VNNI")
+    probe = INT8_DOTS[style].probe
+    if probe is not None and not runs(probe):
+        pytest.skip(f"the kernels' target here does not run {INT8_DOTS[style].name}")
     backend = CpuBackend(threads=2, variant="int8")
-    style = ACT_INT8_VNNI if int8_dot == "vnni" else ACT_INT8
     for index, (n, k) in enumerate(INT8_SHAPES):
         weight = make_weight(scheme, (n, k), seed=index)
         rng = np.random.default_rng(300 + index)
         x = (rng.standard_normal((1, k)) * rng.uniform(0.01, 10.0, k)).astype(np.float32)  # uneven magnitudes
         bias = rng.standard_normal(n).astype(np.float32)
         ours = backend.linear(x, prepare_weight(weight, style), bias)
+        np.testing.assert_array_equal(ours, backend.linear(x, prepare_weight(weight, ACT_INT8), bias))
         x_hat = quantized_input(x)
         expected = reference.linear(x_hat, weight, bias)
         magnitudes = np.abs(x_hat) @ term_magnitudes(weight).T + np.abs(bias)

@@ -19,6 +19,7 @@ from edge.attention import attend_stored
 from edge.errors import ZllmError
 from kernels.cpu.attention_stored import stored_attention
 from quant import kv_formats
+from test_kv_cache_formats import LOGIT_GAIN
 from tiny_models import random_prompt, tiny_zoo  # noqa: F401
 
 F32 = QuantPlan(weights="f32")
@@ -109,7 +110,10 @@ def test_backends_without_stored_attention_refuse_compressed_rows():
 @pytest.mark.parametrize("case", ["llama_mha", "qwen2_layer_types"])
 def test_cpu_decode_never_dequantizes_the_cache(fmt, case, tiny_zoo, monkeypatch):
     """Full slots are attended through views of the stored arrays; the only rows widened in numpy are
-    a ring slot's window. Prefill, chunked prefill and decode agree with the reference backend."""
+    a ring slot's window. Prefill, chunked prefill and decode agree with the reference backend within
+    the format's bound: both store K/V rounded from f32 values computed in different orders (the
+    summation order of each instruction set's kernels), so an element that straddles a rounding
+    boundary is stored one step apart (test_kv_cache_formats.LOGIT_GAIN x the format's bound)."""
     path = tiny_zoo.converted(case, F32)
     prompt = random_prompt(12, seed=5)
     reference = edge.load(path, device="reference", kv_cache=fmt).session(capacity=32)
@@ -123,7 +127,7 @@ def test_cpu_decode_never_dequantizes_the_cache(fmt, case, tiny_zoo, monkeypatch
     ours = [session.prefill(prompt[:9], all_logits=True), session.prefill(prompt[9:], all_logits=True)]
     ours += [session.decode(token) for token in (5, 7, 11)]
     for a, b in zip(ours, expected):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * np.abs(b).max())
+        np.testing.assert_allclose(a, b, rtol=0, atol=LOGIT_GAIN * kv_formats.kv_relative_error_bound(fmt) * np.abs(b).max())
     cache = session.cache
     for layer, slot in enumerate(cache.slots):
         keys = slot.parts[0]

@@ -25,8 +25,9 @@ try:
     from kernels.cpu import attention_stored as stored_attention_kernels
     from kernels.cpu import elementwise, kv_quant, linear as linear_kernels
     from kernels.cpu import moe as moe_kernels
-    from kernels.cpu.cpu_probe import runs_bf16, runs_vnni
-    from kernels.cpu.llvm_ir import ACT_F32, ACT_INT8, ACT_INT8_VNNI
+    from kernels.cpu import isa
+    from kernels.cpu.cpu_probe import best_int8_dot, runs_bf16
+    from kernels.cpu.llvm_ir import ACT_F32, ACT_INT8, INT8_DOTS
     from kernels.cpu.runtime import threading_info
 except ImportError as exc:  # pragma: no cover - numba is a declared dependency
     raise DeviceUnavailableError(f"device 'cpu' needs numba and llvmlite ({exc}); pip install numba") from None
@@ -53,12 +54,21 @@ def _thread_count(threads: int | None) -> int:
     return threads
 
 
-# How decode multiplies quantized weights, by device variant ("cpu" alone: the default).
+# How decode multiplies quantized weights, by device variant ("cpu" alone: the fastest here, below).
 ACTIVATION_VARIANTS = ("int8", "f32")
-DEFAULT_ACTIVATIONS = "int8"
 ACTIVATION_HELP = ("int8 quantizes each decode matmul input to int8 per block of 32 values and sums integer "
                    "products, as llama.cpp does, an input error of at most 1/254 of the block's largest value, and "
                    "multiplies prefill's tiles in bf16 where the CPU runs AVX-512 BF16; f32 keeps every input in f32")
+
+
+def default_activations() -> tuple[str, str]:
+    """The variant plain "cpu" runs, and why: int8 where this CPU runs an integer dot-product
+    instruction (it reads a quarter of f32's input bytes and sums 4x as many products per
+    instruction), f32 where only generic vector code would sum int8 products (slower than f32)."""
+    style = best_int8_dot()
+    if style == ACT_INT8:
+        return "f32", "no int8 dot-product instruction runs on this CPU, and generic int8 code is slower than f32"
+    return "int8", f"this CPU runs {INT8_DOTS[style].name} for int8 dot products"
 
 NUMBA_KV_CODEC = KvCodec(kv_quant.quantize_int8, kv_quant.dequantize_int8, kv_quant.widen_halves)
 
@@ -70,19 +80,18 @@ class CpuBackend:
     runs_moe = True
 
     def __init__(self, threads: int | None = None, variant: str | None = None):
-        activations = variant or DEFAULT_ACTIVATIONS
-        if activations not in ACTIVATION_VARIANTS:
+        if variant is not None and variant not in ACTIVATION_VARIANTS:
             raise ValueError(f"device 'cpu' has the variants {', '.join(f'cpu:{v}' for v in ACTIVATION_VARIANTS)} "
                              f"(how matmuls on quantized weights take their inputs: {ACTIVATION_HELP}); "
                              f"got 'cpu:{variant}'")
-        self.activations = activations
-        if activations == "f32":
-            self.activation_style = ACT_F32
+        if variant is None:
+            self.activations, self.variant_reason = default_activations()
         else:
-            self.activation_style = ACT_INT8_VNNI if runs_vnni() else ACT_INT8
+            self.activations, self.variant_reason = variant, f"asked for (cpu:{variant})"
+        self.activation_style = ACT_F32 if self.activations == "f32" else best_int8_dot()
         # prefill of quantized weights in bf16 (f32 sums) where the CPU runs AVX-512 BF16; cpu:f32 keeps
         # f32 everywhere (the parity tests' variant)
-        self.bf16_prefill = activations != "f32" and runs_bf16()
+        self.bf16_prefill = self.activations != "f32" and runs_bf16()
         self.threads = _thread_count(threads)
         self.weight_arena = HugePageArena() if huge_pages_available() else None
         self._largest_expert = (0, 0, 0)  # (K_max, I, padded I) over the experts packed (_expert_table)
@@ -284,9 +293,12 @@ class CpuBackend:
             # where the model's weights live: copied into transparent huge pages, or views of the mmap
             "weight_pages": "2 MB (transparent huge pages)" if self.weight_arena else "4 KB (mmap of the checkpoint)",
             "weight_bytes_in_huge_pages": self.weight_arena.copied_bytes if self.weight_arena else 0,
+            # the instruction-set level the kernels are compiled for (ZLLM_EDGE_ISA caps it)
+            "isa": isa.target_level(),
+            "isa_capped": isa.requested_level() is not None,
             "activations": self.activations,
-            "int8_dot": {ACT_F32: None, ACT_INT8: "generic LLVM IR", ACT_INT8_VNNI: "avx512 vnni"}[
-                self.activation_style],
+            "variant_reason": self.variant_reason,
+            "int8_dot": None if self.activation_style == ACT_F32 else INT8_DOTS[self.activation_style].name,
             # for `zllm-edge diff`: f32 sums; the inputs of decode's quantized matmuls rounded to int8
             # per block of 32 (half a step of 127) or kept; prefill's quantized matmuls in bf16 (inputs
             # within int8's budget, the dequantized weights rounded by up to 2^-8) or in f32

@@ -22,7 +22,7 @@ from devices.cpu.weights import CpuWeight, MissingKernelError, as_vector
 from edge.moe import routed_experts, shared_experts
 from kernels.cpu import formats as wf
 from kernels.cpu import forward as fk
-from kernels.cpu.attention import scratch_floats
+from kernels.cpu.attention import MAX_DECODE_SPLITS, scratch_floats
 from kernels.cpu.linear import TILE_M, TILE_T, padded_tokens, pairs_length, sums_length, tile_scratch_rows
 
 KV_DTYPES = {"f32": np.float32, "f16": np.float16}  # the K/V storage the fused kernel reads
@@ -149,7 +149,8 @@ class _Scratch:
             # prefill tiles only when a call has more than one token
             tile_rows = tile_scratch_rows(t) if t > 1 else 1
             self.tiles = np.zeros((n, tile_rows, self.tables.max_cols_padded), np.float32)
-            n_items = t * spec.num_attention_heads * max(n, 1)
+            # attention partials: one per (token, head) in prefill, per (head, KV split) in decode
+            n_items = spec.num_attention_heads * (t if t > 1 else MAX_DECODE_SPLITS)
             self.peaks = np.zeros(n_items, np.float32)
             self.totals = np.zeros(n_items, np.float32)
             self.accs = np.zeros((n_items, spec.head_dim), np.float32)

@@ -2,7 +2,8 @@
 
 Work is cut into items. Prefill: (token, KV head), an item serving every query head of its KV
 head's group, so each key and value is read once for the group. Decode: (KV split), the keys of
-its single token cut across threads, an item serving every query head and reading its slice of
+its single token cut into decode_splits() pieces by their number alone (never by the thread count,
+so that a token's attention has the same bits at any number of threads), an item serving every query head and reading its slice of
 the cache front to back, whole rows, a block at a time (`partial_attention_heads`). A token
 attends to keys whose position is not after its own (and, with a window W, less than W behind it).
 Each item computes, per query head, a partial softmax over its slice of the keys: the maximum
@@ -236,6 +237,20 @@ def partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end
     return peaks, totals, accs
 
 
+# A decode token's visible keys are cut into one split per DECODE_SPLIT_KEYS (at most
+# MAX_DECODE_SPLITS: tasks enough for a laptop's threads; the merge stays a few vector ops per head).
+DECODE_SPLIT_KEYS = 64
+MAX_DECODE_SPLITS = 16
+
+
+@helper
+def decode_splits(n_keys, window):
+    """The number of splits of a decode token at cache index n_keys - 1 (keys before it visible,
+    the last `window` of them where window > 0)."""
+    visible = n_keys if window == 0 else min(n_keys, window)
+    return min(MAX_DECODE_SPLITS, max(1, (visible + DECODE_SPLIT_KEYS - 1) // DECODE_SPLIT_KEYS))
+
+
 @helper
 def decode_attention_item(split, n_splits, n_heads, q_rows, keys, values, n_kv, element_bytes, q_position, k_positions,
                           scale, window, work, peaks, totals, accs):
@@ -327,7 +342,7 @@ _f32_1d, _f32_2d, _f32_3d = mutable(types.float32, 1), mutable(types.float32, 2)
 
 @kernel(types.void(readonly(types.float32, 2), _f32_ro_3d, _f32_ro_3d, _i64_ro_1d, _i64_ro_1d, types.float32,
                    types.int64, types.int64, types.int64, types.int64, _f32_2d, _f32_1d, _f32_1d, _f32_2d, _f32_2d),
-        parallel=True, optimization=2)
+        parallel=True)
 def attention_kernel(q_rows, keys, values, q_positions, k_positions, scale, window, n_heads, n_splits, n_threads,
                      scores, peaks, totals, accs, out):
     """out [T, Hq * Dh] from q_rows [T, Hq * Dh]; scores [n_threads, scratch_floats(Hq, S, Dh)]
@@ -353,14 +368,14 @@ def attention_kernel(q_rows, keys, values, q_positions, k_positions, scale, wind
 
 def attention(q, k, v, q_positions, k_positions, scale: float, window: int | None, n_threads: int) -> np.ndarray:
     """Causal attention of q [T, Hq, Dh] over k, v [S, Hkv, Dh] -> [T, Hq, Dh] float32; a single
-    token's keys are split n_threads ways."""
+    token's keys are cut into decode_splits() pieces."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     k = np.ascontiguousarray(k, dtype=np.float32)
     v = np.ascontiguousarray(v, dtype=np.float32)
     n_tokens, n_heads, head_dim = q.shape
     if n_heads % k.shape[1]:
         raise ValueError(f"attention: {n_heads} query heads do not divide into {k.shape[1]} KV heads")
-    n_splits = n_threads if n_tokens == 1 else 1
+    n_splits = decode_split_count(q_positions, k_positions, window) if n_tokens == 1 else 1
     n_rows = n_tokens * n_heads * n_splits
     out = np.empty((n_tokens, n_heads * head_dim), np.float32)
     work = np.empty((n_threads, scratch_floats(n_heads, k.shape[0], head_dim)), np.float32)
@@ -369,6 +384,15 @@ def attention(q, k, v, q_positions, k_positions, scale: float, window: int | Non
                      n_splits, n_threads, work, np.empty(n_rows, np.float32), np.empty(n_rows, np.float32),
                      np.empty((n_rows, head_dim), np.float32), out)
     return out.reshape(n_tokens, n_heads, head_dim)
+
+
+def decode_split_count(q_positions, k_positions, window) -> int:
+    """decode_splits() of a single query over these key positions (the op-by-op kernels' keys need
+    not be contiguous: the count of those visible decides)."""
+    q = int(np.asarray(q_positions).reshape(-1)[0])
+    k = np.asarray(k_positions)
+    visible = int(np.count_nonzero((k <= q) & ((q - k < window) if window else True)))
+    return min(MAX_DECODE_SPLITS, max(1, -(-visible // DECODE_SPLIT_KEYS)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 from numba import prange, types
 
-from kernels.cpu.attention import exponentiate_scores, item_scratch, item_span, merge_partials, scratch_floats
+from kernels.cpu.attention import (decode_split_count, exponentiate_scores, item_scratch, item_span, merge_partials,
+                                   scratch_floats)
 from kernels.cpu.kv_quant import half_to_single
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
@@ -127,7 +128,7 @@ _f32_1d, _f32_2d = mutable(types.float32, 1), mutable(types.float32, 2)
 @kernel(types.void(readonly(types.float32, 2), _u16_ro_3d, _i8_ro_3d, _u16_ro_3d, _u16_ro_3d, _i8_ro_3d, _u16_ro_3d,
                    types.int64, _i64_ro_1d, _i64_ro_1d, types.float32, types.int64, types.int64, types.int64,
                    types.int64, types.int64, _f32_2d, _f32_1d, _f32_1d, _f32_2d, _f32_2d),
-        parallel=True, optimization=2)
+        parallel=True)
 def stored_attention_kernel(q_rows, key_halves, key_codes, key_scales, value_halves, value_codes, value_scales,
                             group_size, q_positions, k_positions, scale, window, n_heads, n_kv, n_splits, n_threads,
                             work, peaks, totals, accs, out):
@@ -195,7 +196,7 @@ def stored_attention(q, fmt: str, group: int, keys: np.ndarray, key_scales: np.n
         raise ValueError(f"stored attention: {len(k_positions)} key positions for {n_keys} stored rows")
     key_arrays = _kernel_arrays(fmt, keys, key_scales)
     value_arrays = _kernel_arrays(fmt, values, value_scales)
-    n_splits = n_threads if n_tokens == 1 else 1
+    n_splits = decode_split_count(q_positions, k_positions, window) if n_tokens == 1 else 1
     n_rows = n_tokens * n_heads * n_splits
     out = np.empty((n_tokens, n_heads * head_dim), np.float32)
     work = np.empty((n_threads, stored_scratch_floats(n_heads, n_keys, head_dim)), np.float32)

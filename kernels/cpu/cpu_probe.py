@@ -1,12 +1,13 @@
-"""Which SIMD extensions this CPU really runs: AVX-512 VNNI (int8 dot products) and AVX-512 BF16.
+"""Which SIMD instructions this CPU really runs: the integer dot products of int8 activations
+(AVX-512 VNNI, AVX-VNNI, AVX2's vpmaddubsw, ARM's sdot and i8mm's usdot) and AVX-512 BF16.
 
 A CPU's feature flags are not proof that an instruction runs: a virtual machine can advertise
 extensions its host does not pass through (this is how llama.cpp's AMX path crashes on machines
-that list AMX). So VNNI's vpdpbusd and BF16's vdpbf16ps are used only when LLVM knows the feature
-for this host *and* a child process has run the instruction on known data and got the right sums;
-an illegal instruction kills the child, not the caller. The verdicts are kept per CPU (name,
-features, LLVM version) in <ZLLM_EDGE_HOME>/cpu-probe.json, so only the first load on a machine
-pays the ~2 s per instruction.
+that list AMX). So each instruction is used only when the kernels' target has its features
+(isa.py: the host's, or a lower level asked for) *and* a child process has run it on known data and
+got the right sums; an illegal instruction kills the child, not the caller. The verdicts are kept
+per CPU (name, target features, LLVM version) in <ZLLM_EDGE_HOME>/cpu-probe.json, so only the first
+load on a machine pays the ~2 s per instruction.
 """
 from __future__ import annotations
 
@@ -17,31 +18,47 @@ import subprocess
 import sys
 import threading
 import warnings
+from dataclasses import dataclass
 
 from kernels.cache_home import zllm_home
 
 PROBE_TIMEOUT_SECONDS = 300
-# probe -> (the LLVM features it needs, what its child prints when the instruction summed right,
-# its name in messages, what runs instead when it does not)
-PROBES = {"vnni": (("avx512vnni", "avx512bw"), "vpdpbusd ok", "AVX-512 VNNI",
-                   "int8 dot products use generic vector code"),
-          "bf16": (("avx512bf16",), "vdpbf16ps ok", "AVX-512 BF16", "prefill multiplies f32 tiles")}
+
+
+@dataclass(frozen=True)
+class Probe:
+    features: tuple[str, ...]  # the LLVM features it needs
+    name: str  # in messages
+    fallback: str  # what runs instead when it does not
+
+    def passed(self, key: str) -> str:
+        """What the child prints when the instruction summed right."""
+        return f"{key} ok"
+
+
+INT8_FALLBACK = "int8 dot products use the next instruction set down, or generic vector code"
+PROBES = {"vnni": Probe(("avx512vnni", "avx512bw"), "AVX-512 VNNI", INT8_FALLBACK),
+          "avxvnni": Probe(("avxvnni", "avx2"), "AVX-VNNI", INT8_FALLBACK),
+          "avx2": Probe(("avx2",), "AVX2 vpmaddubsw", INT8_FALLBACK),
+          "dotprod": Probe(("neon", "dotprod"), "NEON sdot", INT8_FALLBACK),
+          "i8mm": Probe(("neon", "i8mm"), "NEON i8mm usdot", INT8_FALLBACK),
+          "bf16": Probe(("avx512bf16",), "AVX-512 BF16", "prefill multiplies f32 tiles")}
 _verdicts: dict[str, bool] = {}
 _lock = threading.Lock()
 
 
-def host_features() -> dict[str, bool]:
-    """The CPU features LLVM targets on this host (what a compiled kernel may use)."""
-    import llvmlite.binding as llvm
+def target_features() -> dict[str, bool]:
+    """The CPU features the kernels are compiled for (isa.py: the host's, or a lower level's)."""
+    from kernels.cpu import isa
 
-    return dict(llvm.get_host_cpu_features())
+    return isa.target_features()
 
 
 def _cpu_key(probe: str) -> str:
     import llvmlite
     import llvmlite.binding as llvm
 
-    enabled = ",".join(sorted(name for name, on in host_features().items() if on))
+    enabled = ",".join(sorted(name for name, on in target_features().items() if on))
     key = f"{llvm.get_host_cpu_name()}|{enabled}|llvmlite {llvmlite.__version__}"
     return key if probe == "vnni" else f"{key}|{probe}"  # (VNNI's verdicts predate the others)
 
@@ -78,7 +95,7 @@ def _run_child(probe: str) -> bool | None:
     out or failed otherwise; such a verdict is not kept, the next load asks again)."""
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    _, expected, name, fallback = PROBES[probe]
+    name, fallback, expected = PROBES[probe].name, PROBES[probe].fallback, PROBES[probe].passed(probe)
     try:
         command = f"from kernels.cpu.cpu_probe import child_main; child_main({probe!r})"
         result = subprocess.run([sys.executable, "-c", command], env=env, capture_output=True, text=True,
@@ -99,8 +116,8 @@ def _run_child(probe: str) -> bool | None:
 def _runs(probe: str) -> bool:
     """True when this process may emit the probe's instruction: LLVM targets it here and a child
     process ran it correctly."""
-    features = host_features()
-    if not all(features.get(name) for name in PROBES[probe][0]):
+    features = target_features()
+    if not all(features.get(name) for name in PROBES[probe].features):
         return False
     key = _cpu_key(probe)
     with _lock:
@@ -116,9 +133,9 @@ def _runs(probe: str) -> bool:
         return _verdicts[key]
 
 
-def runs_vnni() -> bool:
-    """True when this process may emit AVX-512 VNNI's vpdpbusd."""
-    return _runs("vnni")
+def runs(probe: str) -> bool:
+    """True when this process may emit the instruction of PROBES[probe]."""
+    return _runs(probe)
 
 
 def runs_bf16() -> bool:
@@ -126,46 +143,86 @@ def runs_bf16() -> bool:
     return _runs("bf16")
 
 
-def child_main(probe: str = "vnni") -> None:
-    """Run the probe's instruction once on known data and print its PROBES message if the sums are right."""
+def best_int8_dot() -> int:
+    """The activation style (llvm_ir.ACT_INT8*) whose dot-product instructions run here, the widest
+    first; generic vector IR (ACT_INT8) where none does."""
+    from kernels.cpu.llvm_ir import (ACT_INT8, ACT_INT8_AVX2, ACT_INT8_AVXVNNI, ACT_INT8_DOTPROD, ACT_INT8_I8MM,
+                                     ACT_INT8_VNNI, INT8_DOTS)
+
+    for style in (ACT_INT8_VNNI, ACT_INT8_AVXVNNI, ACT_INT8_AVX2, ACT_INT8_I8MM, ACT_INT8_DOTPROD):
+        if _runs(INT8_DOTS[style].probe):
+            return style
+    return ACT_INT8
+
+
+def child_main(probe: str) -> None:
+    """Run the probe's instruction on known data and print its passed() message if the sums are right."""
     import numba
     import numpy as np
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic
 
-    from kernels.cpu.llvm_ir import V16F, V16I32, V64I8, Emitter, bf16_pair_dot, byte_dot
+    from kernels.cpu import llvm_ir
+    from kernels.cpu.llvm_ir import V16F, V16I32, V64I8, Emitter, bf16_pair_dot, byte_dot, nibble_pair_dot
 
-    @intrinsic
-    def native_dot(typingctx, a, b, out):
-        def codegen(context, builder, sig, args):
-            e = Emitter(builder)
-            if probe == "vnni":
-                dot = byte_dot(e, ir.Constant(V16I32, [0] * 16), e.load(V64I8, args[0], 1), e.load(V64I8, args[1], 1),
-                               native=True)
-            else:
-                dot = bf16_pair_dot(e, ir.Constant(V16F, [0.0] * 16), e.load(V16I32, args[0], 4),
-                                    e.load(V16I32, args[1], 4))
-            e.store(dot, args[2], 4)
-            return context.get_dummy_value()
+    styles = {dot.probe: style for style, dot in llvm_ir.INT8_DOTS.items() if dot.probe}
 
-        return types.void(types.int64, types.int64, types.int64), codegen
+    def compiled(form: int):
+        """A jitted run(a, b, c, d, out) of the instruction: `form` 0 the nibble pairs (a, b) and
+        (c, d) of int4 codes, 1 unsigned codes a times b, 2 signed codes a times b (bf16: a . b)."""
 
-    @numba.njit(cache=False)
-    def run(a, b, out):
-        native_dot(a.ctypes.data, b.ctypes.data, out.ctypes.data)
+        @intrinsic
+        def instruction(typingctx, a, b, c, d, out):
+            def codegen(context, builder, sig, args):
+                e = Emitter(builder)
+                zero = ir.Constant(V16I32, [0] * 16)
+                if probe == "bf16":
+                    result = bf16_pair_dot(e, ir.Constant(V16F, [0.0] * 16), e.load(V16I32, args[0], 4),
+                                           e.load(V16I32, args[1], 4))
+                else:
+                    style = styles[probe]
+                    a_bytes, b_bytes, c_bytes, d_bytes = (e.load(V64I8, address, 1) for address in args[:4])
+                    if form == 0:
+                        result = nibble_pair_dot(e, zero, a_bytes, b_bytes, c_bytes, d_bytes, style)
+                    else:
+                        result = byte_dot(e, zero, a_bytes, b_bytes, style, signed=form == 2)
+                e.store(result, args[4], 4)
+                return context.get_dummy_value()
+
+            return types.void(*([types.int64] * 5)), codegen
+
+        @numba.njit(cache=False)
+        def run(a, b, c, d, out):
+            instruction(a.ctypes.data, b.ctypes.data, c.ctypes.data, d.ctypes.data, out.ctypes.data)
+
+        return run
 
     rng = np.random.default_rng(0)
-    if probe == "vnni":
-        a = rng.integers(0, 256, 64, dtype=np.uint8)
-        b = rng.integers(-127, 128, 64, dtype=np.int8)
-        out = np.zeros(16, np.int32)
-        expected = (a.astype(np.int32) * b.astype(np.int32)).reshape(16, 4).sum(axis=1)
-    else:  # small integers: exact in bf16 and in the f32 sums
+
+    def lanes(products):  # sums of 4 neighbours
+        return products.astype(np.int64).reshape(16, 4).sum(axis=1)
+
+    if probe == "bf16":  # small integers: exact in bf16 and in the f32 sums
         a_values, b_values = (rng.integers(-100, 100, 32).astype(np.float32) for _ in range(2))
         a, b = ((values.view(np.uint32) >> 16).astype(np.uint16) for values in (a_values, b_values))
         out = np.zeros(16, np.float32)
-        expected = (a_values * b_values).reshape(16, 2).sum(axis=1)
-    run(a, b, out)
-    if np.array_equal(out, expected):
-        print(PROBES[probe][1])
+        compiled(0)(a, b, a, b, out)
+        right = np.array_equal(out, (a_values * b_values).reshape(16, 2).sum(axis=1))
+    else:
+        q = [rng.integers(-127, 128, 64, dtype=np.int8) for _ in range(2)]
+        nibbles = [rng.integers(0, 16, 64, dtype=np.uint8) for _ in range(2)]
+        out = np.zeros(16, np.int32)
+        compiled(0)(nibbles[0], q[0], nibbles[1], q[1], out)
+        right = np.array_equal(out, lanes(nibbles[0] * q[0].astype(np.int64) + nibbles[1] * q[1].astype(np.int64)))
+        if llvm_ir.INT8_DOTS[styles[probe]].signed_codes:
+            codes, form = rng.integers(-128, 128, 64, dtype=np.int8), 2
+            codes[:4] = -128  # the extremes: |code| = 128 and the largest pair sums
+        else:
+            codes, form = rng.integers(0, 256, 64, dtype=np.uint8), 1
+            codes[:4] = 255
+        q[0][:4] = -127
+        compiled(form)(codes, q[0], codes, q[0], out)
+        right = right and np.array_equal(out, lanes(codes.astype(np.int64) * q[0]))
+    if right:
+        print(PROBES[probe].passed(probe))

@@ -36,19 +36,39 @@ def exp_approx(x):
     return e_r * float_from_bits(np.int32((np.int32(n) + 127) << 23))
 
 
-@helper
-def rms_norm_row(x, weight, eps, out):
-    """out = x / sqrt(mean(x^2) + eps) * weight."""
+@helper(ordered=True)
+def sum_of_squares(x):
+    """sum(x^2) in a fixed order: 8 interleaved partial sums (p_i takes x[8j + i]; LLVM may still
+    pack them into one vector, the lanes being independent), added pairwise, then the tail."""
     n = x.shape[0]
-    total = np.float32(0.0)
-    for i in range(n):
+    whole = n - n % 8
+    p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = np.float32(0.0)
+    for b in range(0, whole, 8):
+        p0 += x[b] * x[b]
+        p1 += x[b + 1] * x[b + 1]
+        p2 += x[b + 2] * x[b + 2]
+        p3 += x[b + 3] * x[b + 3]
+        p4 += x[b + 4] * x[b + 4]
+        p5 += x[b + 5] * x[b + 5]
+        p6 += x[b + 6] * x[b + 6]
+        p7 += x[b + 7] * x[b + 7]
+    total = ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7))
+    for i in range(whole, n):
         total += x[i] * x[i]
-    inverse = np.float32(1.0) / np.sqrt(total / np.float32(n) + np.float32(eps))
+    return total
+
+
+@helper(ordered=True)
+def rms_norm_row(x, weight, eps, out):
+    """out = x / sqrt(mean(x^2) + eps) * weight, in IEEE arithmetic and a fixed order: the norm
+    before a layer's K/V gives the same bits in the fused and the op-by-op kernels."""
+    n = x.shape[0]
+    inverse = np.float32(1.0) / np.sqrt(sum_of_squares(x) / np.float32(n) + np.float32(eps))
     for i in range(n):
         out[i] = x[i] * inverse * weight[i]
 
 
-@helper
+@helper(ordered=True)
 def rope_row(x, cos, sin):
     """Rotate one head vector x [Dh] in place: [x1 cos - x2 sin, x2 cos + x1 sin] (half-split)."""
     half = cos.shape[0]

@@ -35,7 +35,7 @@ from __future__ import annotations
 import numba
 from numba import prange, types
 
-from kernels.cpu.attention import attention_item, decode_attention_item, decode_query, merge_partials
+from kernels.cpu.attention import attention_item, decode_attention_item, decode_query, decode_splits, merge_partials
 from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_times
 from kernels.cpu.formats import W_ACTIVATIONS, W_COLS_PADDED, W_ROWS
 from kernels.cpu.intrinsics import (atomic_add, atomic_load, float32_pointer, half_bits, monotonic_seconds,
@@ -146,7 +146,7 @@ def projection_rows(step, spec, weights, dims):
 
 
 @helper
-def plan(step, spec, weights, dims, n_tokens, n_out, n_threads, run_head):
+def plan(step, spec, weights, dims, start, n_tokens, n_out, n_threads, run_head):
     """(kind, number of tasks) of a step. Every thread computes this for itself."""
     prefill = n_tokens > 1
     if step == S_EMBED:
@@ -166,7 +166,7 @@ def plan(step, spec, weights, dims, n_tokens, n_out, n_threads, run_head):
     if step == S_ATTEND:
         if prefill:
             return ATTEND, min(n_tokens * dims[M_KV_HEADS], TASKS_PER_THREAD * n_threads)
-        return ATTEND, n_threads  # decode: one task per KV split, every head
+        return ATTEND, decode_splits(start + 1, spec[L_WINDOW])  # decode: one task per KV split, every head
     if step == S_QKV or step == S_O or step == S_GATE_UP or step == S_DOWN or step == S_HEAD:
         if (step == S_HEAD and not run_head) or (step == S_DOWN and is_moe(spec)):
             return PROJECT, 0
@@ -305,7 +305,7 @@ def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, fir
 
 
 @helper
-def run_replicated(step, spec, weights, params, dims, eps, first_token, n_threads, thread, x_natural, x_pairs, x_sums,
+def run_replicated(step, spec, weights, params, dims, eps, start, first_token, thread, x_natural, x_pairs, x_sums,
                    replica, peaks, totals, accs, hidden, normed, gate):
     """A REPLICATED step for one token, done by every thread into its own `replica` row and prepared
     input (x_natural, x_pairs, x_sums); thread 0 also leaves a norm's output in `normed`, where the
@@ -326,9 +326,10 @@ def run_replicated(step, spec, weights, params, dims, eps, first_token, n_thread
         k_fill = transpose_input(transposed, spec, weights, dims)[1]
         prepare_vector(x, x_natural[:k_fill], x_pairs, x_sums, weights[fed, W_ACTIVATIONS])
     elif step == S_MERGE:
+        n_splits = decode_splits(start + 1, spec[L_WINDOW])
         for h in range(n_heads):
-            at = h * n_threads
-            merge_partials(peaks[at:at + n_threads], totals[at:at + n_threads], accs[at:at + n_threads],
+            at = h * n_splits
+            merge_partials(peaks[at:at + n_splits], totals[at:at + n_splits], accs[at:at + n_splits],
                            replica[h * head_dim:(h + 1) * head_dim])
         k_fill = transpose_input(S_ATTN_T, spec, weights, dims)[1]
         prepare_vector(replica[:n_heads * head_dim], x_natural[:k_fill], x_pairs, x_sums,
@@ -497,7 +498,7 @@ def _forward(weights, layers, params, dims, eps, scale, kv, ids, start, cos, sin
         for index in range(n_steps):
             layer, step = step_of(index, first, last, run_embedding)
             spec = layers[max(layer, first)] if last > first else layers[0]
-            kind, n_tasks = plan(step, spec, weights, dims, n_tokens, n_out, n_threads, run_head)
+            kind, n_tasks = plan(step, spec, weights, dims, start, n_tokens, n_out, n_threads, run_head)
             if n_tasks == 0:
                 continue
             if kind == REPLICATED:  # the projection after it: its first rows, requested before the wait
@@ -505,7 +506,7 @@ def _forward(weights, layers, params, dims, eps, scale, kv, ids, start, cos, sin
             if previous >= 0:  # a step starts when every task of the one before has finished
                 wait_for(counters + 8 * (previous * SYNC_STRIDE + DONE), previous_tasks)
             if kind == REPLICATED:  # every thread, for itself; the next step needs no barrier after it
-                run_replicated(step, spec, weights, params, dims, eps, first_token, n_threads, thread, x_natural_own,
+                run_replicated(step, spec, weights, params, dims, eps, start, first_token, thread, x_natural_own,
                                x_pairs_own, x_sums_own, replicas[thread], peaks, totals, accs, hidden, normed, gate)
                 if thread == 0:
                     clock[1 + index] = monotonic_seconds()
@@ -541,10 +542,7 @@ FORWARD_SIGNATURE = types.void(
     _f32_2d, _f32_1d, _f32_1d, _f32_2d, _i64_1d_ro, mutable(types.int64, 2),  # scores .. sync
     mutable(types.float64, 1), _f32_2d, _f32_2d, _f32_2d,  # clock, router_logits, logits, replicas
 )
-# -O2 rather than Numba's -O3: the arithmetic that dominates runs in the weight kinds' callbacks
-# (compiled at -O3, linear.py); for this scheduling and row-wise code O2 still vectorises every
-# loop and measured as fast, while it cuts the cold compile from ~29 s to ~18 s.
-forward_kernel = kernel(FORWARD_SIGNATURE, parallel=True, optimization=2)(_forward)
+forward_kernel = kernel(FORWARD_SIGNATURE, parallel=True)(_forward)
 
 
 def sync_rows(n_layers: int) -> int:

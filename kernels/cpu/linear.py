@@ -32,7 +32,7 @@ from kernels.cpu.intrinsics import (call_dequantize, call_gemm, call_matvec, flo
                                     prefetch_bytes, uint16_pointer, uint32_pointer)
 from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, PREFETCH_BLOCKS, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS,
                                  make_dequantize_rows, make_dot_rows, make_tile_times_tokens, quantize_chunk)
-from kernels.cpu.runtime import FASTMATH, helper, kernel, mutable, readonly, use_cache_dir
+from kernels.cpu.runtime import cfunc, helper, kernel, mutable, readonly
 
 TILE_M = 6  # weight rows per micro-kernel call
 TILE_T = 32  # tokens per micro-kernel call (two vectors of 16)
@@ -268,19 +268,15 @@ class _KindKernels:
         """(matvec, gemm, dequantize, bf16 dequantize or 0) addresses for a kind whose decode input is
         prepared in activation style `style` and whose prefill runs on f32 or bf16 tiles; the cfunc
         objects stay referenced here."""
-        options = dict(cache=True, fastmath=set(FASTMATH), error_model="numpy")
         wanted = [(kind, False), (kind, True)] if bf16_prefill else [(kind, False)]
         with self._lock:
-            if (kind, style) not in self._matvecs or any(key not in self._dequantizers for key in wanted) or \
-                    bf16_prefill not in self._gemms:
-                use_cache_dir()
             if (kind, style) not in self._matvecs:
-                self._matvecs[kind, style] = numba.cfunc(_MATVEC_SIGNATURE, **options)(_matvec_for(kind, style))
+                self._matvecs[kind, style] = cfunc(_MATVEC_SIGNATURE, _matvec_for(kind, style))
             for key in wanted:
                 if key not in self._dequantizers:
-                    self._dequantizers[key] = numba.cfunc(_DEQUANTIZE_SIGNATURE, **options)(_dequantize_for(*key))
+                    self._dequantizers[key] = cfunc(_DEQUANTIZE_SIGNATURE, _dequantize_for(*key))
             if bf16_prefill not in self._gemms:
-                self._gemms[bf16_prefill] = numba.cfunc(_GEMM_SIGNATURE, **options)(_gemm_for(bf16_prefill))
+                self._gemms[bf16_prefill] = cfunc(_GEMM_SIGNATURE, _gemm_for(bf16_prefill))
             return (self._matvecs[kind, style].address, self._gemms[bf16_prefill].address,
                     self._dequantizers[kind, False].address,
                     self._dequantizers[kind, True].address if bf16_prefill else 0)
@@ -497,7 +493,7 @@ _LINEAR_SIGNATURE = types.void(readonly(types.int64, 1), readonly(types.float32,
                                _f32_2d, _f32_1d)
 
 
-@kernel(_LINEAR_SIGNATURE, parallel=True, optimization=2)
+@kernel(_LINEAR_SIGNATURE, parallel=True)
 def linear_kernel(w, x, bias, has_bias, out, n_threads, tiles, blocks, x_natural, x_pairs, x_sums, xt, row_out):
     """out [T, N] = x [T, K] W^T (+ bias); W given by its descriptor; the rest is scratch.
 

@@ -2,14 +2,16 @@
 
 Each function here is a Numba `@intrinsic`: its IR is emitted into the calling kernel, so it is
 compiled, optimised and cached together with that kernel. The arithmetic uses LLVM's generic
-vector types (<16 x float>, <64 x i8>) and generic intrinsics (llvm.vector.reduce.fadd,
-llvm.prefetch, llvm.masked.load, llvm.cttz), so LLVM lowers it to whatever the host has: AVX-512
-zmm registers on this machine, pairs of ymm on an AVX2 machine, NEON quads on ARM. Two
-instructions are target-specific: the spin-wait hint of `spin_pause`, chosen by the architecture,
-AVX-512 VNNI's vpdpbusd for int8 dot products, emitted only into the ACT_INT8_VNNI kernels, and
-AVX-512 BF16's vdpbf16ps for prefill's bf16 tiles (make_tile_times_tokens), each picked by
-the CPU backend only after a child process has run the instruction (cpu_probe.py): feature flags
-alone are not trusted (a CPU can advertise extensions it cannot run).
+vector types (<16 x float>, <64 x i8>)
+and generic intrinsics (llvm.vector.reduce.fadd, llvm.prefetch, llvm.masked.load, llvm.cttz), so
+LLVM lowers it to whatever the target has (kernels/cpu/isa.py): zmm registers with AVX-512, pairs of
+ymm with AVX2, NEON quads on ARM. Target-specific instructions are few: the spin-wait hint of
+`spin_pause`, chosen by the architecture; the integer dot products of int8 activations (INT8_DOTS:
+AVX-512 VNNI or AVX-VNNI vpdpbusd, AVX2 vpmaddubsw + vpmaddwd, ARM sdot or usdot), each emitted
+only into the kernels of its activation style; and AVX-512 BF16's vdpbf16ps for prefill's bf16 tiles
+(make_tile_times_tokens). The CPU backend picks each only after a child process has run it on known
+data (cpu_probe.py): feature flags alone are not trusted (a CPU can advertise extensions it cannot
+run).
 
 Arguments are int64 byte addresses and sizes; the calling kernel owns the arrays (and their
 lifetime) and passes `array.ctypes.data`. Layouts (quant/formats.py):
@@ -43,8 +45,8 @@ from kernels.cpu.runtime import IR_FASTMATH
 LANES = 16  # f32 lanes per vector: one zmm on AVX-512, two ymm elsewhere (LLVM splits it)
 CHUNK = 32  # weights per chunk: the smallest group size
 # How a decode dot product takes its input vector (make_dot_rows): as f32 values, or quantized to
-# int8 per chunk with integer dot products in generic IR, or with x86's VNNI instruction.
-ACT_F32, ACT_INT8, ACT_INT8_VNNI = 0, 1, 2
+# int8 per chunk with integer dot products summed by one of INT8_DOTS' instructions.
+ACT_F32, ACT_INT8, ACT_INT8_AVX2, ACT_INT8_AVXVNNI, ACT_INT8_VNNI, ACT_INT8_DOTPROD, ACT_INT8_I8MM = range(7)
 
 F32, F16 = ir.FloatType(), ir.HalfType()
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -305,8 +307,8 @@ def _store_row_totals(e: Emitter, fmt: IrFormat, n_rows: int, rows, accumulators
 # d = max|x| / 127 and q = round(x / d) in [-127, 127], so x is taken as x^ = d * q and the error
 # is at most d / 2 per value. A row's dot product is then exactly (up to f32 rounding) W . x^:
 #     sum over chunks c of  s[group(c)] * d[c] * sum(codes * q)   + the zero point / offset term
-# with the integer sums computed 64 byte products at a time (unsigned codes x signed q, summed in
-# fours into 32-bit lanes: x86's vpdpbusd, where the CPU really runs it; generic IR elsewhere).
+# with the integer sums computed 64 byte products at a time (codes x signed q, summed in fours into
+# 32-bit lanes by the style's INT8_DOTS instructions; every style gives the same integers).
 #
 # Q8 layout (bytes from xp), per superblock of 4 chunks (128 values), Q8_SUPERBLOCK_BYTES apart:
 #     [0, 128)    q in natural order (the int8 weights' order)
@@ -328,15 +330,48 @@ Q8_INT4_ZERO_POINT, Q8_INT8_ZERO_POINT = 8, 128  # the symmetric codes' zero poi
 V64I8, V64I16, V64I32 = ir.VectorType(I8, 64), ir.VectorType(I16, 64), ir.VectorType(I32, 64)
 
 
-def byte_dot(e: Emitter, acc, unsigned_bytes, signed_bytes, native: bool):
-    """acc (<n/4 x i32>) + the sums of each 4 consecutive products unsigned_bytes[i] * signed_bytes[i]."""
-    if native:
-        return e.intrinsic("llvm.x86.avx512.vpdpbusd.512", V16I32,
-                           [acc, e.b.bitcast(unsigned_bytes, V16I32), e.b.bitcast(signed_bytes, V16I32)])
-    n = unsigned_bytes.type.count
+@dataclass(frozen=True)
+class Int8Dot:
+    """An instruction sequence that sums byte products four at a time into 32-bit lanes."""
+
+    name: str  # as device_info() shows it
+    probe: str | None  # the cpu_probe.py probe that must pass before it is emitted (None: generic IR)
+    # True where the instruction multiplies signed bytes by signed bytes (or saturates on unsigned
+    # bytes above 127): int8 weight codes then enter as code - 128, by flipping their top bit
+    signed_codes: bool = False
+
+
+INT8_DOTS = {
+    ACT_INT8: Int8Dot("generic LLVM IR", None),
+    ACT_INT8_AVX2: Int8Dot("avx2 vpmaddubsw", "avx2", signed_codes=True),
+    ACT_INT8_AVXVNNI: Int8Dot("avx-vnni vpdpbusd", "avxvnni"),
+    ACT_INT8_VNNI: Int8Dot("avx512 vnni vpdpbusd", "vnni"),
+    ACT_INT8_DOTPROD: Int8Dot("neon sdot", "dotprod", signed_codes=True),
+    ACT_INT8_I8MM: Int8Dot("neon i8mm usdot", "i8mm"),
+}
+
+
+def _pieces(e: Emitter, vector, width: int):
+    """A vector cut into consecutive pieces of `width` lanes."""
+    count = vector.type.count
+    return [e.b.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(I32, width), list(range(start, start + width))))
+            for start in range(0, count, width)]
+
+
+def _joined(e: Emitter, pieces):
+    """The consecutive pieces of a vector joined back into one."""
+    while len(pieces) > 1:
+        width = pieces[0].type.count
+        pieces = [e.b.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, 2 * width), list(range(2 * width))))
+                  for a, b in zip(pieces[::2], pieces[1::2])]
+    return pieces[0]
+
+
+def _generic_byte_dot(e: Emitter, acc, a, b, a_signed: bool):
+    n = a.type.count
     i16s, i32s = ir.VectorType(I16, n), ir.VectorType(I32, n // 2)
-    # 255 * 127 < 2^15: each product is exact in 16 bits; pairs are summed in 32 (the vpmaddwd idiom)
-    products = e.b.mul(e.b.zext(unsigned_bytes, i16s), e.b.sext(signed_bytes, i16s))
+    # each product is exact in 16 bits; pairs are summed in 32 (the vpmaddwd idiom)
+    products = e.b.mul(e.b.sext(a, i16s) if a_signed else e.b.zext(a, i16s), e.b.sext(b, i16s))
 
     def every_other(vector, first):
         count = vector.type.count // 2
@@ -345,6 +380,58 @@ def byte_dot(e: Emitter, acc, unsigned_bytes, signed_bytes, native: bool):
 
     pairs = e.b.add(e.b.sext(every_other(products, 0), i32s), e.b.sext(every_other(products, 1), i32s))
     return e.b.add(acc, e.b.add(every_other(pairs, 0), every_other(pairs, 1)))
+
+
+def _avx2_pair_sums(e: Emitter, unsigned_bytes, signed_bytes):
+    """<32 x i8> u, s -> <16 x i16>: u[2i] * s[2i] + u[2i + 1] * s[2i + 1] (vpmaddubsw, saturating:
+    exact while each pair's sum stays within int16)."""
+    return e.intrinsic("llvm.x86.avx2.pmadd.ub.sw", V16I16, [unsigned_bytes, signed_bytes])
+
+
+def _avx2_widen_pairs(e: Emitter, pair_sums):
+    """<16 x i16> -> <8 x i32>: sums of neighbouring pairs (vpmaddwd by ones)."""
+    return e.intrinsic("llvm.x86.avx2.pmadd.wd", ir.VectorType(I32, 8),
+                       [pair_sums, ir.Constant(V16I16, [1] * 16)])
+
+
+def byte_dot(e: Emitter, acc, codes, q, style: int, signed: bool = False):
+    """acc (<n/4 x i32>) + the sums of each 4 consecutive products codes[i] * q[i]: q signed bytes,
+    codes unsigned bytes, or signed ones with `signed` (the styles whose Int8Dot has signed_codes).
+    For unsigned codes the AVX2 and sdot styles need codes below 128 (int4 codes)."""
+    if style == ACT_INT8:
+        return _generic_byte_dot(e, acc, codes, q, signed)
+    if style == ACT_INT8_VNNI:
+        return e.intrinsic("llvm.x86.avx512.vpdpbusd.512", V16I32,
+                           [acc, e.b.bitcast(codes, V16I32), e.b.bitcast(q, V16I32)])
+    if style == ACT_INT8_AVXVNNI:
+        v8i32 = ir.VectorType(I32, 8)
+        return _joined(e, [e.intrinsic("llvm.x86.avx512.vpdpbusd.256", v8i32,
+                                       [a, e.b.bitcast(c, v8i32), e.b.bitcast(x, v8i32)])
+                           for a, c, x in zip(_pieces(e, acc, 8), _pieces(e, codes, 32), _pieces(e, q, 32))])
+    if style == ACT_INT8_AVX2:
+        sums = []
+        for c, x in zip(_pieces(e, codes, 32), _pieces(e, q, 32)):
+            if signed:  # |c| * (q with c's sign): each product c * q, |c| <= 128 keeps pairs within int16
+                magnitude = e.intrinsic("llvm.abs.v32i8", V32I8, [c, ir.Constant(ir.IntType(1), 0)])
+                c, x = magnitude, e.intrinsic("llvm.x86.avx2.psign.b", V32I8, [x, c])
+            sums.append(_avx2_widen_pairs(e, _avx2_pair_sums(e, c, x)))
+        return e.b.add(acc, _joined(e, sums))
+    if style in (ACT_INT8_DOTPROD, ACT_INT8_I8MM):
+        name = "usdot" if style == ACT_INT8_I8MM and not signed else "sdot"
+        v4i32 = ir.VectorType(I32, 4)
+        return _joined(e, [e.intrinsic(f"llvm.aarch64.neon.{name}.v4i32.v16i8", v4i32, [a, c, x])
+                           for a, c, x in zip(_pieces(e, acc, 4), _pieces(e, codes, 16), _pieces(e, q, 16))])
+    raise ValueError(f"no int8 dot product for activation style {style}")
+
+
+def nibble_pair_dot(e: Emitter, acc, low, q_even, high, q_odd, style: int):
+    """byte_dot(byte_dot(acc, low, q_even), high, q_odd) for int4 codes (below 16): on AVX2 the two
+    pair sums are added in int16 (at most 2 * 2 * 15 * 127) before one widening, as llama.cpp does."""
+    if style != ACT_INT8_AVX2:
+        return byte_dot(e, byte_dot(e, acc, low, q_even, style), high, q_odd, style)
+    sums = [_avx2_widen_pairs(e, e.b.add(_avx2_pair_sums(e, lo, qe), _avx2_pair_sums(e, hi, qo)))
+            for lo, qe, hi, qo in zip(*(_pieces(e, v, 32) for v in (low, q_even, high, q_odd)))]
+    return e.b.add(acc, _joined(e, sums))
 
 
 def _chunk_scales(e: Emitter, row_scales, first_chunk, n_chunks: int, shift: int):
@@ -368,9 +455,10 @@ def _lanes_per_chunk(e: Emitter, per_chunk):
                               ir.Constant(ir.VectorType(I32, LANES), [lane * count // LANES for lane in range(LANES)]))
 
 
-def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, native: bool):
+def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int):
     _data, _row_bytes, _scales, _offsets, n_groups, chunks_per_group, _cols, _row0, _x, xq, group_sums, out = args
     rows, row_data, row_scales, row_offsets = _quantized_rows(e, fmt, n_rows, args)
+    signed_codes = INT8_DOTS[style].signed_codes
     accumulators = [e.variable(ir.Constant(V16F, [0.0] * LANES)) for _ in range(n_rows)]
     shift = _group_shift(e, chunks_per_group)
     n_chunks = e.b.shl(n_groups, shift)
@@ -400,16 +488,24 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, native: bo
         else:
             q = e.load(V64I8, e.address(block, (place, CHUNK)), 1)
             zero_lanes = e.address(block, e.i64(Q8_INT8_ZERO_LANES), (place, 32))
-        # symmetric codes: start from -zero point * q, so that the sums are of (code - z) * q
-        zero_dot = ir.Constant(V16I32, [0] * LANES) if fmt.affine else e.load(V16I32, zero_lanes, 4)
+        # Symmetric codes start from the zero-point lanes (-z * sums of q), so that the sums are of
+        # (code - z) * q. Int8 codes that enter signed (code - 128) need the opposite: nothing for
+        # symmetric codes, and +128 * sums of q for affine ones, whose sums are of code * q.
+        zero = ir.Constant(V16I32, [0] * LANES)
+        if fmt.bits == 8 and signed_codes:
+            start = e.b.sub(zero, e.load(V16I32, zero_lanes, 4)) if fmt.affine else zero
+        else:
+            start = zero if fmt.affine else e.load(V16I32, zero_lanes, 4)
         for r in range(n_rows):
             codes = step_codes(e.address(row_data[r], (step_index, 64)), mask)
             if fmt.bits == 4:
                 low = e.b.and_(codes, ir.Constant(V64I8, [0x0F] * 64))
                 high = e.b.lshr(codes, ir.Constant(V64I8, [4] * 64))
-                dot = byte_dot(e, byte_dot(e, zero_dot, low, q_even, native), high, q_odd, native)
+                dot = nibble_pair_dot(e, start, low, q_even, high, q_odd, style)
+            elif signed_codes:
+                dot = byte_dot(e, start, e.b.xor(codes, ir.Constant(V64I8, [-128] * 64)), q, style, signed=True)
             else:
-                dot = byte_dot(e, zero_dot, codes, q, native)
+                dot = byte_dot(e, start, codes, q, style)
             factors = _lanes_per_chunk(e, row_factors(r, block, place))
             e.b.store(e.fma(e.b.sitofp(dot, V16F), factors, e.b.load(accumulators[r])), accumulators[r])
 
@@ -553,8 +649,8 @@ def make_dot_rows(n_rows: int, formats: dict[int, IrFormat], prefetch: bool = Tr
     scales, offsets, n_groups, chunks_per_group, cols, row0, x, xp, xsum, out. Reading n_rows rows
     together shares each load of x between them.
 
-    ACT_F32: xp holds x in int4 order and xsum the group sums of x. ACT_INT8 / ACT_INT8_VNNI
-    (quantized kinds only): xp holds x quantized to int8 per chunk of 32 (the Q8 layout below) and
+    ACT_F32: xp holds x in int4 order and xsum the group sums of x. The int8 styles (INT8_DOTS,
+    quantized kinds only): xp holds x quantized to int8 per chunk of 32 (the Q8 layout below) and
     xsum the group sums of that quantized x.
 
     Without `prefetch`, float rows are read without software prefetches: for rows already in cache
@@ -576,7 +672,7 @@ def make_dot_rows(n_rows: int, formats: dict[int, IrFormat], prefetch: bool = Tr
             elif activation_style == ACT_F32:
                 _emit_quantized_dot_rows(e, fmt, n_rows, args[2:])
             else:
-                _emit_int8_dot_rows(e, fmt, n_rows, args[2:], native=activation_style == ACT_INT8_VNNI)
+                _emit_int8_dot_rows(e, fmt, n_rows, args[2:], activation_style)
             return context.get_dummy_value()
 
         return signature, codegen

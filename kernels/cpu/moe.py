@@ -44,7 +44,7 @@ _DECODE_SIGNATURE = types.void(_i64_ro_2d, _f32_ro_2d, _f32_ro_1d, types.int64, 
                                _f32_1d)
 
 
-@kernel(_DECODE_SIGNATURE, parallel=True, optimization=2)
+@kernel(_DECODE_SIGNATURE, parallel=True)
 def mixture_decode_kernel(weights, x, coeffs, n_threads, out, x_natural, x_pairs, x_sums, gate_rows, up_rows,
                           hidden, h_natural, h_pairs, h_sums, down_rows):
     """One token: out [1, D] += sum_e coeffs[e] * down_e(silu(gate_e(x)) * up_e(x)), x [1, D].
@@ -86,7 +86,7 @@ _PREFILL_SIGNATURE = types.void(_i64_ro_2d, _f32_ro_2d, _i64_ro_1d, _i64_ro_1d, 
                                 _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_3d, _f32_2d)
 
 
-@kernel(_PREFILL_SIGNATURE, parallel=True, optimization=2)
+@kernel(_PREFILL_SIGNATURE, parallel=True)
 def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, gathered, xt, gate_t, up_t, tiles,
                            blocks):
     """T tokens: out [T, D] += the mixture, expert after expert; expert e's tokens are

@@ -9,14 +9,19 @@ after `use_cache_dir()` sets that directory.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 
+import llvmlite.binding as llvm
 import numba
 from numba import types
+from numba.core.codegen import JITCodeLibrary
+from numba.core.registry import CPUDispatcher
 
 from kernels.cache_home import zllm_home
+from kernels.cpu.isa import configure_codegen
 
 # The flags LLVM may use on float math. Reassociation and contraction let loops vectorize and
 # fuse multiply-adds; "nnan"/"ninf" are left out on purpose: attention masks are -inf.
@@ -85,6 +90,7 @@ def configure_numba() -> None:
     """Choose the threading layer and wait policy; runs when kernels/cpu is imported, before any
     parallel kernel has started (Numba and libgomp read these at their first parallel launch)."""
     with _lock:
+        configure_codegen()
         # A layer chosen explicitly (NUMBA_THREADING_LAYER) wins; otherwise our priority order.
         if os.environ.get("NUMBA_THREADING_LAYER") is None:
             numba.config.THREADING_LAYER_PRIORITY = list(THREADING_LAYER_PRIORITY)
@@ -109,6 +115,63 @@ def mutable(dtype, ndim: int, layout: str = "C") -> types.Array:
     return types.Array(dtype, ndim, layout)
 
 
+# --------------------------------------------------------------------------------------------
+# Self-contained compilation: a kernel's bits depend on its sources and target, never on history
+#
+# Numba compiles each helper a kernel calls as a library of its own, links a copy of it into the
+# kernel's module with weak (linkonce_odr) linkage, and lets the JIT resolve the kernel's calls by
+# symbol name, first definition wins. So a kernel compiled now calls the helper's own library
+# (optimised once), while the same kernel loaded from the cache calls its linked copy (optimised
+# again inside the kernel), or another cached kernel's copy, whichever was loaded first: with
+# fast-math reductions those give different bits. The linked copies are made internal to each
+# kernel before it is optimised, so a kernel only ever calls its own copies; and every library of
+# the project is optimised at one level, so a helper's IR does not depend on which kernel happened
+# to compile it first.
+
+KERNEL_OPT = 3  # LLVM optimisation level of every kernel, helper and linked copy
+
+
+class _SelfContainedLibrary(JITCodeLibrary):
+    """A code library whose linked-in functions are private copies (see above)."""
+
+    def _optimize_final_module(self):
+        for function in self._final_module.functions:
+            if not function.is_declaration and function.linkage == llvm.Linkage.linkonce_odr:
+                function.linkage = "internal"
+        super()._optimize_final_module()
+
+
+@contextlib.contextmanager
+def self_contained_compilation():
+    """Compile (or load from the cache) with _SelfContainedLibrary at KERNEL_OPT. Holds Numba's
+    compiler lock, so no other thread's compilation sees these settings; reentrant (a helper
+    compiles while its kernel does)."""
+    from numba.core.compiler_lock import global_compiler_lock
+    from numba.core.registry import cpu_target
+
+    codegen = cpu_target.target_context.codegen()
+    with global_compiler_lock:
+        previous = (codegen.__dict__.get("_library_class"), numba.config.OPT)
+        codegen._library_class = _SelfContainedLibrary
+        numba.config.OPT = KERNEL_OPT
+        try:
+            yield
+        finally:
+            if previous[0] is None:
+                del codegen._library_class
+            else:
+                codegen._library_class = previous[0]
+            numba.config.OPT = previous[1]
+
+
+class _HelperDispatcher(CPUDispatcher):
+    """A helper's dispatcher: it compiles self-contained whoever asks, a kernel or a test."""
+
+    def compile(self, sig):
+        with self_contained_compilation():
+            return super().compile(sig)
+
+
 class Kernel:
     """A Numba kernel with explicit signatures, compiled (or loaded from the cache) on first call.
 
@@ -119,11 +182,10 @@ class Kernel:
     new specialisation silently."""
 
     def __init__(self, function, signatures, parallel: bool = False, name: str | None = None,
-                 optimization: int | None = None, keep_gil: bool = False):
+                 keep_gil: bool = False):
         self.function = function
         self.signatures = list(signatures)
         self.parallel = parallel
-        self.optimization = optimization
         self.keep_gil = keep_gil
         self.__name__ = name or function.__name__
         self.__doc__ = function.__doc__
@@ -137,14 +199,9 @@ class Kernel:
                     use_cache_dir()
                     options = dict(JIT_OPTIONS, nogil=not self.keep_gil)
                     dispatcher = numba.njit(cache=True, parallel=self.parallel, **options)(self.function)
-                    default_level = numba.config.OPT
-                    if self.optimization is not None:
-                        numba.config.OPT = self.optimization
-                    try:
+                    with self_contained_compilation():
                         for signature in self.signatures:
                             dispatcher.compile(signature)
-                    finally:
-                        numba.config.OPT = default_level
                     dispatcher.disable_compile()
                     self._dispatcher = dispatcher
         return self._dispatcher
@@ -157,9 +214,8 @@ class Kernel:
         return self._dispatcher is not None
 
 
-def kernel(*signatures, parallel: bool = False, optimization: int | None = None, keep_gil: bool = False):
-    """Decorator: a lazily compiled Kernel with these explicit signatures (and, if given, this LLVM
-    optimisation level instead of Numba's default 3).
+def kernel(*signatures, parallel: bool = False, keep_gil: bool = False):
+    """Decorator: a lazily compiled Kernel with these explicit signatures.
 
     Kernels release the GIL, so that other threads (the expert loaders) run while they compute.
     `keep_gil` is for kernels of a few microseconds on the model's thread: releasing the GIL there
@@ -167,16 +223,32 @@ def kernel(*signatures, parallel: bool = False, optimization: int | None = None,
     which costs far more than the kernel itself."""
 
     def wrap(function):
-        return Kernel(function, signatures, parallel=parallel, optimization=optimization, keep_gil=keep_gil)
+        return Kernel(function, signatures, parallel=parallel, keep_gil=keep_gil)
 
     return wrap
 
 
-def helper(function):
+def cfunc(signature, function):
+    """A cached C callback of `function` (kernels/cpu/linear.py calls them through descriptors)."""
+    use_cache_dir()
+    with self_contained_compilation():
+        return numba.cfunc(signature, cache=True, **JIT_OPTIONS)(function)
+
+
+def helper(function=None, *, ordered: bool = False):
     """A jitted helper that kernels call. Not cached on its own: it is compiled into each calling
-    kernel, whose cache entry holds it, so a warm start never needs it separately. (Inlining
-    helpers at Numba IR level instead tripled the fused kernel's cold compile.)"""
-    return numba.njit(**JIT_OPTIONS)(function)
+    kernel, whose cache entry holds its private copy, so a warm start never needs it separately.
+    (Inlining helpers at Numba IR level instead tripled the fused kernel's cold compile.)
+
+    `ordered`: plain IEEE arithmetic, no fast-math. LLVM may then neither reassociate nor fuse its
+    operations, so the helper gives the same bits inlined into any kernel, on any instruction set:
+    for the steps that two code paths must agree on exactly (a norm before a cached K/V)."""
+
+    def wrap(function):
+        options = dict(JIT_OPTIONS, nopython=True, fastmath=False) if ordered else dict(JIT_OPTIONS, nopython=True)
+        return _HelperDispatcher(py_func=function, locals={}, targetoptions=options)
+
+    return wrap if function is None else wrap(function)
 
 
 def threading_info() -> dict:

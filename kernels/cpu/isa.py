@@ -1,0 +1,153 @@
+"""The instruction set the CPU kernels are compiled for: the host's, or a lower level asked for.
+
+By default the kernels target every feature LLVM finds on this host. ZLLM_EDGE_ISA=<level> caps
+them at a lower instruction-set level, so that the code a smaller CPU would run (an AVX2-only
+laptop on an AVX-512 server, say) is compiled, run and tested here:
+
+    x86_64   sse4 < avx2 < avxvnni < avx512     (avx2 = x86-64-v3: AVX2, FMA, F16C, BMI)
+    aarch64  neon < dotprod < i8mm
+
+A cap switches off every LLVM feature of the levels above it, both for Numba's code generator
+(numba.config.CPU_NAME / CPU_FEATURES, set before the first kernel compiles) and for the choice of
+hand-written instructions (cpu_probe.py asks `target_features()`, never the raw host). Numba's cache
+keys each kernel by the features it was compiled for, so capped and uncapped kernels never mix.
+A level above what the host has is refused: those instructions would not run here.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+
+ISA_ENV = "ZLLM_EDGE_ISA"
+
+
+class IsaError(ValueError):
+    """ZLLM_EDGE_ISA names a level this machine does not have or does not know."""
+
+
+@dataclass(frozen=True)
+class Level:
+    name: str
+    marker: str  # the LLVM feature whose presence puts a host at this level ("" for the base level)
+    owns: tuple[str, ...]  # LLVM features (names or "prefix*") that belong to this level and above it
+
+
+# Each architecture's levels, lowest first. A feature belongs to the first level (from the top) whose
+# `owns` matches it; features no level owns belong to the base level and are never switched off.
+LEVELS: dict[str, tuple[Level, ...]] = {
+    "x86_64": (
+        Level("sse4", "", ()),
+        Level("avx2", "avx2", ("avx", "avx2", "fma", "f16c", "bmi", "bmi2", "lzcnt", "movbe", "vaes",
+                                        "vpclmulqdq")),
+        # with the later VEX-encoded extensions of client CPUs that have no AVX-512
+        Level("avxvnni", "avxvnni", ("avxvnni*", "avxifma", "avxneconvert")),
+        Level("avx512", "avx512f", ("avx512*", "avx10*", "evex512", "amx*")),
+    ),
+    "aarch64": (
+        Level("neon", "", ()),
+        Level("dotprod", "dotprod", ("dotprod",)),
+        Level("i8mm", "i8mm", ("i8mm", "bf16", "sve*", "sme*", "f32mm", "f64mm")),
+    ),
+}
+ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
+
+
+def architecture() -> str:
+    machine = platform.machine().lower()
+    return ARCH_ALIASES.get(machine, machine)
+
+
+def _matches(feature: str, pattern: str) -> bool:
+    return feature.startswith(pattern[:-1]) if pattern.endswith("*") else feature == pattern
+
+
+def _level_of(levels: tuple[Level, ...], feature: str) -> int:
+    for index in range(len(levels) - 1, 0, -1):
+        if any(_matches(feature, pattern) for pattern in levels[index].owns):
+            return index
+    return 0
+
+
+def host_features() -> dict[str, bool]:
+    """The CPU features LLVM targets on this host, uncapped."""
+    import llvmlite.binding as llvm
+
+    return dict(llvm.get_host_cpu_features())
+
+
+def host_level(features: dict[str, bool] | None = None) -> str | None:
+    """The highest level whose marker feature the host has (None on an architecture without levels)."""
+    levels = LEVELS.get(architecture())
+    if not levels:
+        return None
+    features = host_features() if features is None else features
+    reached = [level.name for level in levels if not level.marker or features.get(level.marker)]
+    return reached[-1]
+
+
+def requested_level() -> str | None:
+    """The cap ZLLM_EDGE_ISA asks for, checked against this architecture and host (None: no cap)."""
+    wanted = os.environ.get(ISA_ENV, "").strip().lower()
+    if not wanted or wanted == "native":
+        return None
+    arch = architecture()
+    levels = LEVELS.get(arch, ())
+    names = [level.name for level in levels]
+    if wanted not in names:
+        known = ", ".join(names) if names else "none"
+        raise IsaError(f"{ISA_ENV}={wanted!r} is not an instruction-set level of {arch} (levels: {known}, or "
+                       f"native); unset it to use everything this CPU has")
+    host = host_level()
+    if names.index(wanted) > names.index(host):
+        raise IsaError(f"{ISA_ENV}={wanted!r} asks for more than this CPU has (its level is {host}); "
+                       f"choose one of {', '.join(names[:names.index(host) + 1])}")
+    return wanted
+
+
+def target_features() -> dict[str, bool]:
+    """The features the kernels are compiled for: the host's, less those above the requested level."""
+    features = host_features()
+    wanted = requested_level()
+    if wanted is None:
+        return features
+    levels = LEVELS[architecture()]
+    cap = [level.name for level in levels].index(wanted)
+    return {name: on and _level_of(levels, name) <= cap for name, on in features.items()}
+
+
+def target_level() -> str | None:
+    """The level the kernels run at: the requested cap, else the host's."""
+    return requested_level() or host_level()
+
+
+def feature_string(features: dict[str, bool]) -> str:
+    """LLVM's attribute string of a feature set ("+avx2,-avx512f,...")."""
+    return ",".join(("+" if on else "-") + name for name, on in sorted(features.items()))
+
+
+def configure_codegen() -> None:
+    """Point Numba's code generator at the capped feature set (no-op without a cap).
+
+    Numba reads these when it creates its CPU code generator, at the first compilation: this must
+    run before any kernel compiles, and does when kernels/cpu is imported."""
+    import llvmlite.binding as llvm
+    import numba
+
+    if requested_level() is None:
+        return
+    numba.config.CPU_NAME = llvm.get_host_cpu_name()
+    numba.config.CPU_FEATURES = feature_string(target_features())
+
+
+def check_codegen() -> None:
+    """Raise if Numba's code generator was created before the cap was set (it would emit the host's
+    instructions while the kernels chose a lower level's)."""
+    from numba.core.registry import cpu_target
+
+    if requested_level() is None:
+        return
+    features = cpu_target.target_context.codegen()._tm_features
+    if features != feature_string(target_features()):
+        raise IsaError(f"{ISA_ENV}={requested_level()} was set after Numba compiled its first function in this "
+                       f"process; set it before importing numba (or anything that compiles with it)")
