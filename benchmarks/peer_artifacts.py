@@ -53,6 +53,7 @@ def _build(destination: str, make) -> str:
     if os.path.exists(destination):
         return destination
     partial = destination + ".partial"
+    os.makedirs(os.path.dirname(destination), exist_ok=True)
     if os.path.isdir(partial):
         shutil.rmtree(partial)
     elif os.path.exists(partial):

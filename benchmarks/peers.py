@@ -6,8 +6,10 @@
 
 Engines, each in its own process (benchmarks/peer_worker.py) so that its peak RSS is its own:
     zllm-edge <device>   the devices named by --devices (default "cpu" when registered, else "reference")
-    llama.cpp            llama-cpp-python 0.3.36 built with portable AVX2/AVX-512 flags and no AMX, in its
-                         own venv (benchmarks/bench_envs.py; about 10 minutes the first time)
+    llama.cpp            llama-cpp-python 0.3.36 compiled for the instruction-set level zllm-edge's kernels
+                         run at (kernels/cpu/isa.py: the host's, or ZLLM_EDGE_ISA's), without -march=native
+                         and without AMX, in a venv per level (benchmarks/bench_envs.py: the flags of each
+                         level; about 10 minutes the first time)
     transformers fp32    the GGUF loaded dequantized
     onnxruntime-genai    int4 and fp32 ONNX models from its model builder, in its own venv
 
@@ -25,6 +27,10 @@ is an oracle, not a fast path. The memory-bandwidth probe (benchmarks/membw.py) 
 engine, the decode bound = bandwidth / weight bytes read per token (KV-cache reads not counted).
 Each engine's greedy tokens are recorded, and its first token after "The capital of France is"
 is checked: an engine that does not say " Paris" is flagged.
+
+The ISA column shows the level each engine was compiled for: zllm-edge's from its device_info()
+(its kernels), llama.cpp's from its build, checked against what llama_print_system_info() lists;
+ZLLM_EDGE_ISA=avx2 on an AVX-512 machine compares both at the AVX2 level.
 
 Prints one table per thread count, writes JSON and a PNG bar chart (matplotlib: the `bench`
 extra) into --out-dir (default $ZLLM_EDGE_HOME/bench-results). An engine that cannot be set up
@@ -45,7 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path[:0] = [HERE, REPO]
 
-from bench_envs import LLAMA_CPP, ORT_GENAI, PeerUnavailable, ensure_env  # noqa: E402
+from bench_envs import ORT_GENAI, LlamaCppBuild, PeerUnavailable, ensure_env, llama_cpp_build  # noqa: E402
 from edge.errors import ZllmError  # noqa: E402
 import membw  # noqa: E402
 import peer_artifacts as artifacts  # noqa: E402
@@ -85,6 +91,7 @@ class Contender:
     options: dict = field(default_factory=dict)
     new_tokens: int = 0
     weight_bytes_per_token: int | None = None
+    build: LlamaCppBuild | None = None  # llama.cpp's: the level its venv was compiled for
     unavailable: str | None = None
 
     @property
@@ -132,7 +139,8 @@ def prepare(args, gguf: str) -> list[Contender]:
         log(f"preparing {engine} for {group.label}")
         contender = Contender(group.label, engine, kind)
         try:
-            contender.python, contender.model, contender.options, contender.weight_bytes_per_token = build()
+            (contender.python, contender.model, contender.options, contender.weight_bytes_per_token,
+             contender.build) = build()
         except (PeerUnavailable, ZllmError, OSError) as exc:  # reported in the table, not raised
             contender.unavailable = f"set-up failed: {exc}"
             log(f"{engine} ({group.label}) unavailable: {exc}")
@@ -143,20 +151,23 @@ def prepare(args, gguf: str) -> list[Contender]:
             for device in args.device_list:
                 def build_zllm(group=group, device=device):
                     path = artifacts.zllm_checkpoint(gguf, group.zllm)
-                    return sys.executable, path, {"device": device}, None
+                    return sys.executable, path, {"device": device}, None, None
                 add(group, f"zllm-edge {device}", "zllm", build_zllm)
         if group.llama_ftype:
             def build_llama(group=group):
-                python = env_python(LLAMA_CPP)
+                build = llama_cpp_build()  # at the level the zllm-edge workers' kernels target
+                python = env_python(build.env)
                 path = gguf if group.llama_ftype == "Q4_1" else artifacts.llama_gguf(gguf, group.llama_ftype, python)
-                return python, path, {}, gguf_tensor_bytes(path)
+                return python, path, {}, gguf_tensor_bytes(path), build
             add(group, BASELINE, "llama_cpp", build_llama)
         if group.transformers:
-            add(group, "transformers", "transformers", lambda: (sys.executable, artifacts.hf_folder(gguf), {}, None))
+            add(group, "transformers", "transformers",
+                lambda: (sys.executable, artifacts.hf_folder(gguf), {}, None, None))
         if group.ort_precision:
             def build_ort(group=group):
                 python = env_python(ORT_GENAI)
-                return python, artifacts.ort_model(artifacts.hf_folder(gguf), group.ort_precision, python), {}, None
+                model = artifacts.ort_model(artifacts.hf_folder(gguf), group.ort_precision, python)
+                return python, model, {}, None, None
             add(group, "onnxruntime-genai", "ort_genai", build_ort)
     return contenders
 
@@ -233,6 +244,14 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
+def engine_isa(contender: Contender, info: dict) -> str | None:
+    """The instruction-set level (kernels/cpu/isa.py) an engine's code was compiled for: llama.cpp's
+    build, zllm-edge's kernels (device_info; devices without CPU kernels have none)."""
+    if contender.build:
+        return contender.build.level
+    return (info.get("device_info") or {}).get("isa")
+
+
 def measure(contenders: list[Contender], threads: int, prompt_ids: list[int], france_ids: list[int],
             repeats: int, log_dir: str) -> dict[str, dict]:
     """One thread count: start every available engine, alternate the repeats, stop them."""
@@ -254,10 +273,14 @@ def measure(contenders: list[Contender], threads: int, prompt_ids: list[int], fr
         log(f"threads {threads}: loading {contender.engine} ({contender.group})")
         try:
             worker = workers[contender.key] = Worker(contender, threads, context, log_dir, prompt_ids)
+            if contender.build:  # a build that did not take its flags would run another level's instructions
+                contender.build.check_system_info(worker.loaded["info"]["system_info"])
         except PeerUnavailable as exc:
             fail(contender, "load failed", exc)
             continue
         results[contender.key] = {"load_seconds": worker.loaded["load_seconds"], "info": worker.loaded["info"],
+                                  "isa": engine_isa(contender, worker.loaded["info"]),
+                                  "build": contender.build.record() if contender.build else None,
                                   "cold_time_to_first_token_seconds": worker.warmup["time_to_first_token_seconds"],
                                   "weight_bytes_per_token": (contender.weight_bytes_per_token
                                                              or worker.loaded["weight_bytes_per_token"]),
@@ -333,8 +356,8 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
 
 def format_tables(report: dict) -> str:
     lines = []
-    header = ("format", "engine", "MB/tok", "load s", "prefill t/s", "decode t/s", "best dec", "TTFT ms", "RSS MB",
-              "pf/llama", "dec/llama", "bound t/s", "of bound", "=llama", "France")
+    header = ("format", "engine", "ISA", "MB/tok", "load s", "prefill t/s", "decode t/s", "best dec", "TTFT ms",
+              "RSS MB", "pf/llama", "dec/llama", "bound t/s", "of bound", "=llama", "France")
     for threads, section in report["threads"].items():
         bw, load = section["bandwidth"], section.get("load_average")
         lines.append(f"\nthreads {threads}: memory bandwidth {bw['bandwidth_bytes_per_second'] / 1e9:.1f} GB/s "
@@ -351,7 +374,8 @@ def format_tables(report: dict) -> str:
             france = r.get("france_first_token")
             france_cell = "-" if france is None else (repr(france) if r["france_correct"] else f"{france!r} (!)")
             n = r["new_tokens"]
-            rows.append((group, engine, _fmt(r["weight_bytes_per_token"], ".1f", 1e-6), _fmt(r["load_seconds"], ".2f"),
+            rows.append((group, engine, r.get("isa") or "-", _fmt(r["weight_bytes_per_token"], ".1f", 1e-6),
+                         _fmt(r["load_seconds"], ".2f"),
                          _fmt(r["prefill_tokens_per_second"], ".1f"), _fmt(r["decode_tokens_per_second"], ".1f"),
                          _fmt(r.get("decode_tokens_per_second_best"), ".1f"),
                          _fmt(r["time_to_first_token_seconds"], ".0f", 1e3), _fmt(r.get("peak_rss_bytes"), ".0f", 1e-6),
@@ -362,7 +386,7 @@ def format_tables(report: dict) -> str:
                          else "-", france_cell))
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         for i, row in enumerate(rows):
-            lines.append("  ".join(c.ljust(widths[j]) if j < 2 else c.rjust(widths[j]) for j, c in enumerate(row)))
+            lines.append("  ".join(c.ljust(widths[j]) if j < 3 else c.rjust(widths[j]) for j, c in enumerate(row)))
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
         if missing:
@@ -410,9 +434,13 @@ def write_chart(report: dict, path: str) -> str | None:
 
 
 def print_report(report: dict, prompt_tokens: int) -> None:
+    isa = report.get("isa")  # (absent from reports written before it was recorded)
+    isa_note = "" if not isa else (f" (this run's target: {isa['target_level']}"
+                                   + (f", ZLLM_EDGE_ISA={isa['requested']}" if isa["requested"] else "") + ")")
     print(f"SmolLM2-135M-Instruct ({os.path.basename(report['gguf'])}): prompt {prompt_tokens} tokens "
           f"({report['prompt_source']}); {report['new_tokens']} greedy tokens ({report['slow_new_tokens']} on the "
-          f"reference device); median of {report['repeats']} alternating repeats.\nMB/tok: weight bytes read per "
+          f"reference device); median of {report['repeats']} alternating repeats.\nISA: the instruction-set level an "
+          f"engine was compiled for{isa_note}; MB/tok: weight bytes read per "
           f"decoded token; best dec: the fastest repeat; pf/dec llama: prefill/decode speed over llama.cpp's in the "
           f"same format; bound: bandwidth / MB per token; =llama: leading greedy tokens equal to llama.cpp's; "
           f"France: first token after {FRANCE_PROMPT!r} ((!) = not {FRANCE_ANSWER!r})")
@@ -468,6 +496,7 @@ def main(argv=None) -> int:
     from edge.home import default_model_gguf, home_dir
     from edge.tokenizer import Tokenizer
     from converters.checkpoint import open_checkpoint
+    from kernels.cpu import isa
 
     gguf = os.path.abspath(args.gguf or default_model_gguf())
     if args.report:
@@ -493,7 +522,9 @@ def main(argv=None) -> int:
 
     report = {"gguf": gguf, "prompt_tokens": len(prompt_ids), "prompt_source": prompt_source,
               "new_tokens": args.new_tokens, "slow_new_tokens": args.slow_new_tokens, "repeats": args.repeats,
-              "devices": args.device_list, "france_prompt_ids": france_ids, "machine": machine_info(), "threads": {}}
+              "devices": args.device_list, "france_prompt_ids": france_ids, "machine": machine_info(),
+              "isa": {"target_level": isa.target_level(), "requested": os.environ.get(isa.ISA_ENV) or None},
+              "threads": {}}
     for threads in [int(t) for t in args.threads.split(",")]:
         log(f"memory bandwidth probe, {threads} thread(s)")
         load_before = os.getloadavg()

@@ -1,4 +1,6 @@
-"""Shared fixtures. Nothing here writes outside pytest's temporary directories."""
+"""Shared fixtures. Nothing here writes outside pytest's temporary directories, except the helper
+virtualenvs of devices/helper_envs.py (provider and peer environments, minutes of pip each): they stay
+in the user's own venvs folder, reused across sessions and rebuilt when their marker does not match."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,15 +16,20 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @pytest.fixture(autouse=True, scope="session")
 def isolated_home(tmp_path_factory):
-    """Point ZLLM_EDGE_HOME at a fresh directory so no test reads a model cached by an earlier run."""
+    """Point ZLLM_EDGE_HOME at a fresh directory so no test reads a model cached by an earlier run;
+    the helper virtualenvs stay where the user's own home keeps them (ZLLM_EDGE_VENVS)."""
+    from devices.helper_envs import VENVS_VARIABLE, helper_envs_dir
+
     home = tmp_path_factory.mktemp("zllm-home")
-    previous = os.environ.get("ZLLM_EDGE_HOME")
+    previous = {name: os.environ.get(name) for name in ("ZLLM_EDGE_HOME", VENVS_VARIABLE)}
+    os.environ[VENVS_VARIABLE] = str(helper_envs_dir())  # read before ZLLM_EDGE_HOME changes
     os.environ["ZLLM_EDGE_HOME"] = str(home)
     yield home
-    if previous is None:
-        os.environ.pop("ZLLM_EDGE_HOME", None)
-    else:
-        os.environ["ZLLM_EDGE_HOME"] = previous
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def find_smollm2_gguf() -> Path | None:

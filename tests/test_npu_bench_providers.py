@@ -19,6 +19,7 @@ pytest.importorskip("onnx")
 
 import edge  # noqa: E402
 from converters.convert import QuantPlan  # noqa: E402
+from devices import helper_envs  # noqa: E402
 from devices.npu import provider_envs  # noqa: E402
 from devices.base import split_device_list  # noqa: E402
 from edge.bench import format_table, run_bench  # noqa: E402
@@ -47,7 +48,7 @@ def test_bench_runs_each_provider_in_its_own_environment(tiny_zoo, tmp_path, mon
         pytest.skip(str(exc))
     # A venvs folder of this test's own: the OpenVINO environment linked in, QNN's made unbuildable.
     (tmp_path / provider_envs.provider_env_folder("openvino").name).symlink_to(openvino_python.parent.parent)
-    monkeypatch.setattr(provider_envs, "venvs_dir", lambda: tmp_path)
+    monkeypatch.setenv(helper_envs.VENVS_VARIABLE, str(tmp_path))
     monkeypatch.setitem(provider_envs.PROVIDER_REQUIREMENTS, "qnn", MISSING_QNN)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
 

@@ -1,12 +1,13 @@
 """Peer check of the npu device's graphs: onnxruntime-genai's model builder exports the same tiny random
 Llama, and its ONNX graph and ours give the same logits at float32.
 
-The builder (PyPI onnxruntime-genai, pinned as in benchmarks/bench_envs.py) lives in a virtualenv of
-its own under ~/.cache/zllm-edge/venvs (created once, reused; --system-site-packages, so torch,
-transformers, onnx and onnxruntime come from the main environment); when pip cannot install it the
-test is skipped with pip's error as the reason. It needs a tokenizer in the HF folder, so the folder
-gets a word-level one over the model's 160 ids. intermediate_size (96) differs from vocab_size (160):
-the builder finds the LM head by its output width and mistakes an FFN matrix for it when they match.
+The builder (PyPI onnxruntime-genai) runs in the helper virtualenv benchmarks/bench_envs.py ORT_GENAI
+pins for the benchmark's peer (devices/helper_envs.py: built once, reused; torch, transformers and
+onnxruntime come from the main environment); when pip cannot install it the test is skipped with pip's
+error as the reason, and when it is built but cannot import the builder the test fails. The builder
+needs a tokenizer in the HF folder, so the folder gets a word-level one over the model's 160 ids.
+intermediate_size (96) differs from vocab_size (160): the builder finds the LM head by its output
+width and mistakes an FFN matrix for it when they match.
 
 Both graphs run on onnxruntime's CPU provider: the builder's (GroupQueryAttention, fp32 MatMul) fed
 input_ids, an attention mask and its own past/present K/V; ours through the npu device
@@ -19,6 +20,7 @@ MatMul/Softmax): measured <= 1e-6 relative to max |theirs|; bound REL_TOL = 1e-5
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -32,9 +34,8 @@ pytest.importorskip("onnx")
 
 import edge  # noqa: E402
 from converters.convert import QuantPlan, convert  # noqa: E402
+from devices import helper_envs  # noqa: E402
 
-VENVS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zllm-edge" / "venvs"
-REQUIREMENTS = ("onnxruntime-genai==0.18.0", "onnx-ir")  # as benchmarks/bench_envs.py ORT_GENAI
 REL_TOL = 1e-5
 PROMPT = [5, 17, 33, 9, 60, 101, 7, 44]
 DECODE = [3, 8, 150]
@@ -43,18 +44,22 @@ KV_HEADS, HEAD_DIM = 2, 16
 
 
 def builder_python() -> Path:
-    """The virtualenv's python with onnxruntime-genai installed (built on first use); skip when pip cannot."""
-    folder = VENVS / REQUIREMENTS[0].replace("==", "-")
-    python = folder / "bin" / "python"
-    done = folder / ".installed"
-    if done.exists() and done.read_text() == " ".join(REQUIREMENTS):
-        return python
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(folder)], check=True)
-    result = subprocess.run([str(python), "-m", "pip", "install", "-q", *REQUIREMENTS], capture_output=True, text=True)
-    if result.returncode:
-        pytest.skip(f"cannot install {' '.join(REQUIREMENTS)} here: {result.stderr.strip()[-400:]}")
-    done.write_text(" ".join(REQUIREMENTS))
-    return python
+    """The onnxruntime-genai environment's python (built on first use); skip when pip cannot build it.
+    A built environment whose import check fails (HelperEnvBroken) fails the test."""
+    # benchmarks/ is a folder of scripts, not a package: load its bench_envs by path, without putting
+    # the folder on sys.path for the rest of the session. Registered in sys.modules, where dataclasses
+    # look a class's module up.
+    bench_envs = sys.modules.get("bench_envs")
+    if bench_envs is None:
+        location = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_envs.py"
+        module_spec = importlib.util.spec_from_file_location("bench_envs", location)
+        bench_envs = importlib.util.module_from_spec(module_spec)
+        sys.modules["bench_envs"] = bench_envs
+        module_spec.loader.exec_module(bench_envs)
+    try:
+        return helper_envs.ensure_env(bench_envs.ORT_GENAI)
+    except helper_envs.HelperEnvUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def write_tiny_llama(folder: Path) -> None:

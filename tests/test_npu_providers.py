@@ -1,8 +1,8 @@
 """Real non-default execution providers, each in its own virtualenv, and a peer exporter.
 
 Each provider's wheel replaces or extends onnxruntime, so it gets a virtualenv of its own
-(devices/npu/provider_envs.py: under ~/.cache/zllm-edge/venvs, created once, reused by later runs;
---system-site-packages, so numpy, onnx, torch and this project come from the main environment).
+(devices/npu/provider_envs.py, devices/helper_envs.py: created once, reused by later runs; numpy, onnx,
+torch and this project come from the main environment, the provider's onnxruntime ahead of its).
 A provider whose wheel cannot be installed here is skipped with the pip error as the reason. The checks run
 tests/npu_provider_check.py inside the virtualenv.
 

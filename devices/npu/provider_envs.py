@@ -1,11 +1,11 @@
 """Virtual environments for execution providers that cannot share one Python environment.
 
 onnxruntime-openvino replaces the onnxruntime package, and onnxruntime-qnn is a plugin pinned to
-an onnxruntime of its own range, so they do not install side by side. Each one gets a virtualenv
-under $XDG_CACHE_HOME/zllm-edge/venvs (default ~/.cache/zllm-edge/venvs), created once with
---system-site-packages (numpy, onnx and this project come from the main environment; only the
-provider's wheel is installed) and reused by later runs. `zllm-edge bench --device npu:openvino`
-and the provider tests run their ONNX Runtime code with that environment's python.
+an onnxruntime of its own range, so they do not install side by side. Each one gets a helper
+virtualenv with only the provider's wheel installed, created once and reused by later runs; numpy,
+onnx and this project come from the interpreter that creates it, and its own onnxruntime comes first
+(devices/helper_envs.py says how, where it lives and when it is rebuilt). `zllm-edge bench --device
+npu:openvino` and the provider tests run their ONNX Runtime code with that environment's python.
 
 A provider whose wheel cannot be installed here (pip fails, no network) raises
 ProviderEnvUnavailable with pip's error; nothing runs on another provider in its place.
@@ -13,66 +13,40 @@ ProviderEnvUnavailable with pip's error; nothing runs on another provider in its
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from devices.base import DeviceUnavailableError
+from devices.helper_envs import HelperEnv, HelperEnvUnavailable, ensure_env, env_folder
 
 # The wheels, pinned: the versions this project's provider tests pass with.
 PROVIDER_REQUIREMENTS = {"openvino": "onnxruntime-openvino==1.24.1", "qnn": "onnxruntime-qnn==2.7.0"}
-PIP_TIMEOUT_SECONDS = 900
 
 
 class ProviderEnvUnavailable(DeviceUnavailableError):
     """A provider's virtualenv cannot be built here; the message carries pip's reason."""
 
 
-def venvs_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zllm-edge" / "venvs"
-
-
-def provider_env_folder(provider: str) -> Path:
-    requirement = PROVIDER_REQUIREMENTS[provider]
-    return venvs_dir() / f"{provider}-{requirement.replace('==', '-')}"
-
-
-def _python_in(folder: Path) -> Path:
-    return folder / ("Scripts" if os.name == "nt" else "bin") / ("python.exe" if os.name == "nt" else "python")
-
-
-def provider_env_python(provider: str, progress=None) -> Path:
-    """The python of the provider's virtualenv, building it first when it is missing or incomplete.
-
-    A `.installed` file holding the requirement marks a finished environment; one without it (an
-    interrupted build) is cleared and built again."""
+def provider_env_spec(provider: str) -> HelperEnv:
     if provider not in PROVIDER_REQUIREMENTS:
         raise ValueError(f"no separate environment is known for NPU provider {provider!r}; "
                          f"known: {', '.join(PROVIDER_REQUIREMENTS)}")
     requirement = PROVIDER_REQUIREMENTS[provider]
-    folder = provider_env_folder(provider)
-    python, done = _python_in(folder), folder / ".installed"
-    if done.exists() and done.read_text() == requirement and python.exists():
-        return python
-    if progress:
-        progress(f"building the {provider} environment {folder} (pip install {requirement})")
-    created = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(folder)],
-                             capture_output=True, text=True)
-    if created.returncode:
-        raise ProviderEnvUnavailable(f"cannot create a virtualenv at {folder} for {requirement}: "
-                                     f"{created.stderr.strip()[-400:]}")
+    return HelperEnv(name=f"{provider}-{requirement.replace('==', '-')}", requirements=(requirement,))
+
+
+def provider_env_folder(provider: str) -> Path:
+    return env_folder(provider_env_spec(provider))
+
+
+def provider_env_python(provider: str, progress=None) -> Path:
+    """The python of the provider's virtualenv, building it first when it is missing, incomplete or
+    was built from another interpreter."""
+    spec = provider_env_spec(provider)
     try:
-        installed = subprocess.run([str(python), "-m", "pip", "install", "-q", requirement],
-                                   capture_output=True, text=True, timeout=PIP_TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        raise ProviderEnvUnavailable(f"pip install {requirement} into {folder} did not finish within "
-                                     f"{PIP_TIMEOUT_SECONDS} s") from None
-    if installed.returncode:
-        raise ProviderEnvUnavailable(f"cannot install {requirement} into {folder}: "
-                                     f"{installed.stderr.strip()[-400:]}")
-    done.write_text(requirement)
-    return python
+        return ensure_env(spec, progress)
+    except HelperEnvUnavailable as exc:
+        raise ProviderEnvUnavailable(str(exc)) from exc
 
 
 def env_sys_path(python: Path) -> list[str]:
