@@ -1,5 +1,5 @@
 """Which SIMD instructions this CPU really runs: the integer dot products of int8 activations
-(AVX-512 VNNI, AVX-VNNI, AVX2's vpmaddubsw, ARM's sdot and i8mm's usdot) and AVX-512 BF16.
+(AVX-512 VNNI, AVX-VNNI, AVX2's and SSSE3's pmaddubsw, ARM's sdot and i8mm's usdot) and AVX-512 BF16.
 
 A CPU's feature flags are not proof that an instruction runs: a virtual machine can advertise
 extensions its host does not pass through (this is how llama.cpp's AMX path crashes on machines
@@ -40,6 +40,7 @@ INT8_FALLBACK = "int8 dot products use the next instruction set down, or generic
 PROBES = {"vnni": Probe(("avx512vnni", "avx512bw"), "AVX-512 VNNI", INT8_FALLBACK),
           "avxvnni": Probe(("avxvnni", "avx2"), "AVX-VNNI", INT8_FALLBACK),
           "avx2": Probe(("avx2",), "AVX2 vpmaddubsw", INT8_FALLBACK),
+          "ssse3": Probe(("ssse3",), "SSSE3 pmaddubsw", INT8_FALLBACK),
           "dotprod": Probe(("neon", "dotprod"), "NEON sdot", INT8_FALLBACK),
           "i8mm": Probe(("neon", "i8mm"), "NEON i8mm usdot", INT8_FALLBACK),
           "bf16": Probe(("avx512bf16",), "AVX-512 BF16", "prefill multiplies f32 tiles")}
@@ -147,9 +148,9 @@ def best_int8_dot() -> int:
     """The activation style (llvm_ir.ACT_INT8*) whose dot-product instructions run here, the widest
     first; generic vector IR (ACT_INT8) where none does."""
     from kernels.cpu.llvm_ir import (ACT_INT8, ACT_INT8_AVX2, ACT_INT8_AVXVNNI, ACT_INT8_DOTPROD, ACT_INT8_I8MM,
-                                     ACT_INT8_VNNI, INT8_DOTS)
+                                     ACT_INT8_SSSE3, ACT_INT8_VNNI, INT8_DOTS)
 
-    for style in (ACT_INT8_VNNI, ACT_INT8_AVXVNNI, ACT_INT8_AVX2, ACT_INT8_I8MM, ACT_INT8_DOTPROD):
+    for style in (ACT_INT8_VNNI, ACT_INT8_AVXVNNI, ACT_INT8_AVX2, ACT_INT8_SSSE3, ACT_INT8_I8MM, ACT_INT8_DOTPROD):
         if _runs(INT8_DOTS[style].probe):
             return style
     return ACT_INT8

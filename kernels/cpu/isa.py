@@ -121,19 +121,57 @@ def target_level() -> str | None:
     return requested_level() or host_level()
 
 
+def vector_registers() -> tuple[int, int]:
+    """(count, bits) of the vector registers the kernels' target has: what a register-blocked
+    micro-kernel may keep its accumulators in."""
+    features = target_features()
+    if architecture() == "aarch64":
+        return 32, 128  # NEON (SVE's may be wider, the kernels use NEON's)
+    if features.get("avx512f"):
+        return 32, 512
+    return 16, 256 if features.get("avx") else 128
+
+
 def feature_string(features: dict[str, bool]) -> str:
     """LLVM's attribute string of a feature set ("+avx2,-avx512f,...")."""
     return ",".join(("+" if on else "-") + name for name, on in sorted(features.items()))
 
 
+# Without F16C, LLVM converts between half and float through compiler-rt's helpers, which the JIT
+# does not have: they are taken from GCC's runtime (libgcc_s, GCC 12 and later), which has them
+# with the calling convention LLVM uses (the half value in an xmm register).
+HALF_HELPERS = ("__extendhfsf2", "__truncsfhf2", "__truncdfhf2")
+
+
+def _provide_half_helpers() -> None:
+    import ctypes
+    import ctypes.util
+
+    import llvmlite.binding as llvm
+
+    name = ctypes.util.find_library("gcc_s") or "libgcc_s.so.1"
+    try:
+        runtime = ctypes.CDLL(name)
+        addresses = {helper: ctypes.cast(getattr(runtime, helper), ctypes.c_void_p).value for helper in HALF_HELPERS}
+    except (OSError, AttributeError) as exc:
+        raise IsaError(f"the kernels' target has no F16C, and GCC's runtime ({name}) does not provide the half "
+                       f"conversions LLVM then calls ({exc}); install GCC 12's libgcc-s1 or later, or run on a "
+                       f"CPU with F16C") from None
+    for helper, address in addresses.items():
+        llvm.add_symbol(helper, address)
+
+
 def configure_codegen() -> None:
-    """Point Numba's code generator at the capped feature set (no-op without a cap).
+    """Point Numba's code generator at the capped feature set (no-op without a cap), and give the JIT
+    the half-conversion helpers a target without F16C needs.
 
     Numba reads these when it creates its CPU code generator, at the first compilation: this must
     run before any kernel compiles, and does when kernels/cpu is imported."""
     import llvmlite.binding as llvm
     import numba
 
+    if architecture() == "x86_64" and not target_features().get("f16c"):
+        _provide_half_helpers()
     if requested_level() is None:
         return
     numba.config.CPU_NAME = llvm.get_host_cpu_name()

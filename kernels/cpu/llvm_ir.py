@@ -7,7 +7,7 @@ and generic intrinsics (llvm.vector.reduce.fadd, llvm.prefetch, llvm.masked.load
 LLVM lowers it to whatever the target has (kernels/cpu/isa.py): zmm registers with AVX-512, pairs of
 ymm with AVX2, NEON quads on ARM. Target-specific instructions are few: the spin-wait hint of
 `spin_pause`, chosen by the architecture; the integer dot products of int8 activations (INT8_DOTS:
-AVX-512 VNNI or AVX-VNNI vpdpbusd, AVX2 vpmaddubsw + vpmaddwd, ARM sdot or usdot), each emitted
+AVX-512 VNNI or AVX-VNNI vpdpbusd, AVX2 or SSSE3 pmaddubsw + pmaddwd, ARM sdot or usdot), each emitted
 only into the kernels of its activation style; and AVX-512 BF16's vdpbf16ps for prefill's bf16 tiles
 (make_tile_times_tokens). The CPU backend picks each only after a child process has run it on known
 data (cpu_probe.py): feature flags alone are not trusted (a CPU can advertise extensions it cannot
@@ -46,7 +46,8 @@ LANES = 16  # f32 lanes per vector: one zmm on AVX-512, two ymm elsewhere (LLVM 
 CHUNK = 32  # weights per chunk: the smallest group size
 # How a decode dot product takes its input vector (make_dot_rows): as f32 values, or quantized to
 # int8 per chunk with integer dot products summed by one of INT8_DOTS' instructions.
-ACT_F32, ACT_INT8, ACT_INT8_AVX2, ACT_INT8_AVXVNNI, ACT_INT8_VNNI, ACT_INT8_DOTPROD, ACT_INT8_I8MM = range(7)
+(ACT_F32, ACT_INT8, ACT_INT8_SSSE3, ACT_INT8_AVX2, ACT_INT8_AVXVNNI, ACT_INT8_VNNI, ACT_INT8_DOTPROD,
+ ACT_INT8_I8MM) = range(8)
 
 F32, F16 = ir.FloatType(), ir.HalfType()
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -343,6 +344,7 @@ class Int8Dot:
 
 INT8_DOTS = {
     ACT_INT8: Int8Dot("generic LLVM IR", None),
+    ACT_INT8_SSSE3: Int8Dot("ssse3 pmaddubsw", "ssse3", signed_codes=True),
     ACT_INT8_AVX2: Int8Dot("avx2 vpmaddubsw", "avx2", signed_codes=True),
     ACT_INT8_AVXVNNI: Int8Dot("avx-vnni vpdpbusd", "avxvnni"),
     ACT_INT8_VNNI: Int8Dot("avx512 vnni vpdpbusd", "vnni"),
@@ -382,16 +384,24 @@ def _generic_byte_dot(e: Emitter, acc, a, b, a_signed: bool):
     return e.b.add(acc, e.b.add(every_other(pairs, 0), every_other(pairs, 1)))
 
 
-def _avx2_pair_sums(e: Emitter, unsigned_bytes, signed_bytes):
-    """<32 x i8> u, s -> <16 x i16>: u[2i] * s[2i] + u[2i + 1] * s[2i + 1] (vpmaddubsw, saturating:
+# x86's multiply-add of unsigned by signed bytes, by register width: (bytes per register, pmaddubsw,
+# pmaddwd, psignb) of SSSE3's xmm and AVX2's ymm forms
+_MADD = {ACT_INT8_SSSE3: (16, "llvm.x86.ssse3.pmadd.ub.sw.128", "llvm.x86.sse2.pmadd.wd", "llvm.x86.ssse3.psign.b.128"),
+         ACT_INT8_AVX2: (32, "llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd", "llvm.x86.avx2.psign.b")}
+
+
+def _pair_sums(e: Emitter, style: int, unsigned_bytes, signed_bytes):
+    """<n x i8> u, s -> <n/2 x i16>: u[2i] * s[2i] + u[2i + 1] * s[2i + 1] (pmaddubsw, saturating:
     exact while each pair's sum stays within int16)."""
-    return e.intrinsic("llvm.x86.avx2.pmadd.ub.sw", V16I16, [unsigned_bytes, signed_bytes])
+    width, madd_bytes, _, _ = _MADD[style]
+    return e.intrinsic(madd_bytes, ir.VectorType(I16, width // 2), [unsigned_bytes, signed_bytes])
 
 
-def _avx2_widen_pairs(e: Emitter, pair_sums):
-    """<16 x i16> -> <8 x i32>: sums of neighbouring pairs (vpmaddwd by ones)."""
-    return e.intrinsic("llvm.x86.avx2.pmadd.wd", ir.VectorType(I32, 8),
-                       [pair_sums, ir.Constant(V16I16, [1] * 16)])
+def _widen_pairs(e: Emitter, style: int, pair_sums):
+    """<n x i16> -> <n/2 x i32>: sums of neighbouring pairs (pmaddwd by ones)."""
+    width, _, madd_words, _ = _MADD[style]
+    return e.intrinsic(madd_words, ir.VectorType(I32, width // 4),
+                       [pair_sums, ir.Constant(ir.VectorType(I16, width // 2), [1] * (width // 2))])
 
 
 def byte_dot(e: Emitter, acc, codes, q, style: int, signed: bool = False):
@@ -408,13 +418,14 @@ def byte_dot(e: Emitter, acc, codes, q, style: int, signed: bool = False):
         return _joined(e, [e.intrinsic("llvm.x86.avx512.vpdpbusd.256", v8i32,
                                        [a, e.b.bitcast(c, v8i32), e.b.bitcast(x, v8i32)])
                            for a, c, x in zip(_pieces(e, acc, 8), _pieces(e, codes, 32), _pieces(e, q, 32))])
-    if style == ACT_INT8_AVX2:
+    if style in _MADD:
+        width, _, _, sign = _MADD[style]
         sums = []
-        for c, x in zip(_pieces(e, codes, 32), _pieces(e, q, 32)):
+        for c, x in zip(_pieces(e, codes, width), _pieces(e, q, width)):
             if signed:  # |c| * (q with c's sign): each product c * q, |c| <= 128 keeps pairs within int16
-                magnitude = e.intrinsic("llvm.abs.v32i8", V32I8, [c, ir.Constant(ir.IntType(1), 0)])
-                c, x = magnitude, e.intrinsic("llvm.x86.avx2.psign.b", V32I8, [x, c])
-            sums.append(_avx2_widen_pairs(e, _avx2_pair_sums(e, c, x)))
+                magnitude = e.intrinsic(f"llvm.abs.v{width}i8", c.type, [c, ir.Constant(ir.IntType(1), 0)])
+                c, x = magnitude, e.intrinsic(sign, c.type, [x, c])
+            sums.append(_widen_pairs(e, style, _pair_sums(e, style, c, x)))
         return e.b.add(acc, _joined(e, sums))
     if style in (ACT_INT8_DOTPROD, ACT_INT8_I8MM):
         name = "usdot" if style == ACT_INT8_I8MM and not signed else "sdot"
@@ -425,12 +436,13 @@ def byte_dot(e: Emitter, acc, codes, q, style: int, signed: bool = False):
 
 
 def nibble_pair_dot(e: Emitter, acc, low, q_even, high, q_odd, style: int):
-    """byte_dot(byte_dot(acc, low, q_even), high, q_odd) for int4 codes (below 16): on AVX2 the two
-    pair sums are added in int16 (at most 2 * 2 * 15 * 127) before one widening, as llama.cpp does."""
-    if style != ACT_INT8_AVX2:
+    """byte_dot(byte_dot(acc, low, q_even), high, q_odd) for int4 codes (below 16): with pmaddubsw the
+    two pair sums are added in int16 (at most 2 * 2 * 15 * 127) before one widening, as llama.cpp does."""
+    if style not in _MADD:
         return byte_dot(e, byte_dot(e, acc, low, q_even, style), high, q_odd, style)
-    sums = [_avx2_widen_pairs(e, e.b.add(_avx2_pair_sums(e, lo, qe), _avx2_pair_sums(e, hi, qo)))
-            for lo, qe, hi, qo in zip(*(_pieces(e, v, 32) for v in (low, q_even, high, q_odd)))]
+    width = _MADD[style][0]
+    sums = [_widen_pairs(e, style, e.b.add(_pair_sums(e, style, lo, qe), _pair_sums(e, style, hi, qo)))
+            for lo, qe, hi, qo in zip(*(_pieces(e, v, width) for v in (low, q_even, high, q_odd)))]
     return e.b.add(acc, _joined(e, sums))
 
 
@@ -800,27 +812,47 @@ def make_tile_times_tokens(rows: int, token_vectors: int, bf16: bool = False):
             tile, tile_stride, xt, xt_stride, depth, block = args
             e = Emitter(builder)
             zero = ir.Constant(V16F, [0.0] * LANES)
-            accumulators = [[e.variable(zero) for _ in range(token_vectors)] for _ in range(rows)]
             tile_rows = [e.address(tile, (e.b.mul(tile_stride, e.i64(r)), element)) for r in range(rows)]
             steps = e.b.sdiv(depth, e.i64(2)) if bf16 else depth  # (bf16: pairs of k)
-            with e.loop(steps) as step_loop:
-                k = step_loop.index
-                x_row = e.address(xt, (e.b.mul(k, xt_stride), 4))
-                xs = [e.load(x_type, e.address(x_row, e.i64(4 * LANES * j)), 4) for j in range(token_vectors)]
-                for r in range(rows):
-                    w = e.splat(e.load(w_type, e.address(tile_rows[r], (k, 4)), w_align))
-                    for j in range(token_vectors):
-                        acc = accumulators[r][j]
-                        total = bf16_pair_dot(e, builder.load(acc), xs[j], w) if bf16 else \
-                            e.fma(w, xs[j], builder.load(acc))
-                        builder.store(total, acc)
-            for r in range(rows):
-                for j in range(token_vectors):
-                    destination = e.address(block, e.i64(4 * (r * token_vectors * LANES + j * LANES)))
-                    e.store(builder.load(accumulators[r][j]), destination, 4)
+            pass_rows, pass_vectors = micro_kernel_pass(rows, token_vectors)
+            # one pass over k per part of the block whose accumulators fit the registers
+            for first_row in range(0, rows, pass_rows):
+                for first_vector in range(0, token_vectors, pass_vectors):
+                    pass_rows_here = range(first_row, min(rows, first_row + pass_rows))
+                    vectors = range(first_vector, min(token_vectors, first_vector + pass_vectors))
+                    accumulators = {(r, j): e.variable(zero) for r in pass_rows_here for j in vectors}
+                    with e.loop(steps) as step_loop:
+                        k = step_loop.index
+                        x_row = e.address(xt, (e.b.mul(k, xt_stride), 4))
+                        xs = {j: e.load(x_type, e.address(x_row, e.i64(4 * LANES * j)), 4) for j in vectors}
+                        for r in pass_rows_here:
+                            w = e.splat(e.load(w_type, e.address(tile_rows[r], (k, 4)), w_align))
+                            for j in vectors:
+                                acc = accumulators[r, j]
+                                total = bf16_pair_dot(e, builder.load(acc), xs[j], w) if bf16 else \
+                                    e.fma(w, xs[j], builder.load(acc))
+                                builder.store(total, acc)
+                    for (r, j), acc in accumulators.items():
+                        destination = e.address(block, e.i64(4 * (r * token_vectors * LANES + j * LANES)))
+                        e.store(builder.load(acc), destination, 4)
             return context.get_dummy_value()
 
         return signature, codegen
 
     tile_times_tokens.__name__ = f"{'bf16_' if bf16 else ''}tile_times_tokens_{rows}x{16 * token_vectors}"
     return tile_times_tokens
+
+
+def micro_kernel_pass(rows: int, token_vectors: int) -> tuple[int, int]:
+    """(rows, token vectors) of a rows x token_vectors register block that one pass over k keeps in
+    registers, for the vector registers of the kernels' target (isa.vector_registers): every
+    accumulator in a register, with 4 left for the inputs (x and a broadcast weight). AVX-512's 32
+    zmm hold 6 x 2 vectors of 16 tokens at once; AVX2's 16 ymm, 6 x 1 (each vector two ymm)."""
+    from kernels.cpu.isa import vector_registers
+
+    count, bits = vector_registers()
+    per_vector = max(1, LANES * 32 // bits)  # registers one <16 x float> takes
+    budget = max(per_vector, count - 4)
+    vectors = token_vectors if rows * token_vectors * per_vector <= budget else 1
+    fitting = [r for r in range(rows, 0, -1) if rows % r == 0 and r * vectors * per_vector <= budget]
+    return (fitting[0] if fitting else 1), vectors
