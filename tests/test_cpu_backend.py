@@ -256,9 +256,10 @@ def test_int8_dots_are_trusted_only_once_a_child_process_has_run_them(monkeypatc
     assert default.info()["int8_dot"] == "avx2 vpmaddubsw"
 
 
-def test_bf16_prefill_is_trusted_only_once_a_child_process_has_run_it(monkeypatch, tmp_path):
-    """AVX-512 BF16 is probed like VNNI, with a verdict of its own: a CPU that lists it but kills the
-    probe keeps f32 prefill tiles; one whose child summed right gets bf16 tiles."""
+def test_bf16_prefill_is_trusted_only_once_a_child_process_has_run_it_and_measured_it_faster(monkeypatch, tmp_path):
+    """AVX-512 BF16 is probed like the int8 dots, with a verdict of its own: a CPU that lists it but
+    kills the probe keeps f32 prefill tiles. One whose child summed right gets bf16 tiles only if a
+    second child measured them faster than f32 tiles (they are not on every CPU that has them)."""
     from devices.cpu import CpuBackend
     from kernels.cpu import cpu_probe
 
@@ -267,19 +268,33 @@ def test_bf16_prefill_is_trusted_only_once_a_child_process_has_run_it(monkeypatc
     monkeypatch.setattr(cpu_probe, "target_features", lambda: {"avx512bf16": True, "avx512f": True})
     children = []
 
-    def child(*args, **kwargs):
+    def killed(*args, **kwargs):
         children.append(args[0][-1])
-        killed = "bf16" in args[0][-1]
-        return subprocess.CompletedProcess(args, -4 if killed else 0, stdout="", stderr="")
+        return subprocess.CompletedProcess(args, -4, stdout="", stderr="")
 
-    monkeypatch.setattr(cpu_probe.subprocess, "run", child)
+    monkeypatch.setattr(cpu_probe.subprocess, "run", killed)
     assert cpu_probe.runs_bf16() is False and CpuBackend(threads=1, variant="int8").bf16_prefill is False
     assert len(children) == 1 and "child_main('bf16')" in children[0]
-    monkeypatch.setattr(cpu_probe, "_verdicts", {})
-    monkeypatch.setattr(cpu_probe.subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(
-        args, 0, stdout="bf16 ok\n", stderr=""))
-    (tmp_path / "cpu-probe.json").unlink()
-    assert cpu_probe.runs_bf16() is True and CpuBackend(threads=1, variant="int8").bf16_prefill is True
+
+    def child(faster: bool):
+        def run(*args, **kwargs):
+            children.append(args[0][-1])
+            if "bf16_faster" in args[0][-1]:
+                return subprocess.CompletedProcess(args, 0, stdout="f32 2.0 ms, bf16 1.5 ms\nbf16_faster ok\n"
+                                                   if faster else "f32 2.0 ms, bf16 2.5 ms\n", stderr="")
+            return subprocess.CompletedProcess(args, 0, stdout="bf16 ok\n", stderr="")
+
+        return run
+
+    for faster in (False, True):
+        monkeypatch.setattr(cpu_probe, "_verdicts", {})
+        monkeypatch.setattr(cpu_probe.subprocess, "run", child(faster))
+        (tmp_path / "cpu-probe.json").unlink(missing_ok=True)
+        backend = CpuBackend(threads=1, variant="int8")
+        assert cpu_probe.runs_bf16() is True and backend.bf16_prefill is faster
+        assert backend.info()["prefill_tiles"] == ("bf16 (AVX-512 BF16, measured faster than f32 tiles here)" if faster
+                                                   else "f32 (bf16 tiles measured slower on this CPU)")
+        assert children[-1].endswith("child_main('bf16_faster')")
     assert CpuBackend(threads=1, variant="f32").bf16_prefill is False
 
 

@@ -26,7 +26,7 @@ try:
     from kernels.cpu import elementwise, kv_quant, linear as linear_kernels
     from kernels.cpu import moe as moe_kernels
     from kernels.cpu import isa
-    from kernels.cpu.cpu_probe import best_int8_dot, runs_bf16
+    from kernels.cpu.cpu_probe import best_int8_dot, bf16_prefill_is_faster, runs_bf16
     from kernels.cpu.llvm_ir import ACT_F32, ACT_INT8, INT8_DOTS
     from kernels.cpu.runtime import threading_info
 except ImportError as exc:  # pragma: no cover - numba is a declared dependency
@@ -89,9 +89,12 @@ class CpuBackend:
         else:
             self.activations, self.variant_reason = variant, f"asked for (cpu:{variant})"
         self.activation_style = ACT_F32 if self.activations == "f32" else best_int8_dot()
-        # prefill of quantized weights in bf16 (f32 sums) where the CPU runs AVX-512 BF16; cpu:f32 keeps
-        # f32 everywhere (the parity tests' variant)
-        self.bf16_prefill = self.activations != "f32" and runs_bf16()
+        # prefill of quantized weights in bf16 (f32 sums) where the CPU runs AVX-512 BF16 and it was
+        # measured faster than f32 tiles; cpu:f32 keeps f32 everywhere (the parity tests' variant)
+        self.bf16_prefill = self.activations != "f32" and bf16_prefill_is_faster()
+        self.prefill_reason = ("bf16 (AVX-512 BF16, measured faster than f32 tiles here)" if self.bf16_prefill else
+                               "f32 (bf16 tiles measured slower on this CPU)" if self.activations != "f32" and
+                               runs_bf16() else "f32")
         self.threads = _thread_count(threads)
         self.weight_arena = HugePageArena() if huge_pages_available() else None
         self._largest_expert = (0, 0, 0)  # (K_max, I, padded I) over the experts packed (_expert_table)
@@ -306,7 +309,7 @@ class CpuBackend:
                            "activations": {"f32": 0.0, "f16": 0.0,
                                            "quantized": 0.0 if self.activation_style == ACT_F32 else 1.0 / 254.0},
                            "weights": {"f32": 0.0, "f16": 0.0, "quantized": 2.0 ** -8 if self.bf16_prefill else 0.0}},
-            "prefill_tiles": "bf16 (AVX-512 BF16)" if self.bf16_prefill else "f32",
+            "prefill_tiles": self.prefill_reason,
             "numba": numba.__version__,
             "llvm": ".".join(map(str, llvm.llvm_version_info)),
             "numba_cache_dir": numba.config.CACHE_DIR,

@@ -43,7 +43,13 @@ PROBES = {"vnni": Probe(("avx512vnni", "avx512bw"), "AVX-512 VNNI", INT8_FALLBAC
           "ssse3": Probe(("ssse3",), "SSSE3 pmaddubsw", INT8_FALLBACK),
           "dotprod": Probe(("neon", "dotprod"), "NEON sdot", INT8_FALLBACK),
           "i8mm": Probe(("neon", "i8mm"), "NEON i8mm usdot", INT8_FALLBACK),
-          "bf16": Probe(("avx512bf16",), "AVX-512 BF16", "prefill multiplies f32 tiles")}
+          "bf16": Probe(("avx512bf16",), "AVX-512 BF16", "prefill multiplies f32 tiles"),
+          # not an instruction: whether bf16 prefill tiles beat f32 ones on this CPU (they need not:
+          # dequantizing to bf16 and pairing the tokens cost more than the second multiply-add gains
+          # on some), measured on a SmolLM2-sized projection once and kept like a verdict
+          "bf16_faster": Probe(("avx512bf16",), "bf16 prefill speed", "prefill multiplies f32 tiles")}
+# bf16_faster: a 576 x 576 int4 weight times 128 tokens, best of this many alternating calls
+PREFILL_TIMING_CALLS = 7
 _verdicts: dict[str, bool] = {}
 _lock = threading.Lock()
 
@@ -144,6 +150,11 @@ def runs_bf16() -> bool:
     return _runs("bf16")
 
 
+def bf16_prefill_is_faster() -> bool:
+    """True when vdpbf16ps runs here and bf16 prefill tiles were measured faster than f32 ones."""
+    return _runs("bf16") and _runs("bf16_faster")
+
+
 def best_int8_dot() -> int:
     """The activation style (llvm_ir.ACT_INT8*) whose dot-product instructions run here, the widest
     first; generic vector IR (ACT_INT8) where none does."""
@@ -156,8 +167,39 @@ def best_int8_dot() -> int:
     return ACT_INT8
 
 
+def _time_prefill_tiles() -> None:
+    """bf16_faster's child: print its passed() message when the bf16 gemm beats the f32 one."""
+    import time
+
+    import numpy as np
+
+    from kernels.cpu import formats as wf
+    from kernels.cpu.linear import attach_kernels, linear
+    from kernels.cpu.llvm_ir import ACT_INT8
+
+    rng = np.random.default_rng(0)
+    rows, cols, group = 576, 576, 32
+    codes = rng.integers(0, 256, (rows, cols // group, group // 2), dtype=np.uint8)
+    scales = (rng.random((rows, cols // group)) * 0.01).astype(np.float16).view(np.uint16)
+    x = rng.standard_normal((128, cols)).astype(np.float32)
+    descriptors = {bf16: attach_kernels(wf.describe_quantized(wf.INT4_SYM, (rows, cols), group, codes, scales, None),
+                                        ACT_INT8, bf16) for bf16 in (False, True)}
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(PREFILL_TIMING_CALLS):
+        for bf16, descriptor in descriptors.items():
+            started = time.perf_counter()
+            linear(descriptor, x, None, 1)
+            best[bf16] = min(best[bf16], time.perf_counter() - started)
+    print(f"f32 {best[False] * 1e3:.3f} ms, bf16 {best[True] * 1e3:.3f} ms")
+    if best[True] < best[False]:
+        print(PROBES["bf16_faster"].passed("bf16_faster"))
+
+
 def child_main(probe: str) -> None:
     """Run the probe's instruction on known data and print its passed() message if the sums are right."""
+    if probe == "bf16_faster":
+        _time_prefill_tiles()
+        return
     import numba
     import numpy as np
     from llvmlite import ir

@@ -1,0 +1,115 @@
+"""Every instruction-set level the kernels can be compiled for runs them correctly, not only the
+host's: the CPU kernel tests and SmolLM2's golden tests run again in a child pytest with the kernels
+capped at each level below the host's (ZLLM_EDGE_ISA, kernels/cpu/isa.py). On an AVX-512 machine
+that covers AVX-VNNI, AVX2 (16 ymm: other micro-kernel passes, vpmaddubsw) and SSE4 (no F16C: half
+conversions through libgcc_s; SSSE3 pmaddubsw); on an AVX2 laptop, SSE4; on ARM, NEON below dotprod.
+
+The levels above the host's cannot run here (their instructions would fault): the suite passes on
+such a machine without them, and says so in the skip.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels.cpu import isa
+
+REPO = Path(__file__).resolve().parent.parent
+LEVEL_TESTS = (
+    "tests/test_cpu_kernels.py",
+    "tests/test_isa_levels.py::test_the_kernels_target_the_level_asked_for",
+    "tests/test_cpu_backend.py::test_smollm2_capital_of_france_begins_with_paris",
+    "tests/test_cpu_backend.py::test_smollm2_greedy_ids_match_the_reference_up_to_first_near_tie",
+)
+
+
+def lower_levels() -> list[str]:
+    levels = [level.name for level in isa.LEVELS.get(isa.architecture(), ())]
+    host = isa.host_level()
+    return levels[:levels.index(host)] if host in levels else []
+
+
+def test_the_kernels_target_the_level_asked_for():
+    """device_info() names the level the kernels are compiled for, and the cap when one is set; Numba's
+    code generator targets exactly the capped features."""
+    from devices.cpu import CpuBackend
+
+    info = CpuBackend(threads=1).info()
+    assert info["isa"] == isa.target_level()
+    assert info["isa_capped"] == (isa.requested_level() is not None)
+    if os.environ.get(isa.ISA_ENV):
+        assert info["isa"] == os.environ[isa.ISA_ENV]
+        isa.check_codegen()  # raises if Numba's code generator targets other features
+
+
+@pytest.mark.parametrize("level", lower_levels() or [pytest.param(None, marks=pytest.mark.skip(
+    reason=f"this CPU's level ({isa.host_level()}) is the lowest the kernels know on {isa.architecture()}"))])
+def test_cpu_kernels_pass_at_every_lower_level(level, tmp_path):
+    env = {**os.environ, isa.ISA_ENV: level, "PYTHONPATH": str(REPO)}
+    env.pop("ZLLM_EDGE_HOME", None)  # the child's conftest makes its own
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",
+                             str(tmp_path / "child"), *LEVEL_TESTS], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=1800)
+    assert result.returncode == 0, f"at {isa.ISA_ENV}={level}:\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}"
+    assert " passed" in result.stdout.splitlines()[-1]
+
+
+def test_levels_are_checked_against_the_architecture_and_the_host(monkeypatch):
+    monkeypatch.setattr(isa, "architecture", lambda: "x86_64")
+    monkeypatch.setattr(isa, "host_features", lambda: {"avx": True, "avx2": True, "fma": True, "f16c": True,
+                                                       "sse4.2": True, "avx512f": False})
+    monkeypatch.setenv(isa.ISA_ENV, "avx512")
+    with pytest.raises(isa.IsaError) as error:
+        isa.requested_level()
+    assert str(error.value) == ("ZLLM_EDGE_ISA='avx512' asks for more than this CPU has (its level is avx2); "
+                                "choose one of sse4, avx2")
+    monkeypatch.setenv(isa.ISA_ENV, "neon")
+    with pytest.raises(isa.IsaError) as error:
+        isa.requested_level()
+    assert str(error.value) == ("ZLLM_EDGE_ISA='neon' is not an instruction-set level of x86_64 (levels: sse4, "
+                                "avx2, avxvnni, avx512, or native); unset it to use everything this CPU has")
+    monkeypatch.setenv(isa.ISA_ENV, "sse4")
+    features = isa.target_features()
+    assert features["sse4.2"] and not any(features[name] for name in ("avx", "avx2", "fma", "f16c"))
+    assert isa.target_level() == "sse4" and isa.vector_registers() == (16, 128)
+    monkeypatch.setenv(isa.ISA_ENV, "native")
+    assert isa.target_level() == "avx2" and isa.target_features()["fma"]
+
+
+@pytest.mark.parametrize("style, features, instructions", [
+    ("dotprod", "+neon,+dotprod", {"sdot"}),
+    ("i8mm", "+neon,+dotprod,+i8mm", {"usdot", "sdot"}),
+])
+def test_the_arm_int8_dots_lower_to_sdot_and_usdot(style, features, instructions):
+    """The ARM styles' IR is legal for AArch64 and lowers to the dot-product instructions, checked by
+    compiling it for an aarch64 target machine (their sums are checked where the suite runs on ARM,
+    by test_cpu_kernels and the probes): 16 lanes of a 64-byte step in 4 instructions each."""
+    import llvmlite.binding as llvm
+    from llvmlite import ir
+
+    from kernels.cpu import llvm_ir as L
+
+    styles = {dot.probe: s for s, dot in L.INT8_DOTS.items() if dot.probe}
+    llvm.initialize_all_targets()
+    llvm.initialize_all_asmprinters()
+    module = ir.Module(name=f"int8_dot_{style}")
+    module.triple = "aarch64-unknown-linux-gnu"
+    function = ir.Function(module, ir.FunctionType(ir.VoidType(), [L.I64] * 4), name="dots")
+    builder = ir.IRBuilder(function.append_basic_block())
+    e = L.Emitter(builder)
+    codes, q, high = (e.load(L.V64I8, address, 1) for address in function.args[:3])
+    zero = ir.Constant(L.V16I32, [0] * 16)
+    signed = L.byte_dot(e, zero, codes, q, styles[style], signed=True)  # int8 codes, as code - 128
+    nibbles = L.nibble_pair_dot(e, signed, codes, q, high, q, styles[style])  # int4 codes
+    e.store(nibbles, function.args[3], 4)
+    builder.ret_void()
+    parsed = llvm.parse_assembly(str(module))
+    parsed.verify()
+    machine = llvm.Target.from_triple(module.triple).create_target_machine(cpu="generic", features=features, opt=2)
+    assembly = machine.emit_assembly(parsed)
+    counts = {name: assembly.count(f"\t{name}\t") for name in ("sdot", "usdot")}
+    assert sum(counts.values()) == 12 and {name for name, n in counts.items() if n} == instructions, counts
