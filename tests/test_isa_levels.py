@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kernels.cpu import isa
+from tiny_models import tiny_zoo  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 LEVEL_TESTS = (
@@ -113,3 +114,27 @@ def test_the_arm_int8_dots_lower_to_sdot_and_usdot(style, features, instructions
     assembly = machine.emit_assembly(parsed)
     counts = {name: assembly.count(f"\t{name}\t") for name in ("sdot", "usdot")}
     assert sum(counts.values()) == 12 and {name for name, n in counts.items() if n} == instructions, counts
+
+
+def test_a_bad_level_is_refused_by_the_cpu_device_alone(tiny_zoo):
+    """ZLLM_EDGE_ISA is read when kernels/ is imported, which every device does: a value that is not a
+    level, or above the host's, fails the cpu device's load with the level check's message (the CLI's
+    one error line), and leaves the reference device alone."""
+    from converters.convert import QuantPlan
+
+    path = tiny_zoo.converted("llama_mha", QuantPlan(weights="f32"))
+    script = ("import sys, edge\n"
+              "from edge.errors import ZllmError\n"
+              "print(edge.load(sys.argv[1], device='reference').session(capacity=8).prefill([5, 6]).shape)\n"
+              "try:\n"
+              "    edge.load(sys.argv[1], device='cpu')\n"
+              "except ZllmError as exc:\n"
+              "    print(exc)\n")
+    env = {**os.environ, isa.ISA_ENV: "avx9", "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", script, path], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    shape, message = result.stdout.strip().splitlines()[-2:]
+    assert shape == "(160,)"
+    assert message.endswith(f"ZLLM_EDGE_ISA='avx9' is not an instruction-set level of {isa.architecture()} (levels: "
+                            + ", ".join(level.name for level in isa.LEVELS.get(isa.architecture(), ()))
+                            + ", or native); unset it to use everything this CPU has")

@@ -80,6 +80,7 @@ class CpuBackend:
     runs_moe = True
 
     def __init__(self, threads: int | None = None, variant: str | None = None):
+        isa.check_configuration()  # a bad ZLLM_EDGE_ISA, or a target the JIT cannot serve
         if variant is not None and variant not in ACTIVATION_VARIANTS:
             raise ValueError(f"device 'cpu' has the variants {', '.join(f'cpu:{v}' for v in ACTIVATION_VARIANTS)} "
                              f"(how matmuls on quantized weights take their inputs: {ACTIVATION_HELP}); "

@@ -161,21 +161,40 @@ def _provide_half_helpers() -> None:
         llvm.add_symbol(helper, address)
 
 
+_configuration_error: IsaError | None = None  # what configure_codegen met, raised by check_configuration
+
+
 def configure_codegen() -> None:
     """Point Numba's code generator at the capped feature set (no-op without a cap), and give the JIT
     the half-conversion helpers a target without F16C needs.
 
     Numba reads these when it creates its CPU code generator, at the first compilation: this must
-    run before any kernel compiles, and does when kernels/cpu is imported."""
+    run before any kernel compiles, and does when kernels/cpu is imported. Importing must not fail
+    (the reference device imports kernels/ too): a bad ZLLM_EDGE_ISA or missing helpers are kept
+    and raised by check_configuration() when the cpu device is created."""
+    global _configuration_error
     import llvmlite.binding as llvm
     import numba
 
-    if architecture() == "x86_64" and not target_features().get("f16c"):
-        _provide_half_helpers()
-    if requested_level() is None:
+    try:
+        level, features = requested_level(), target_features()
+        if architecture() == "x86_64" and not features.get("f16c"):
+            _provide_half_helpers()
+    except IsaError as exc:
+        _configuration_error = exc
+        return
+    if level is None:
         return
     numba.config.CPU_NAME = llvm.get_host_cpu_name()
-    numba.config.CPU_FEATURES = feature_string(target_features())
+    numba.config.CPU_FEATURES = feature_string(features)
+
+
+def check_configuration() -> None:
+    """Raise what configure_codegen met, or IsaError if Numba's code generator targets other
+    features than the cap asks for."""
+    if _configuration_error is not None:
+        raise _configuration_error
+    check_codegen()
 
 
 def check_codegen() -> None:
