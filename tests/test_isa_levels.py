@@ -138,3 +138,23 @@ def test_a_bad_level_is_refused_by_the_cpu_device_alone(tiny_zoo):
     assert message.endswith(f"ZLLM_EDGE_ISA='avx9' is not an instruction-set level of {isa.architecture()} (levels: "
                             + ", ".join(level.name for level in isa.LEVELS.get(isa.architecture(), ()))
                             + ", or native); unset it to use everything this CPU has")
+
+
+def test_arm_extensions_llvm_does_not_detect_come_from_the_hardware_capabilities(monkeypatch):
+    """LLVM's host detection on Linux/aarch64 never reports dotprod or i8mm (seen under emulation with
+    a Neoverse-V1 /proc/cpuinfo): the kernel's AT_HWCAP / AT_HWCAP2 bits add them, so that sdot and
+    usdot are chosen, and Numba's code generator is then told the same features."""
+    monkeypatch.delenv(isa.ISA_ENV, raising=False)
+    monkeypatch.setattr(isa, "architecture", lambda: "aarch64")
+    monkeypatch.setattr(isa, "llvm_host_features", lambda: {"neon": True, "fp-armv8": True, "dotprod": False})
+    hwcaps = {isa.AT_HWCAP: 1 << 20, isa.AT_HWCAP2: 1 << 13}
+    monkeypatch.setattr(isa, "auxiliary_vector", lambda kind: hwcaps.get(kind, 0))
+    features = isa.host_features()
+    assert features["dotprod"] and features["i8mm"] and not features.get("fullfp16")
+    assert isa.host_level() == "i8mm"
+    monkeypatch.setenv(isa.ISA_ENV, "dotprod")
+    assert isa.target_level() == "dotprod"
+    assert isa.target_features()["dotprod"] and not isa.target_features()["i8mm"]
+    monkeypatch.setattr(isa, "auxiliary_vector", lambda kind: 0)  # a NEON-only core
+    monkeypatch.delenv(isa.ISA_ENV)
+    assert isa.host_level() == "neon"

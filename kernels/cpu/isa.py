@@ -7,9 +7,10 @@ laptop on an AVX-512 server, say) is compiled, run and tested here:
     x86_64   sse4 < avx2 < avxvnni < avx512     (avx2 = x86-64-v3: AVX2, FMA, F16C, BMI)
     aarch64  neon < dotprod < i8mm
 
-A cap switches off every LLVM feature of the levels above it, both for Numba's code generator
-(numba.config.CPU_NAME / CPU_FEATURES, set before the first kernel compiles) and for the choice of
-hand-written instructions (cpu_probe.py asks `target_features()`, never the raw host). Numba's cache
+On Linux/aarch64 the dot-product and i8mm extensions, which LLVM's host detection misses, come
+from the kernel's hardware capabilities (getauxval). A cap switches off every LLVM feature of the
+levels above it, both for Numba's code generator (numba.config.CPU_NAME / CPU_FEATURES, set before
+the first kernel compiles) and for the choice of hand-written instructions (cpu_probe.py asks `target_features()`, never the raw host). Numba's cache
 keys each kernel by the features it was compiled for, so capped and uncapped kernels never mix.
 A level above what the host has is refused: those instructions would not run here.
 """
@@ -69,11 +70,40 @@ def _level_of(levels: tuple[Level, ...], feature: str) -> int:
     return 0
 
 
-def host_features() -> dict[str, bool]:
-    """The CPU features LLVM targets on this host, uncapped."""
+# LLVM's host detection on Linux/aarch64 reads only some of /proc/cpuinfo's words (asimd, fp, crc32,
+# atomics, sve...) and never reports the dot-product or int8-matrix extensions, which every recent
+# ARM core has; the kernel says so in the auxiliary vector: (AT_HWCAP or AT_HWCAP2, bit) -> LLVM name.
+AT_HWCAP, AT_HWCAP2 = 16, 26
+ARM_HWCAPS = {"dotprod": (AT_HWCAP, 20), "fullfp16": (AT_HWCAP, 10), "i8mm": (AT_HWCAP2, 13)}
+
+
+def llvm_host_features() -> dict[str, bool]:
     import llvmlite.binding as llvm
 
     return dict(llvm.get_host_cpu_features())
+
+
+def auxiliary_vector(kind: int) -> int:
+    """getauxval(kind) of this process (0 where the C library has none)."""
+    import ctypes
+
+    try:
+        getauxval = ctypes.CDLL(None).getauxval
+    except (OSError, AttributeError):
+        return 0
+    getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
+    return int(getauxval(kind))
+
+
+def host_features() -> dict[str, bool]:
+    """The CPU features of this host, uncapped: LLVM's, with the ARM extensions it does not detect
+    taken from the kernel's hardware capabilities (ARM_HWCAPS)."""
+    features = llvm_host_features()
+    if architecture() == "aarch64":
+        for name, (kind, bit) in ARM_HWCAPS.items():
+            if not features.get(name) and auxiliary_vector(kind) >> bit & 1:
+                features[name] = True
+    return features
 
 
 def host_level(features: dict[str, bool] | None = None) -> str | None:
@@ -183,8 +213,8 @@ def configure_codegen() -> None:
     except IsaError as exc:
         _configuration_error = exc
         return
-    if level is None:
-        return
+    if level is None and features == llvm_host_features():
+        return  # Numba's own host detection targets the same
     numba.config.CPU_NAME = llvm.get_host_cpu_name()
     numba.config.CPU_FEATURES = feature_string(features)
 
@@ -202,7 +232,7 @@ def check_codegen() -> None:
     instructions while the kernels chose a lower level's)."""
     from numba.core.registry import cpu_target
 
-    if requested_level() is None:
+    if requested_level() is None and target_features() == llvm_host_features():
         return
     features = cpu_target.target_context.codegen()._tm_features
     if features != feature_string(target_features()):
