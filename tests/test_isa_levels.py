@@ -141,16 +141,17 @@ def test_a_bad_level_is_refused_by_the_cpu_device_alone(tiny_zoo):
 
 
 def test_arm_extensions_llvm_does_not_detect_come_from_the_hardware_capabilities(monkeypatch):
-    """LLVM's host detection on Linux/aarch64 never reports dotprod or i8mm (seen under emulation with
-    a Neoverse-V1 /proc/cpuinfo): the kernel's AT_HWCAP / AT_HWCAP2 bits add them, so that sdot and
-    usdot are chosen, and Numba's code generator is then told the same features."""
+    """LLVM's host detection on Linux/aarch64 never reports dotprod or i8mm (seen under qemu-user with
+    an aarch64 /proc/cpuinfo listing asimddp and i8mm), nor anything without a readable cpuinfo: the
+    kernel's AT_HWCAP / AT_HWCAP2 bits add them, so that sdot and usdot are chosen, and Numba's code
+    generator is then told the same features."""
     monkeypatch.delenv(isa.ISA_ENV, raising=False)
     monkeypatch.setattr(isa, "architecture", lambda: "aarch64")
-    monkeypatch.setattr(isa, "llvm_host_features", lambda: {"neon": True, "fp-armv8": True, "dotprod": False})
-    hwcaps = {isa.AT_HWCAP: 1 << 20, isa.AT_HWCAP2: 1 << 13}
+    monkeypatch.setattr(isa, "llvm_host_features", lambda: {"fp-armv8": True, "dotprod": False})
+    hwcaps = {isa.AT_HWCAP: 1 << 20 | 1 << 1, isa.AT_HWCAP2: 1 << 13}  # dotprod, asimd; i8mm
     monkeypatch.setattr(isa, "auxiliary_vector", lambda kind: hwcaps.get(kind, 0))
     features = isa.host_features()
-    assert features["dotprod"] and features["i8mm"] and not features.get("fullfp16")
+    assert features["dotprod"] and features["i8mm"] and features["neon"] and not features.get("fullfp16")
     assert isa.host_level() == "i8mm"
     monkeypatch.setenv(isa.ISA_ENV, "dotprod")
     assert isa.target_level() == "dotprod"

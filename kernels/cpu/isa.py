@@ -74,7 +74,9 @@ def _level_of(levels: tuple[Level, ...], feature: str) -> int:
 # atomics, sve...) and never reports the dot-product or int8-matrix extensions, which every recent
 # ARM core has; the kernel says so in the auxiliary vector: (AT_HWCAP or AT_HWCAP2, bit) -> LLVM name.
 AT_HWCAP, AT_HWCAP2 = 16, 26
-ARM_HWCAPS = {"dotprod": (AT_HWCAP, 20), "fullfp16": (AT_HWCAP, 10), "i8mm": (AT_HWCAP2, 13)}
+# (NEON and FP too, for a /proc/cpuinfo that is missing or another machine's, as under qemu-user.)
+ARM_HWCAPS = {"fp-armv8": (AT_HWCAP, 0), "neon": (AT_HWCAP, 1), "fullfp16": (AT_HWCAP, 10), "dotprod": (AT_HWCAP, 20),
+              "i8mm": (AT_HWCAP2, 13)}
 
 
 def llvm_host_features() -> dict[str, bool]:
