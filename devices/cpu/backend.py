@@ -93,9 +93,12 @@ class CpuBackend:
         # prefill of quantized weights in bf16 (f32 sums) where the CPU runs AVX-512 BF16 and it was
         # measured faster than f32 tiles; cpu:f32 keeps f32 everywhere (the parity tests' variant)
         self.bf16_prefill = self.activations != "f32" and bf16_prefill_is_faster()
-        self.prefill_reason = ("bf16 (AVX-512 BF16, measured faster than f32 tiles here)" if self.bf16_prefill else
-                               "f32 (bf16 tiles measured slower on this CPU)" if self.activations != "f32" and
-                               runs_bf16() else "f32")
+        if self.bf16_prefill:
+            self.prefill_reason = "bf16 (AVX-512 BF16, measured faster than f32 tiles here)"
+        elif self.activations != "f32" and runs_bf16():
+            self.prefill_reason = "f32 (bf16 tiles measured slower on this CPU)"
+        else:
+            self.prefill_reason = "f32"
         self.threads = _thread_count(threads)
         self.weight_arena = HugePageArena() if huge_pages_available() else None
         self._largest_expert = (0, 0, 0)  # (K_max, I, padded I) over the experts packed (_expert_table)

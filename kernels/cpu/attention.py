@@ -392,7 +392,7 @@ def decode_split_count(q_positions, k_positions, window) -> int:
     q = int(np.asarray(q_positions).reshape(-1)[0])
     k = np.asarray(k_positions)
     visible = int(np.count_nonzero((k <= q) & ((q - k < window) if window else True)))
-    return min(MAX_DECODE_SPLITS, max(1, -(-visible // DECODE_SPLIT_KEYS)))
+    return decode_splits(visible, 0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -207,7 +207,8 @@ def child_main(probe: str) -> None:
     from numba.extending import intrinsic
 
     from kernels.cpu import llvm_ir
-    from kernels.cpu.llvm_ir import V16F, V16I32, V64I8, Emitter, bf16_pair_dot, byte_dot, nibble_pair_dot
+    from kernels.cpu.llvm_ir import V16F, V16I32, V64I8, Emitter, byte_dot, nibble_pair_dot
+    from kernels.cpu.llvm_prefill import bf16_pair_dot
 
     styles = {dot.probe: style for style, dot in llvm_ir.INT8_DOTS.items() if dot.probe}
 

@@ -31,7 +31,8 @@ from kernels.cpu import formats as wf
 from kernels.cpu.intrinsics import (call_dequantize, call_gemm, call_matvec, float32_pointer, int64_pointer,
                                     prefetch_bytes, uint16_pointer, uint32_pointer)
 from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, PREFETCH_BLOCKS, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS,
-                                 make_dequantize_rows, make_dot_rows, make_tile_times_tokens, quantize_chunk)
+                                 make_dot_rows, quantize_chunk)
+from kernels.cpu.llvm_prefill import make_dequantize_rows, make_tile_times_tokens
 from kernels.cpu.runtime import cfunc, helper, kernel, mutable, readonly
 
 TILE_M = 6  # weight rows per micro-kernel call

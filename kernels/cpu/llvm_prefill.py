@@ -1,0 +1,196 @@
+"""Hand-written LLVM IR for prefill: dequantize a block of weight rows into an f32 (or bf16) tile,
+then multiply the tile by many tokens in a register-blocked micro-kernel (kernels/cpu/linear.py gemm).
+
+Like llvm_ir.py (whose Emitter, layouts and vector types it uses): Numba intrinsics whose IR is
+emitted into the calling kernel, int64 addresses and sizes as arguments, generic vector types that
+LLVM lowers to the target's registers; AVX-512 BF16's vdpbf16ps is the one target-specific
+instruction, emitted only into the bf16 kernels (cpu_probe.py decides where they run).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from kernels.cpu.llvm_ir import (CHUNK, F32, I32, INT64_ARGS, LANES, V16F, V16I8, V16I32, V32I8, Emitter, IrFormat,
+                                load_float_weight, load_float_weights)
+
+
+class _BFloat(ir.types.Type):
+    """LLVM's bfloat, which llvmlite has no class for; only ever a vector element here, bitcast
+    from 32-bit lanes that each hold a pair of bf16 values."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+V16BF, V32BF = ir.VectorType(_BFloat(), 16), ir.VectorType(_BFloat(), 32)
+
+
+
+
+def _emit_dequantize_rows(e: Emitter, fmt: IrFormat, args, bf16: bool = False):
+    data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0, n_rows, tile, tile_stride = args
+    with e.loop(n_rows) as row_loop:
+        row = e.b.add(row0, row_loop.index)
+        row_data = e.address(data, (row, row_bytes))
+        tile_row = e.address(tile, (row_loop.index, e.b.mul(tile_stride, e.i64(2 if bf16 else 4))))
+        if fmt.is_float:
+            _emit_float_row_copy(e, fmt, row_data, cols, tile_row)
+        else:
+            _emit_quantized_row(e, fmt, row_data, row, scales, offsets, n_groups, chunks_per_group, tile_row, bf16)
+
+
+def _emit_quantized_row(e: Emitter, fmt: IrFormat, row_data, row, scales, offsets, n_groups, chunks_per_group,
+                        tile_row, bf16: bool = False):
+    row_scales = e.address(scales, (row, e.b.mul(n_groups, e.i64(2))))
+    row_offsets = e.address(offsets, (row, e.b.mul(n_groups, e.i64(2))))
+    zero_point = ir.Constant(V16F, [float(fmt.zero_point)] * LANES)
+    with e.loop(n_groups) as group_loop:
+        group = group_loop.index
+        scale = e.splat(e.half(e.address(row_scales, (group, 2))))
+        offset = e.splat(e.half(e.address(row_offsets, (group, 2)))) if fmt.affine else None
+        with e.loop(chunks_per_group) as chunk_loop:
+            chunk = e.b.add(e.b.mul(group, chunks_per_group), chunk_loop.index)
+            if fmt.bits == 4:
+                low, high = e.unpack_int4(e.load(V16I8, e.address(row_data, (chunk, 16)), 1))
+                # interleave back to natural order: weight 2j = low[j], weight 2j+1 = high[j]
+                codes = e.b.shuffle_vector(low, high, ir.Constant(
+                    ir.VectorType(I32, 32), [i // 2 + (16 if i % 2 else 0) for i in range(32)]))
+            else:
+                codes = e.load(V32I8, e.address(row_data, (chunk, 32)), 1)
+            for half_index, half_codes in enumerate(e.halves(codes)):
+                q = e.codes_to_float(half_codes)
+                # The reference's arithmetic, without fused multiply-add, so that the tile holds exactly
+                # quant.dequantize's values: s * q + o (affine) or s * (q - z) (symmetric).
+                if fmt.affine:
+                    value = e.b.fadd(e.b.fmul(scale, q), offset)
+                else:
+                    value = e.b.fmul(scale, e.b.fsub(q, zero_point))
+                if bf16:  # rounded to the nearest bf16, ties to even (vcvtneps2bf16)
+                    destination = e.address(tile_row, (chunk, 2 * CHUNK), e.i64(2 * LANES * half_index))
+                    e.store(e.b.fptrunc(value, V16BF), destination, 2)
+                else:
+                    destination = e.address(tile_row, (chunk, 4 * CHUNK), e.i64(4 * LANES * half_index))
+                    e.store(value, destination, 4)
+
+
+def _emit_float_row_copy(e: Emitter, fmt: IrFormat, row_data, cols, tile_row):
+    width = fmt.bits // 8
+    n_vectors = e.b.udiv(cols, e.i64(LANES))
+    with e.loop(n_vectors) as vector_loop:
+        v = vector_loop.index
+        e.store(load_float_weights(e, fmt, e.address(row_data, (v, width * LANES))),
+                e.address(tile_row, (v, 4 * LANES)), 4)
+    first_tail = e.b.mul(n_vectors, e.i64(LANES))
+    with e.loop(e.b.sub(cols, first_tail)) as tail_loop:
+        k = e.b.add(first_tail, tail_loop.index)
+        e.store(load_float_weight(e, fmt, e.address(row_data, (k, width))), e.address(tile_row, (k, 4)), 4)
+
+
+def make_dequantize_rows(fmt: IrFormat, bf16: bool = False):
+    """Intrinsic: tile[r, :] = float32 values of weight row row0 + r, for r < n_rows (bf16, quantized
+    formats only: the same values rounded to bf16, two bytes each).
+
+    Arguments (all int64): data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
+    n_rows, tile, tile_stride (elements between tile rows). Quantized rows are written in full
+    groups (n_groups * group_size values, padding included); float rows write `cols` values."""
+    if bf16 and fmt.is_float:
+        raise ValueError(f"bf16 tiles are for quantized weights; {fmt.name} rows are copied as f32")
+
+    @intrinsic
+    def dequantize_rows(typingctx, data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
+                        n_rows, tile, tile_stride):
+        signature = types.void(*([INT64_ARGS] * 11))
+
+        def codegen(context, builder, sig, args):
+            _emit_dequantize_rows(Emitter(builder), fmt, args, bf16)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    dequantize_rows.__name__ = f"dequantize_rows_{fmt.name}{'_bf16' if bf16 else ''}"
+    return dequantize_rows
+
+
+def bf16_pair_dot(e: Emitter, acc, pairs_a, pairs_b):
+    """acc (<16 x float>) + a[2i] * b[2i] + a[2i + 1] * b[2i + 1] in lane i, where a and b are
+    <16 x i32> whose lanes each hold two bf16 values (the lower address first): vdpbf16ps."""
+    return e.intrinsic("llvm.x86.avx512bf16.dpbf16ps.512", V16F,
+                       [acc, e.b.bitcast(pairs_a, V32BF), e.b.bitcast(pairs_b, V32BF)])
+
+
+def make_tile_times_tokens(rows: int, token_vectors: int, bf16: bool = False):
+    """Intrinsic: block[r, t] = sum_k tile[r, k] * xt[k, t] for r < rows, t < 16 * token_vectors.
+
+    Arguments (all int64): tile (f32, rows apart by tile_stride elements), tile_stride, xt (f32
+    tokens-minor: xt[k, t] at xt + 4 * (k * xt_stride + t)), xt_stride, depth (number of k), block
+    (f32 [rows, 16 * token_vectors], written). The register block holds rows * token_vectors
+    accumulators; each k costs token_vectors loads of x, `rows` broadcasts of a weight and
+    rows * token_vectors fused multiply-adds, so the loop is bound by multiply-adds, not loads.
+
+    bf16 (AVX-512 BF16 only): the same on bf16 inputs with f32 sums, twice the multiply-adds per
+    instruction. tile holds bf16 bits (uint16, rows apart by tile_stride elements) and xt is x
+    transposed into pairs: the 32-bit word at xt + 4 * (i * xt_stride + t) holds x[t, 2i] in its low
+    half and x[t, 2i + 1] in its high half; depth is even, and each pair of k costs token_vectors
+    loads of x pairs, `rows` broadcasts of a weight pair and rows * token_vectors vdpbf16ps."""
+    element, x_type, w_type, w_align = (2, V16I32, I32, 2) if bf16 else (4, V16F, F32, 4)
+
+    @intrinsic
+    def tile_times_tokens(typingctx, tile, tile_stride, xt, xt_stride, depth, block):
+        signature = types.void(*([INT64_ARGS] * 6))
+
+        def codegen(context, builder, sig, args):
+            tile, tile_stride, xt, xt_stride, depth, block = args
+            e = Emitter(builder)
+            zero = ir.Constant(V16F, [0.0] * LANES)
+            tile_rows = [e.address(tile, (e.b.mul(tile_stride, e.i64(r)), element)) for r in range(rows)]
+            steps = e.b.sdiv(depth, e.i64(2)) if bf16 else depth  # (bf16: pairs of k)
+            pass_rows, pass_vectors = micro_kernel_pass(rows, token_vectors)
+            # one pass over k per part of the block whose accumulators fit the registers
+            for first_row in range(0, rows, pass_rows):
+                for first_vector in range(0, token_vectors, pass_vectors):
+                    pass_rows_here = range(first_row, min(rows, first_row + pass_rows))
+                    vectors = range(first_vector, min(token_vectors, first_vector + pass_vectors))
+                    accumulators = {(r, j): e.variable(zero) for r in pass_rows_here for j in vectors}
+                    with e.loop(steps) as step_loop:
+                        k = step_loop.index
+                        x_row = e.address(xt, (e.b.mul(k, xt_stride), 4))
+                        xs = {j: e.load(x_type, e.address(x_row, e.i64(4 * LANES * j)), 4) for j in vectors}
+                        for r in pass_rows_here:
+                            w = e.splat(e.load(w_type, e.address(tile_rows[r], (k, 4)), w_align))
+                            for j in vectors:
+                                acc = accumulators[r, j]
+                                total = bf16_pair_dot(e, builder.load(acc), xs[j], w) if bf16 else \
+                                    e.fma(w, xs[j], builder.load(acc))
+                                builder.store(total, acc)
+                    for (r, j), acc in accumulators.items():
+                        destination = e.address(block, e.i64(4 * (r * token_vectors * LANES + j * LANES)))
+                        e.store(builder.load(acc), destination, 4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    tile_times_tokens.__name__ = f"{'bf16_' if bf16 else ''}tile_times_tokens_{rows}x{16 * token_vectors}"
+    return tile_times_tokens
+
+
+def micro_kernel_pass(rows: int, token_vectors: int) -> tuple[int, int]:
+    """(rows, token vectors) of a rows x token_vectors register block that one pass over k keeps in
+    registers, for the vector registers of the kernels' target (isa.vector_registers): every
+    accumulator in a register, with 4 left for the inputs (x and a broadcast weight). AVX-512's 32
+    zmm hold 6 x 2 vectors of 16 tokens at once; AVX2's 16 ymm, 6 x 1 (each vector two ymm)."""
+    from kernels.cpu.isa import vector_registers
+
+    count, bits = vector_registers()
+    per_vector = max(1, LANES * 32 // bits)  # registers one <16 x float> takes
+    budget = max(per_vector, count - 4)
+    vectors = token_vectors if rows * token_vectors * per_vector <= budget else 1
+    fitting = [r for r in range(rows, 0, -1) if rows % r == 0 and r * vectors * per_vector <= budget]
+    return (fitting[0] if fitting else 1), vectors
