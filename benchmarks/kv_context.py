@@ -35,17 +35,18 @@ import sys
 import time
 
 import numpy as np
-
 from report import publish
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import edge  # noqa: E402
-from edge.attention import cache_slots  # noqa: E402
+from edge.core.kv import (
+    KV_FORMATS,  # noqa: E402
+    cache_slots,  # noqa: E402
+)
+from edge.core.spec import spec_from_dict  # noqa: E402
 from edge.home import default_model_checkpoint  # noqa: E402
-from edge.spec import spec_from_dict  # noqa: E402
-from quant.kv_formats import KV_FORMATS  # noqa: E402
 
 TEXT = (
     "The history of the city begins with a small settlement on the banks of the river, where fishermen and "

@@ -24,10 +24,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import edge  # noqa: E402
 from converters.convert import QuantPlan, convert  # noqa: E402
-from converters.moefy import DEFAULT_MOEFY, active_fraction, moefy_convert, resolve_dense_layers  # noqa: E402
-from converters.moefy_calibrate import (WINDOW, capture_ffn_inputs, dense_ffn, evaluate, ffn_norm_weights,  # noqa: E402
-                                        next_token_nll, token_windows, topic_texts)
+from converters.moefy import DEFAULT_MOEFY, active_fraction, resolve_dense_layers  # noqa: E402
+from converters.moefy_calibrate import (  # noqa: E402
+    WINDOW,
+    capture_ffn_inputs,
+    dense_ffn,
+    evaluate,
+    ffn_norm_weights,
+    next_token_nll,
+    token_windows,
+    topic_texts,
+)
 from converters.moefy_fit import moefy_layer  # noqa: E402
+from edge.moefy import moefy_convert  # noqa: E402
 
 GROUP = 32  # SmolLM2's Q4_1 groups: an expert's down columns must be whole groups to be stored quantized
 

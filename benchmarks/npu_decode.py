@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import edge  # noqa: E402
-from edge.errors import ZllmError  # noqa: E402
+from edge.core.errors import ZllmError  # noqa: E402
 from edge.home import default_model_checkpoint  # noqa: E402
 
 DEFAULT_DEVICES = ["reference", "npu:cpu", "npu:cpu,accuracy_level=0", "npu:cpu,attention=standard",

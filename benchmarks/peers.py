@@ -51,10 +51,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path[:0] = [HERE, REPO]
 
-from bench_envs import ORT_GENAI, LlamaCppBuild, PeerUnavailable, ensure_env, llama_cpp_build  # noqa: E402
-from edge.errors import ZllmError  # noqa: E402
 import membw  # noqa: E402
 import peer_artifacts as artifacts  # noqa: E402
+from bench_envs import ORT_GENAI, LlamaCppBuild, PeerUnavailable, ensure_env, llama_cpp_build  # noqa: E402
+
+from edge.core.errors import ZllmError  # noqa: E402
 
 FRANCE_PROMPT = "The capital of France is"
 FRANCE_ANSWER = " Paris"
@@ -449,8 +450,8 @@ def print_report(report: dict, prompt_tokens: int) -> None:
 
 def reprint(json_path: str, gguf: str) -> int:
     """Summaries, tables and chart again from a report's raw runs (after a change to the summary)."""
-    from converters.checkpoint import open_checkpoint
     from edge.tokenizer import Tokenizer
+    from quant.checkpoint import open_checkpoint
 
     with open(json_path) as f:
         report = json.load(f)
@@ -495,8 +496,8 @@ def main(argv=None) -> int:
     from edge.bench import benchmark_prompt, machine_info
     from edge.home import default_model_gguf, home_dir
     from edge.tokenizer import Tokenizer
-    from converters.checkpoint import open_checkpoint
     from kernels.cpu import isa
+    from quant.checkpoint import open_checkpoint
 
     gguf = os.path.abspath(args.gguf or default_model_gguf())
     if args.report:

@@ -26,8 +26,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from converters.expert_file import EXPERTS_FILE, PROJECTIONS, ExpertFileWriter, ExpertIndex, ExpertLayout  # noqa: E402
+from converters.expert_file import ExpertFileWriter  # noqa: E402
 from quant import Scheme  # noqa: E402
+from quant.expert_file import EXPERTS_FILE, PROJECTIONS, ExpertIndex, ExpertLayout  # noqa: E402
 from streaming.storage import PRESETS  # noqa: E402
 from streaming.store import ExpertStore  # noqa: E402
 

@@ -4,7 +4,7 @@ Tensors stream through one at a time: read (mmap), dequantize if needed, quantiz
 tensor's scheme, write, forget. Peak memory is a small multiple of the largest tensor.
 
 A MoE model's routed experts (class "experts") go to experts.bin instead of model.safetensors,
-one aligned record per (layer, expert) holding its gate/up/down projections (converters/expert_file.py),
+one aligned record per (layer, expert) holding its gate/up/down projections (quant/expert_file.py),
 so that one read fetches one expert; routers (class "router") stay f32 unless overridden, since
 routing is a discrete choice that must match the source model.
 """
@@ -20,22 +20,28 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from converters import checkpoint as ckpt
-from converters.safetensors_io import NUMPY_TO_SAFETENSORS, SafetensorsFormatError, SafetensorsWriter
+from converters import checkpoint as output
+from converters.expert_file import ExpertFileWriter
+from converters.safetensors_io import SafetensorsWriter
 from converters.source import SourceModel, SourceTensor
-from edge.errors import ConversionError
-from converters.expert_file import EXPERTS_FILE, PROJECTIONS, ExpertFileWriter, ExpertLayout
-from edge.spec import (
-    LlamaSpec, shape_mismatches, spec_expert_tensor_names, spec_from_dict, spec_optional_tensor_names,
+from edge.core.errors import ConversionError
+from edge.core.spec import (
+    LlamaSpec,
+    shape_mismatches,
+    spec_expert_tensor_names,
+    spec_from_dict,
+    spec_optional_tensor_names,
     spec_tensor_names,
 )
-from quant import QuantizedTensor, Scheme, quantize
+from quant import GROUP_SIZES, QuantizedTensor, Scheme, quantize
+from quant import checkpoint as ckpt
+from quant.expert_file import EXPERTS_FILE, PROJECTIONS, ExpertLayout
 from quant.metrics import quantization_error
+from quant.safetensors_io import NUMPY_TO_SAFETENSORS, SafetensorsFormatError
 
 log = logging.getLogger(__name__)
 
 WEIGHT_CHOICES = ("f32", "f16", "int8", "int4", "source")
-GROUP_SIZES = (32, 64, 128)
 TENSOR_CLASSES = ("embeddings", "attention", "ffn", "lm_head", "experts", "router")
 # Routers stay f32 unless overridden: routing is a discrete choice that must match the source model.
 CLASS_DEFAULTS = {"router": "f32"}
@@ -279,7 +285,7 @@ def _tensors_in_checkpoint_order(source: SourceModel, spec, src: str
                                   ) -> tuple[list[SourceTensor], dict[int, list[list[SourceTensor]]]]:
     """The source's dense tensors in the order the spec lists them, and its routed experts by layer
     (per expert: gate_proj, up_proj, down_proj); missing or unexpected tensors, and tensors whose shape
-    is not the one the spec gives them (edge/spec.py `spec_tensor_shapes`), are errors."""
+    is not the one the spec gives them (edge/core/spec.py `spec_tensor_shapes`), are errors."""
     by_name = {t.name: t for t in source.tensors()}
     expected = spec_tensor_names(spec)
     expected += [n for n in spec_optional_tensor_names(spec) if n in by_name]
@@ -398,7 +404,7 @@ def convert(src: str | SourceModel, out: str, plan: QuantPlan | None = None, for
 
     SRC is a path, or an opened SourceModel (e.g. a MoEfied view of a dense model), closed at the end."""
     plan = plan or QuantPlan()
-    out = ckpt.check_output(out, force, (src,) if isinstance(src, (str, os.PathLike)) else ())
+    out = output.check_output(out, force, (src,) if isinstance(src, (str, os.PathLike)) else ())
     started = time.perf_counter()
     source = open_source(os.fspath(src)) if isinstance(src, (str, os.PathLike)) else src
     src = src if isinstance(src, (str, os.PathLike)) else source.description
@@ -411,7 +417,7 @@ def convert(src: str | SourceModel, out: str, plan: QuantPlan | None = None, for
             layout.update(ckpt.stored_arrays(t.name, schemes[t.name], t.shape))
 
         reports: list[TensorReport] = []
-        with ckpt.StagingDirectory(out, force=force) as staging:
+        with output.StagingDirectory(out, force=force) as staging:
             weights_path = os.path.join(staging.path, ckpt.WEIGHTS)
             with SafetensorsWriter(weights_path, layout, metadata={"format": "zllm"}) as writer:
                 for t in tqdm(tensors, desc="converting", unit="tensor", disable=not progress, leave=False):

@@ -18,9 +18,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from converters.expert_file import expert_tensor_name
-from edge.arguments import is_integer, is_number
-from edge.errors import ConversionError, UnsupportedModelError
+from edge.core.arguments import is_integer, is_number
+from edge.core.errors import ConversionError, UnsupportedModelError
+from quant.expert_file import expert_tensor_name
 
 # GGUF architecture -> our model_type, for architectures that are always MoE.
 # "llama" with a nonzero {arch}.expert_count is Mixtral (llama.cpp writes Mixtral as "llama").

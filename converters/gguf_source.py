@@ -14,14 +14,19 @@ from typing import Callable
 import numpy as np
 
 from converters.gguf_moe import (
-    MOE_ARCHITECTURES, MOE_LAYER_TENSORS, ExpertSlice, expert_slices, moe_config_fields, moe_model_type,
+    MOE_ARCHITECTURES,
+    MOE_LAYER_TENSORS,
+    ExpertSlice,
+    expert_slices,
+    moe_config_fields,
+    moe_model_type,
 )
-from converters.safetensors_io import release_pages
 from converters.source import SourceTensor, SourceTokenizer
-from edge.arguments import is_integer
-from edge.errors import ConversionError, UnsupportedModelError
+from edge.core.arguments import is_integer
+from edge.core.errors import ConversionError, UnsupportedModelError
 from quant import QuantizedTensor
 from quant.gguf_import import from_gguf
+from quant.safetensors_io import release_pages
 
 log = logging.getLogger(__name__)
 

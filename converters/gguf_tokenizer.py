@@ -30,8 +30,8 @@ import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from converters.gguf_source import gguf_field
-from edge.arguments import is_integer
-from edge.errors import ConversionError, UnsupportedModelError
+from edge.core.arguments import is_integer
+from edge.core.errors import ConversionError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 

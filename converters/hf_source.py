@@ -9,10 +9,10 @@ import re
 
 import numpy as np
 
-from converters.safetensors_io import SafetensorsFile
 from converters.source import SourceTensor, SourceTokenizer
-from edge.arguments import is_integer
-from edge.errors import ConversionError, UnsupportedModelError
+from edge.core.arguments import is_integer
+from edge.core.errors import ConversionError, UnsupportedModelError
+from quant.safetensors_io import SafetensorsFile
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from quant.kv_formats import KV_FORMATS, kv_bytes_per_row, kv_group_size
+from edge.core.kv import KV_FORMATS, kv_bytes_per_row, kv_group_size
 
 
 class KvCodec(NamedTuple):

@@ -9,8 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from devices.cache_buffers import CacheBuffer, KvCodec, StoredRows, decode_stored
+from edge.core import numerics
+from edge.core.contract import Capabilities
+from edge.core.kv import KV_FORMATS
+from edge.core.numerics import silu, softmax
 from quant import QuantizedTensor
-from quant.kv_formats import KV_FORMATS, dequantize_int8, quantize_int8
+from quant.kv_formats import dequantize_int8, quantize_int8
 
 
 def as_float32(weight) -> np.ndarray:
@@ -33,8 +37,7 @@ def linear(x: np.ndarray, weight, bias=None) -> np.ndarray:
 
 
 def rms_norm(x: np.ndarray, weight, eps: float) -> np.ndarray:
-    variance = np.mean(np.square(x), axis=-1, keepdims=True)
-    return (x / np.sqrt(variance + eps)) * as_float32(weight)
+    return numerics.rms_norm(x, as_float32(weight), eps)
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -42,12 +45,6 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def softmax(scores: np.ndarray) -> np.ndarray:
-    shifted = scores - scores.max(axis=-1, keepdims=True)
-    weights = np.exp(shifted)
-    return weights / weights.sum(axis=-1, keepdims=True)
 
 
 def causal_mask(q_positions: np.ndarray, k_positions: np.ndarray, window: int | None) -> np.ndarray:
@@ -81,11 +78,6 @@ def head_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.einsum("thk,hnk->thn", x, w).astype(np.float32)
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for very negative x; silu -> 0 is right
-        return x / (1.0 + np.exp(-x))
-
-
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return silu(gate) * up
 
@@ -95,9 +87,8 @@ NUMPY_KV_CODEC = KvCodec(quantize_int8, dequantize_int8, lambda halves: halves.a
 
 class ReferenceBackend:
     name = "reference"
-    kv_formats = KV_FORMATS
-    ring_buffers = True  # sliding layers may keep only their window
-    runs_moe = True
+    # sliding layers may keep only their window; MoE layers mix their experts op by op (edge/moe.py)
+    capabilities = Capabilities(kv_formats=KV_FORMATS, cache_buffers=True, ring_buffers=True, stored_attention=True)
 
     def __init__(self, threads: int | None = None, variant: str | None = None):
         if variant is not None:
@@ -109,6 +100,12 @@ class ReferenceBackend:
 
     def prepare_weight(self, weight):
         return weight  # mmap views and QuantizedTensors are used where they lie
+
+    load_weight = prepare_weight
+
+    @property
+    def expert_backend(self):
+        return self
 
     embed = staticmethod(embed)
     linear = staticmethod(linear)
@@ -127,8 +124,8 @@ class ReferenceBackend:
     def allocate_cache(self, rows: int, heads: int, dim: int, fmt: str) -> CacheBuffer:
         return CacheBuffer(rows, heads, dim, fmt, NUMPY_KV_CODEC)
 
-    def compile_forward(self, transformer):
-        return None  # the oracle is the op-by-op composition itself
+    def compile_forward(self, model):
+        return None, "ops: the numpy oracle is the op-by-op composition"
 
     def info(self) -> dict:
         return {"device": "reference", "backend": "numpy float32 oracle", "numpy": np.__version__}

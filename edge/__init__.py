@@ -5,8 +5,15 @@
     for piece in model.generate("The capital of France is", max_new_tokens=16):
         print(piece, end="", flush=True)
 """
-from edge.errors import (CheckpointError, ConversionError, ExpertCacheError, InvalidArgumentError, SessionError,
-                         UnsupportedModelError, ZllmError)
+from edge.core.errors import (
+    CheckpointError,
+    ConversionError,
+    ExpertCacheError,
+    InvalidArgumentError,
+    SessionError,
+    UnsupportedModelError,
+    ZllmError,
+)
 
 __all__ = ["load", "Model", "ZllmError", "ConversionError", "UnsupportedModelError", "CheckpointError",
            "SessionError", "ExpertCacheError", "InvalidArgumentError", "TokenizerError"]

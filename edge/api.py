@@ -1,27 +1,35 @@
 """`edge.load` and the Model it returns."""
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 
 import psutil
 
-from converters.checkpoint import open_checkpoint
 from devices.base import DeviceUnavailableError, create_backend
-from edge.arguments import integer
-from edge.errors import (CheckpointError, ExpertCacheError, InvalidArgumentError, SessionError,
-                         UnsupportedModelError, ZllmError)
+from edge.core.arguments import integer
+from edge.core.errors import (
+    CheckpointError,
+    ExpertCacheError,
+    InvalidArgumentError,
+    SessionError,
+    UnsupportedModelError,
+    ZllmError,
+)
 from edge.generation import Generation, GenerationOptions
-from edge.kv_cache import check_kv_format_name
 from edge.model import Transformer
+from edge.options import LoadOptions
 from edge.saved_session import restore_session
 from edge.session import Session, check_token_ids
 from edge.tokenizer import Tokenizer, TokenizerError
 from quant import QuantizedTensor
+from quant.checkpoint import open_checkpoint
 from streaming.budget import parse_budget, plan_memory
 from streaming.stats import peak_rss_bytes, release_free_heap
 
 DEFAULT_SESSION_CAPACITY = 4096
+log = logging.getLogger("zllm.edge")
 
 
 _TOKENIZER_BYTES: dict[tuple, int] = {}  # (path, size, mtime) -> resident bytes its first load added
@@ -46,48 +54,19 @@ def load_tokenizer(path: str | None, config: dict) -> tuple[Tokenizer | None, in
     return tokenizer, _TOKENIZER_BYTES[key]
 
 
-def check_load_arguments(device: str = "reference", threads: int | None = None,
-                         memory_budget: int | str | None = None, kv_capacity: int | None = None,
-                         prefetch_threads: int = 4, prefetch_depth: int = 2, kv_cache: str = "f32") -> None:
-    """edge.load's checks that need no checkpoint (InvalidArgumentError, or the budget parser's
-    ZllmError), so that the CLI runs them before it converts or loads a model. What a device accepts
-    beyond this (a thread count above what it can start, a variant) its backend checks."""
-    from devices.base import BACKENDS, THREADED_DEVICES  # read now: tests register devices of their own
-
-    if not isinstance(device, str) or device.partition(":")[0] not in BACKENDS:
-        raise InvalidArgumentError(f"device {device!r} is not available; available devices: {', '.join(BACKENDS)}")
-    if threads is not None:
-        integer("threads", threads, minimum=1)
-        kind = device.partition(":")[0]
-        if kind not in THREADED_DEVICES:  # their backends refuse it too, but only once the model is converted
-            raise InvalidArgumentError(f"device {kind!r} runs no threads of its own; --threads/threads= applies to "
-                                       f"the {' and '.join(THREADED_DEVICES)} devices")
-    if kv_capacity is not None:
-        integer("kv_capacity", kv_capacity, minimum=1)
-    integer("prefetch_threads", prefetch_threads, minimum=1)
-    integer("prefetch_depth", prefetch_depth, minimum=1)
-    check_kv_format_name(kv_cache)
-    parse_budget(memory_budget)
-
-
 class Model:
-    def __init__(self, path: str, device: str = "reference", threads: int | None = None,
-                 memory_budget: int | str | None = None, verify: bool = False, storage: str | None = None,
-                 expert_strategy: str | None = None, expert_policy: str | None = None, prefetch_depth: int = 2,
-                 prefetch_threads: int = 4, kv_capacity: int | None = None, kv_cache: str = "f32",
-                 gpu_expert_cache: int | str | None = None):
-        check_load_arguments(device, threads, memory_budget, kv_capacity, prefetch_threads, prefetch_depth, kv_cache)
+    def __init__(self, path: str, options: LoadOptions):
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidArgumentError(f"path must be a checkpoint directory (a str or os.PathLike), got {path!r}")
         self._closed = False
         self.path = os.fspath(path)
+        self.options = options
         # a session's default capacity (and a generation's most); a budget reserves this many positions
-        self.kv_capacity = None if kv_capacity is None else int(kv_capacity)
-        self.checkpoint = open_checkpoint(self.path, verify=verify)
+        self.kv_capacity = options.kv_capacity
+        self.checkpoint = open_checkpoint(self.path, verify=options.verify)
         self.experts = None
         try:
-            self._open(device, threads, memory_budget, verify, storage, expert_strategy, expert_policy,
-                       prefetch_depth, prefetch_threads, kv_capacity, kv_cache, gpu_expert_cache)
+            self._open(options)
         except BaseException:  # a refused device, format or budget: nothing stays mapped or running
             if self.experts is not None:
                 self.experts.close()
@@ -95,45 +74,47 @@ class Model:
             self._closed = True
             raise
 
-    def _open(self, device, threads, memory_budget, verify, storage, expert_strategy, expert_policy,
-              prefetch_depth, prefetch_threads, kv_capacity, kv_cache, gpu_expert_cache) -> None:
+    def _open(self, options: LoadOptions) -> None:
         """Everything Model() does once the checkpoint is open (it closes the checkpoint if this fails)."""
+        streaming = options.streaming
         self.spec = self.checkpoint.spec
         self.weight_bytes = sum(  # every tensor that is not a routed expert (those live in experts.bin)
             t.nbytes for t in self.checkpoint.tensors.values()
         )
         experts = self.checkpoint.experts
-        if experts is None and expert_strategy is not None:
-            raise ZllmError(f"expert_strategy {expert_strategy!r} applies to Mixture-of-Experts models; "
+        if experts is None and streaming.expert_strategy is not None:
+            raise ZllmError(f"expert_strategy {streaming.expert_strategy!r} applies to Mixture-of-Experts models; "
                             f"{self.path} is a dense {self.spec.model_type} model")
-        self.expert_strategy = expert_strategy or ("predictive" if memory_budget is not None else "resident")
-        self.streaming_options = dict(storage=storage, policy=expert_policy, depth=prefetch_depth,
-                                      threads=prefetch_threads)
+        self.expert_strategy = streaming.expert_strategy or (
+            "predictive" if options.memory_budget is not None else "resident")
         self.tokenizer, tokenizer_bytes = load_tokenizer(self.checkpoint.tokenizer_path, self.checkpoint.tokenizer_config)
         try:
-            self.backend = create_backend(device, threads=threads)
+            self.backend = create_backend(options.device, threads=options.threads)
         except (ValueError, DeviceUnavailableError) as exc:
             raise ZllmError(str(exc)) from None
-        self.compute_threads = getattr(self.backend, "threads", None) or 1  # each with its own prefill tile
+        self.compute_threads = self.backend.capabilities.threads or 1  # each with its own prefill tile
         # one budget: dense weights + tokenizer + KV reservation + scratch + expert cache (streaming/budget.py)
-        self.memory = plan_memory(self.spec, self.weight_bytes, experts, memory_budget, self.expert_strategy,
-                                  prefetch_threads, kv_capacity, kv_cache, tokenizer_bytes, prefetch_depth,
-                                  self.compute_threads)
-        if (expert_strategy is None and experts is not None and self.memory.expert_cache_bytes is not None
+        self.memory = plan_memory(self.spec, self.weight_bytes, experts, options.memory_budget, self.expert_strategy,
+                                  streaming.prefetch_threads, options.kv_capacity, options.kv_cache, tokenizer_bytes,
+                                  streaming.prefetch_depth, self.compute_threads)
+        if (streaming.expert_strategy is None and experts is not None and self.memory.expert_cache_bytes is not None
                 and self.memory.expert_cache_bytes >= self.memory.expert_bytes):
             # the budget holds every expert: nothing to stream or predict, so none of their per-layer cost
             self.expert_strategy = "resident"
             self.memory = plan_memory(self.spec, self.weight_bytes, experts, self.memory.budget_bytes, "resident",
-                                      prefetch_threads, kv_capacity, kv_cache, tokenizer_bytes,
-                                      compute_threads=self.compute_threads)
+                                      streaming.prefetch_threads, options.kv_capacity, options.kv_cache,
+                                      tokenizer_bytes, compute_threads=self.compute_threads)
         self.memory_budget = self.memory.budget_bytes
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
-        self.device = device
+        self.device = options.device
         try:
-            self.experts = self._expert_source(verify)
-            self._configure_device_expert_cache(gpu_expert_cache)
+            self.experts = self._expert_source(options)
+            self._configure_device_expert_cache(options.gpu_expert_cache)
             self.transformer = Transformer(self.spec, self.checkpoint.tensors, self.backend, experts=self.experts,
-                                           kv_format=kv_cache)
+                                           kv_format=options.kv_cache)
+            if not self.transformer.forward_path.startswith("fused") and self.backend.name != "reference":
+                log.warning("device %r runs %s op by op (%s)", self.backend.name, os.path.basename(self.path),
+                            self.transformer.forward_path.removeprefix("ops: "))
         except KeyError as exc:
             raise CheckpointError(f"{self.path}: tensor {exc.args[0]} is missing; convert the model again") from None
         except DeviceUnavailableError as exc:  # e.g. the device has no kernel for a tensor's scheme
@@ -144,12 +125,12 @@ class Model:
         if tok_config.get("eos_token_id") is not None:
             self.eog_token_ids.add(tok_config["eos_token_id"])
 
-    def _expert_source(self, verify: bool):
+    def _expert_source(self, options: LoadOptions):
         """Where MoE layers get their routed experts: all of them in memory (None for a dense model)."""
         is_moe = any(self.spec.moe_for_layer(i) is not None for i in range(self.spec.num_hidden_layers))
         if not is_moe:
             return None
-        if not getattr(self.backend, "runs_moe", False):
+        if not self.backend.capabilities.runs_moe:
             raise UnsupportedModelError(
                 f"device {self.device.partition(':')[0]!r} does not run Mixture-of-Experts models yet; "
                 "use device 'cpu' or 'reference'")
@@ -159,20 +140,18 @@ class Model:
         from streaming import open_expert_source
 
         # a device that runs experts on another backend (npu: the CPU backend) has them prepared for it
-        expert_backend = getattr(self.backend, "expert_backend", self.backend)
+        expert_backend = self.backend.expert_backend
         return open_expert_source(self.checkpoint, self.spec, expert_backend, self.expert_strategy,
-                                  self.memory.expert_cache_bytes, verify=verify, **self.streaming_options)
+                                  self.memory.expert_cache_bytes, options.streaming, verify=options.verify)
 
     def _configure_device_expert_cache(self, size: int | str | None) -> None:
         """A device that keeps experts in its own memory (gpu) sizes that cache from the experts' shapes
         and schemes: bytes, a size ("64MB") or "P%" of every expert's device bytes; None: its default."""
-        configure = getattr(self.backend, "configure_expert_cache", None)
-        if configure is None or self.experts is None:
+        if not self.backend.capabilities.expert_cache or self.experts is None:
             if size is not None:
                 raise ZllmError(f"gpu_expert_cache applies to Mixture-of-Experts models on device 'gpu'; "
                                 f"{self.path} on device {self.device!r} has no GPU expert cache")
             return
-        from streaming.budget import parse_budget
 
         try:
             size = parse_budget(size)
@@ -183,7 +162,7 @@ class Model:
                                                  for name, p in experts.layout.projections.items()})
                   for layer, experts in self.checkpoint.experts.layers.items()}
         try:
-            configure(layers, capacity)
+            self.backend.configure_expert_cache(layers, capacity)
         except ValueError as exc:
             raise ExpertCacheError(f"{self.path}: {exc}") from None
 
@@ -287,20 +266,39 @@ class Model:
 
     # --- reporting ------------------------------------------------------------------------
     def device_info(self) -> dict:
+        """The device and backend, and which forward path this model runs on it: "fused" (the device's
+        executor) or "ops: <why>" (edge's op-by-op composition on the same device's operations)."""
         self.require_open()
-        return {"requested": self.device, **self.backend.info()}
+        info = {"requested": self.device, **self.backend.info(), "forward": self.transformer.forward_path}
+        ring = self._ring_buffer_note()
+        if ring is not None:
+            info["forward_long_sessions"] = ring
+        if self.expert_strategy == "predictive":
+            info["expert_forecast"] = self.experts.forecast_path()
+        return info
+
+    def _ring_buffer_note(self) -> str | None:
+        """Sessions longer than a sliding window keep only the window in ring buffers, which only the
+        op-by-op composition reads: a fused device runs those sessions op by op."""
+        windows = [self.spec.sliding_window_for_layer(i) for i in range(self.spec.num_hidden_layers)]
+        windows = [w for w in windows if w is not None and w < self.spec.max_position_embeddings]
+        if not windows or not self.transformer.forward_path.startswith("fused") \
+                or not self.backend.capabilities.ring_buffers:
+            return None
+        return f"ops: sessions of more than {min(windows)} positions (ring-buffered sliding-window layers)"
 
     def stats(self) -> dict:
         self.require_open()
+        rss, peak = psutil.Process().memory_info().rss, peak_rss_bytes()
         return {
             "weight_bytes": self.weight_bytes,
             "quantized_tensors": sum(isinstance(t, QuantizedTensor) for t in self.checkpoint.tensors.values()),
-            "rss_bytes": psutil.Process().memory_info().rss,
-            "peak_rss_bytes": peak_rss_bytes(),
+            "rss_bytes": rss,
+            "peak_rss_bytes": rss if peak is None else peak,  # no high-water mark kept: the RSS now
             "budget_bytes": self.memory_budget,
             "memory_plan": self.memory.to_dict(),
             **(self.experts.stats() if self.experts is not None else {}),
-            **(self.backend.expert_stats() if hasattr(self.backend, "expert_stats") else {}),
+            **(self.backend.expert_stats() if self.backend.capabilities.expert_cache else {}),
         }
 
     def load_session(self, path, capacity: int | None = None) -> Session:
@@ -419,32 +417,17 @@ def _text_content(messages) -> list[dict] | None:
     return flat
 
 
-def load(path, device: str = "reference", threads: int | None = None,
-         memory_budget: int | str | None = None, verify: bool = False, storage: str | None = None,
-         expert_strategy: str | None = None, expert_policy: str | None = None, prefetch_depth: int = 2,
-         prefetch_threads: int = 4, kv_capacity: int | None = None, kv_cache: str = "f32",
-         gpu_expert_cache: int | str | None = None) -> Model:
+def load(path, options: LoadOptions | None = None, **settings) -> Model:
     """Open a zllm checkpoint (mmap, no copy of the weights) on a device.
 
-    memory_budget: bytes, a size ("512MB"), or "P%" (everything that is not an expert plus a cache of
-    P% of the expert bytes); it covers dense weights, the KV cache of `kv_capacity` positions (sessions
-    share them), scratch and the expert cache (streaming/budget.py). MoE models only:
-    storage: None/"native", a preset ("nvme", "ufs", "emmc", "sd") or "custom:bw=500MB,lat=200us";
-    expert_strategy: "resident" (default without a budget, or with one that holds every expert),
-    "predictive" (default with a smaller budget),
-    "ondemand" (no predictor, no prefetch) or "mmap" (plain mmap + bounded page cache);
-    expert_policy: "lru", "lfu", "forecast" (evict what the predictor needs least), "cycle" (evict
-    the expert whose layer comes last in the layer-by-layer cycle, ties by the predictor's need) or
-    "nextuse" (evict the expert whose next use is expected furthest ahead: the cycle order weighed by
-    how often each expert's layer uses it; the default with the predictive strategy); "lru", the
-    default otherwise, evicts exactly what that cycle needs next.
-    gpu_expert_cache (device "gpu", MoE models): the bytes of uploaded experts the GPU keeps, keyed by
-    (layer, expert) and evicted least recently used: bytes, a size ("64MB") or "P%" of every expert's
-    device bytes. Default: every expert if they take at most half the adapter's memory (host RAM for a
-    CPU adapter such as lavapipe; 4 GiB assumed for a GPU, whose memory wgpu does not report), else
-    that half. Below one layer's experts it is refused (ExpertCacheError naming the minimum).
+    The settings are LoadOptions.of's keyword arguments: device ("reference", "cpu", "cpu:f32", "gpu",
+    "npu:openvino", ...), threads, memory_budget, kv_capacity, kv_cache, verify, the expert streaming
+    options of a MoE model (storage, expert_strategy, expert_policy, prefetch_depth, prefetch_threads)
+    and gpu_expert_cache; edge/options.py says what each takes. Or pass one LoadOptions as `options`.
     """
-    return Model(path, device=device, threads=threads, memory_budget=memory_budget, verify=verify,
-                 storage=storage, expert_strategy=expert_strategy, expert_policy=expert_policy,
-                 prefetch_depth=prefetch_depth, prefetch_threads=prefetch_threads, kv_capacity=kv_capacity,
-                 kv_cache=kv_cache, gpu_expert_cache=gpu_expert_cache)
+    if options is None:
+        options = LoadOptions.from_settings(settings)
+    elif not isinstance(options, LoadOptions) or settings:
+        raise InvalidArgumentError(f"edge.load takes keyword settings or options=LoadOptions(...), not both; "
+                                   f"got options={options!r} and {sorted(settings)}")
+    return Model(path, options)

@@ -24,41 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from devices.cache_buffers import StoredRows
-from edge.errors import ZllmError
-from edge.kv_cache import CachePart, KVCache, SlotLayout, check_kv_format_name
+from edge.core.errors import ZllmError
+from edge.kv_cache import KVCache
 
 MLA_FORMS = ("naive", "absorbed")
-
-
-# --- cache layouts ------------------------------------------------------------------------------
-def rope_part_format(kv_format: str) -> str:
-    """MLA keeps the rotary key part in f16 whenever the latent is compressed (f16 or int8):
-    quantizing it would perturb every position's phase."""
-    return "f32" if kv_format == "f32" else "f16"
-
-
-def cache_slots(spec, kv_format: str, capacity: int, ring_buffers: bool) -> list[SlotLayout]:
-    """The logical cache layout of every layer: what is cached per position, in which format, and
-    whether a sliding layer keeps only its window (ring buffer)."""
-    check_kv_format_name(kv_format)
-    slots = []
-    for layer in range(spec.num_hidden_layers):
-        if spec.attention_kind == "mla":
-            parts = (CachePart("latent", 1, spec.kv_lora_rank, kv_format),
-                     CachePart("rope", 1, spec.qk_rope_head_dim, rope_part_format(kv_format)))
-            slots.append(SlotLayout(parts, window=None, ring=False))
-            continue
-        window = spec.sliding_window_for_layer(layer)
-        parts = (CachePart("keys", spec.num_key_value_heads, spec.head_dim, kv_format),
-                 CachePart("values", spec.num_key_value_heads, spec.head_dim, kv_format))
-        ring = ring_buffers and window is not None and window < capacity
-        slots.append(SlotLayout(parts, window=window, ring=ring))
-    return slots
-
-
-def kv_bytes_per_token(spec, kv_format: str = "f32") -> int:
-    """Bytes one more position adds to the cache over all layers, before any ring buffer fills."""
-    return sum(slot.bytes_per_token for slot in cache_slots(spec, kv_format, spec.max_position_embeddings, False))
 
 
 # --- GQA / MHA / MQA ----------------------------------------------------------------------------
@@ -91,7 +60,7 @@ def attend_stored(be, q: np.ndarray, keys: StoredRows, values: StoredRows, posit
     """Attention over the cache's rows in their storage format: backends that read f16 / int8 K/V
     directly (`attention_over_cache`) get them as stored; the others only ever hold f32 caches
     (KVCache refuses to allocate anything else for them)."""
-    if hasattr(be, "attention_over_cache"):
+    if be.capabilities.stored_attention:
         return be.attention_over_cache(q, keys, values, positions, key_positions, scale, window)
     if keys.format != "f32":
         raise ZllmError(f"device {be.name!r} cannot attend over a {keys.format} KV cache; it reads float32 K/V only; "

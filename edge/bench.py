@@ -40,7 +40,8 @@ import numpy as np
 import psutil
 
 from devices.base import DeviceUnavailableError, split_device_list
-from edge.errors import InvalidArgumentError, ZllmError
+from edge.core.errors import InvalidArgumentError, ZllmError
+from streaming.stats import peak_rss_bytes
 
 PROMPT_TOPIC = "execmodel"  # pydoc_data.topics entry the text prompt is cut from: plain English prose
 PROMPT_SEED = 0
@@ -110,9 +111,9 @@ def id_prompt(vocab_size: int, special_ids: set[int], n_tokens: int, seed: int =
 
 def benchmark_prompt(checkpoint_path: str, n_tokens: int) -> tuple[list[int], str]:
     """The benchmark's prompt ids for a checkpoint and where they come from."""
-    from converters.checkpoint import open_checkpoint
-    from edge.spec import spec_from_dict
+    from edge.core.spec import spec_from_dict
     from edge.tokenizer import Tokenizer
+    from quant.checkpoint import open_checkpoint
 
     check_prompt_tokens(n_tokens)
     with open_checkpoint(checkpoint_path) as checkpoint:
@@ -173,19 +174,6 @@ def greedy_run(model, prompt_ids: list[int], new_tokens: int, after_prefill=None
             decode_seconds += time.perf_counter() - step_started
             tokens.append(token)
     return RunTimes(prefill_seconds, decode_seconds, time_to_first_token, len(prompt_ids), new_tokens - 1, tokens)
-
-
-def peak_rss_bytes() -> int | None:
-    """This process's peak resident set size so far (Linux VmHWM, Windows peak working set)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    peak = getattr(psutil.Process().memory_info(), "peak_wset", None)
-    return int(peak) if peak is not None else None
 
 
 class PeakRSSSampler:
@@ -485,7 +473,7 @@ def run_bench(checkpoint_path: str, devices: list[str], threads: int | None = No
     if not devices:
         raise BenchError("name at least one device, e.g. --device reference")
     check_counts(prompt_tokens if prompt_ids is None else len(prompt_ids), new_tokens, repeats)
-    from converters.checkpoint import read_manifest
+    from quant.checkpoint import read_manifest
 
     manifest = read_manifest(checkpoint_path)
     context = manifest["model"]["max_position_embeddings"]
@@ -695,7 +683,7 @@ def add_arguments(parser) -> None:
 
 
 def cmd_bench(args) -> int:
-    from edge.arguments import integer, writable_file
+    from edge.core.arguments import integer, writable_file
     from edge.home import default_model_checkpoint
 
     # checked before any model is built or converted, and before minutes of measuring
@@ -728,6 +716,6 @@ def emit_report(table: str, report: dict, json_target: str | None) -> None:
     else:
         print(table)
         if json_target:
-            from edge.arguments import write_atomically
+            from edge.core.files import write_atomically
 
             write_atomically(json_target, lambda f: json.dump(report, f, indent=1))

@@ -24,8 +24,17 @@ import platform
 import statistics
 import sys
 
-from edge.bench import (PROMPT_SEED, WARMUP_NEW_TOKENS, BenchError, DeviceWorker, _agreeing_prefix,
-                        check_prompt_tokens, emit_report, id_prompt, machine_info)
+from edge.bench import (
+    PROMPT_SEED,
+    WARMUP_NEW_TOKENS,
+    BenchError,
+    DeviceWorker,
+    _agreeing_prefix,
+    check_prompt_tokens,
+    emit_report,
+    id_prompt,
+    machine_info,
+)
 
 STRATEGY_OPTIONS = {
     "resident": {"expert_strategy": "resident"},
@@ -65,9 +74,9 @@ def workload_prompts(checkpoint_path: str, n_tokens: int, count: int) -> tuple[l
     """`count` distinct prompts of n_tokens ids: text topics when the checkpoint has a tokenizer, else ids."""
     from pydoc_data.topics import topics
 
-    from converters.checkpoint import open_checkpoint
-    from edge.spec import spec_from_dict
+    from edge.core.spec import spec_from_dict
     from edge.tokenizer import Tokenizer
+    from quant.checkpoint import open_checkpoint
 
     check_prompt_tokens(n_tokens)
     if count > len(WORKLOAD_TOPICS):
@@ -164,7 +173,7 @@ def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str
                   repeats: int = 1, prefetch_depth: int = 2, progress=None, options: str = "--memory-budget") -> dict:
     """Measure every (strategy, budget); returns the report (what --json writes). `options`: the command
     line options that asked for this benchmark, which a refusal of a dense checkpoint names."""
-    from converters.checkpoint import read_manifest
+    from quant.checkpoint import read_manifest
     from streaming.storage import parse_storage
 
     progress = progress or (lambda message: None)
@@ -301,7 +310,7 @@ def plot_moe_report(report: dict, path: str) -> None:
     figure.suptitle(f"{os.path.basename(report['model'])} on {report['device']}, storage {report['storage']}")
     figure.tight_layout()
     try:
-        from edge.arguments import write_atomically
+        from edge.core.files import write_atomically
 
         write_atomically(path, lambda f: figure.savefig(f, format="png", dpi=120), binary=True)
     finally:
@@ -309,9 +318,9 @@ def plot_moe_report(report: dict, path: str) -> None:
 
 
 def cmd_bench_moe(args) -> int:
-    from edge.api import check_load_arguments
     from edge.bench import load_threads
     from edge.home import default_moe_checkpoint, home_dir
+    from edge.options import LoadOptions
     from streaming.storage import parse_storage
 
     if len([d for d in args.device.split(",") if d.strip()]) != 1:
@@ -323,7 +332,7 @@ def cmd_bench_moe(args) -> int:
     # the device, --threads and --prefetch-depth as every configuration's edge.load will check them: before the
     # default MoE is built (minutes), not as a refusal of every configuration after it
     device = args.device.strip()
-    check_load_arguments(device, load_threads(device, args.threads), prefetch_depth=args.prefetch_depth)
+    LoadOptions.of(device, load_threads(device, args.threads), prefetch_depth=args.prefetch_depth)
     if args.plot:
         try:  # checked before the sweep, not after minutes of it
             import matplotlib  # noqa: F401

@@ -7,11 +7,31 @@ import json
 import os
 import sys
 
-from edge.errors import ZllmError
+from edge.core.errors import ZllmError
 
 DEFAULT_REQUESTS = 8
 DEFAULT_PROMPT_TOKENS = 32
 CALIBRATION_SEED = 100  # id prompts of tokenizer-less models; the benchmark draws its own from seed 0
+
+
+def calibration_prompts(tokenizer, n_requests: int, prompt_tokens: int) -> tuple[list[list[int]], str]:
+    """Prompts cut from Python's pydoc_data topics (offline English prose and code), one topic each."""
+    from pydoc_data.topics import topics
+
+    from edge.bench_moe import WORKLOAD_TOPICS
+    from streaming.predictor import PredictorError
+
+    prefix = [tokenizer.bos_token_id] if tokenizer.add_bos_token and tokenizer.bos_token_id is not None else []
+    encoded = {name: prefix + tokenizer.encode(text, add_special_tokens=False)
+               for name, text in sorted(topics.items()) if name not in WORKLOAD_TOPICS}  # (the benchmark's prompts)
+    names = [name for name, ids in encoded.items() if len(ids) >= prompt_tokens]  # every prompt as long as asked
+    if n_requests > len(names):
+        raise PredictorError(f"{n_requests} requests of {prompt_tokens} prompt tokens need as many pydoc topics of that "
+                             f"length; {len(names)} have it: lower --requests or the prompt length")
+    step = max(1, len(names) // n_requests)
+    chosen = names[::step][:n_requests]
+    prompts = [encoded[name][:prompt_tokens] for name in chosen]
+    return prompts, f"pydoc_data.topics {chosen}, {prompt_tokens} prompt tokens each"
 
 
 def add_arguments(parser) -> None:
@@ -50,9 +70,9 @@ def _check_recording(args) -> int:
 
 def _record(path: str, args):
     import edge
-    from converters.checkpoint import read_manifest
     from edge.bench import id_prompt
-    from streaming.calibration import calibration_prompts, record_trace
+    from quant.checkpoint import read_manifest
+    from streaming.calibration import record_trace
 
     per_request = _check_recording(args)
     context = read_manifest(path)["model"]["max_position_embeddings"]
@@ -78,18 +98,19 @@ def _record(path: str, args):
 
 
 def cmd_calibrate(args) -> int:
-    from edge.api import check_load_arguments
-    from edge.arguments import write_atomically, writable_file
+    from edge.core.arguments import writable_file
+    from edge.core.files import write_atomically
+    from edge.core.spec import spec_from_dict
     from edge.home import default_moe_checkpoint
-    from converters.checkpoint import read_manifest
-    from edge.spec import spec_from_dict
+    from edge.options import LoadOptions
+    from quant.checkpoint import read_manifest
     from streaming.calibration import RouteTrace, calibrate, check_trace_fits, format_calibration
     from streaming.predictor import SignalWeights, write_predictor_file
 
     replay = args.trace is not None and os.path.isfile(args.trace)
     if not replay:  # checked before the default MoE is built (minutes) and before the recording
         _check_recording(args)
-        check_load_arguments(args.device)
+        LoadOptions.of(device=args.device)
         if args.trace == "-":
             raise ZllmError("--trace names a file (npz); it cannot be '-' (stdout)")
         writable_file("--trace", args.trace)

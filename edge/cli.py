@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from edge.errors import ZllmError
+from edge.core.errors import ZllmError
 
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,8 @@ def cmd_convert(args) -> int:
     overrides = {c: getattr(args, f"override_{c}") for c in TENSOR_CLASSES if getattr(args, f"override_{c}") is not None}
     plan = QuantPlan(weights=weights, group_size=args.group_size, symmetric=args.symmetric, overrides=overrides)
     if args.moefy is not None:
-        from converters.moefy import moefy_convert, parse_dense_layers, parse_moefy
+        from converters.moefy import parse_dense_layers, parse_moefy
+        from edge.moefy import moefy_convert
 
         experts, top_k = parse_moefy(args.moefy) if args.moefy else (None, None)
         dense = parse_dense_layers(args.moefy_dense_layers) if args.moefy_dense_layers is not None else None
@@ -62,7 +63,7 @@ def cmd_convert(args) -> int:
 def cmd_inspect(args) -> int:
     from collections import Counter
 
-    from converters.checkpoint import open_checkpoint
+    from quant.checkpoint import open_checkpoint
 
     with open_checkpoint(args.checkpoint) as checkpoint:  # files present, tensors as the manifest's spec says
         manifest, spec = checkpoint.manifest, checkpoint.spec
@@ -137,19 +138,18 @@ def _load_for_text(model_path: str | None, args):
     """generate/chat: check the options (the checks edge.load and generate run themselves) before the
     default model is converted or any model is loaded, then load one that can take text."""
     import edge
-    from edge.api import check_load_arguments
     from edge.generation import GenerationOptions
+    from edge.options import LoadOptions
 
     GenerationOptions.of(**_generation_kwargs(args))
     if getattr(args, "system", None):
         from edge.api import check_unicode
 
         check_unicode("--system", args.system)
-    check_load_arguments(args.device, args.threads, args.memory_budget, args.kv_capacity, args.prefetch_threads,
-                         args.prefetch_depth, args.kv_cache)
+    options = LoadOptions.of(device=args.device, threads=args.threads, kv_cache=args.kv_cache,
+                             kv_capacity=args.kv_capacity, verify=args.verify, **_memory_options(args))
     path = _resolve_model(model_path, args.quiet)
-    model = edge.load(path, device=args.device, threads=args.threads, kv_cache=args.kv_cache,
-                      kv_capacity=args.kv_capacity, verify=args.verify, **_memory_options(args))
+    model = edge.load(path, options=options)
     if model.tokenizer is None:  # the API takes token ids then; the command line has only text
         model.close()
         raise ZllmError(f"{path} has no tokenizer, so it cannot take text; convert the model from a source that "

@@ -59,8 +59,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from devices.base import split_device_list
-from edge.arguments import integer
-from edge.errors import ZllmError
+from edge.core.arguments import integer
+from edge.core.errors import ZllmError
 
 SAFETY = 2.0
 MATMULS_IN_SERIES = 4  # longest chain of matmuls inside one layer: q/k/v -> scores -> values -> o, then gate/up -> down
@@ -328,8 +328,8 @@ def _compare_pass(name: str, tokens: list[int], recorders, logits, tolerance: To
 
 def check_diff_arguments(devices: list[str], decode_steps: int, threads: int | None) -> None:
     """What diff is asked for, checked before a model is converted or loaded (DiffError / InvalidArgumentError)."""
-    from edge.api import check_load_arguments
     from edge.bench import load_threads
+    from edge.options import LoadOptions
 
     if len(devices) != 2:
         raise DiffError(f"diff compares exactly two devices, got {len(devices)}: {','.join(devices) or '(none)'}")
@@ -338,15 +338,15 @@ def check_diff_arguments(devices: list[str], decode_steps: int, threads: int | N
     if threads is not None:
         integer("--threads", threads, minimum=1)
     for device in devices:
-        check_load_arguments(device, load_threads(device, threads))
+        LoadOptions.of(device, load_threads(device, threads))
 
 
 def run_diff(checkpoint_path: str, prompt_ids: list[int], devices: list[str], decode_steps: int = 4,
              threads: int | None = None) -> dict:
     """Compare devices[1] against devices[0] (the reference) on prompt_ids and decode_steps greedy steps."""
     import edge
-    from converters.checkpoint import read_manifest
     from edge.bench import load_threads
+    from quant.checkpoint import read_manifest
 
     check_diff_arguments(devices, decode_steps, threads)
     if not prompt_ids:
@@ -500,8 +500,8 @@ def cmd_diff(args) -> int:
             raise DiffError(f"--ids expects comma-separated integers, got {prompt!r}") from None
     path = args.words[0] if len(args.words) == 2 else default_model_checkpoint(progress=not args.quiet)
     if not args.ids:
-        from converters.checkpoint import open_checkpoint
         from edge.tokenizer import Tokenizer, TokenizerError
+        from quant.checkpoint import open_checkpoint
 
         with open_checkpoint(path) as checkpoint:
             if checkpoint.tokenizer_path is None:

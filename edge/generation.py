@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge.arguments import integer
-from edge.errors import InvalidArgumentError, SessionError
+from edge.core.arguments import integer
+from edge.core.errors import InvalidArgumentError, SessionError
 from edge.sampling import SamplingParams, sample_token
 from edge.tokenizer import IncrementalDecoder
 

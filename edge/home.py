@@ -5,7 +5,7 @@ import importlib.util
 import os
 import sys
 
-from edge.errors import ZllmError
+from edge.core.errors import ZllmError
 from kernels.cache_home import zllm_home
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -53,7 +53,8 @@ def default_moe_checkpoint(progress: bool = True) -> str:
     """The built-in default MoE: the default model MoEfied with the default setting (`zllm-edge convert
     --moefy` with no value), built on first use. The folder name carries the setting, so a changed
     default builds anew instead of reusing a checkpoint made with another one."""
-    from converters.moefy import DEFAULT_MOEFY, moefy_convert
+    from converters.moefy import DEFAULT_MOEFY
+    from edge.moefy import moefy_convert
 
     dense = DEFAULT_MOEFY.dense_layers
     dense = dense.replace(":", "") if isinstance(dense, str) else "_".join(str(layer) for layer in dense) or "none"

@@ -13,49 +13,11 @@ scales) so that a backend's kernel reads the format directly; `append` reads the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from devices.cache_buffers import CacheBuffer, StoredRows, concat_stored
-from edge.errors import InvalidArgumentError, SessionError, ZllmError
-from quant.kv_formats import KV_FORMATS, kv_bytes_per_row
-
-
-@dataclass(frozen=True)
-class CachePart:
-    name: str     # "keys", "values" (GQA) or "latent", "rope" (MLA)
-    heads: int
-    dim: int
-    format: str   # one of KV_FORMATS
-
-    @property
-    def bytes_per_row(self) -> int:
-        return kv_bytes_per_row(self.format, self.heads, self.dim)
-
-
-@dataclass(frozen=True)
-class SlotLayout:
-    parts: tuple[CachePart, ...]
-    window: int | None  # a sliding layer's window (queries see keys less than `window` behind)
-    ring: bool          # keep only the window's rows
-
-    def rows(self, capacity: int) -> int:
-        return self.window if self.ring else capacity
-
-    @property
-    def bytes_per_token(self) -> int:
-        return sum(part.bytes_per_row for part in self.parts)
-
-    @property
-    def full_kv(self) -> bool:
-        """Keys and values over every position (no ring buffer, no MLA latent): what fused executors take."""
-        return not self.ring and all(p.name in ("keys", "values") for p in self.parts)
-
-    @property
-    def plain(self) -> bool:
-        """Float32 K/V over every position: the layout of a backend's allocate_kv."""
-        return self.full_kv and all(p.format == "f32" for p in self.parts)
+from edge.core.errors import SessionError, ZllmError
+from edge.core.kv import SlotLayout, check_kv_format_name
 
 
 class KVCache:
@@ -72,9 +34,9 @@ class KVCache:
         if slot.plain:
             keys, values = slot.parts
             return tuple(backend.allocate_kv(self.capacity, keys.heads, keys.dim))
-        formats = getattr(backend, "kv_formats", ("f32",))
+        capabilities = backend.capabilities
         for part in slot.parts:
-            if part.format not in formats or not hasattr(backend, "allocate_cache"):
+            if part.format not in capabilities.kv_formats or not capabilities.cache_buffers:
                 what = "a ring buffer" if slot.ring else f"a {part.format} {part.name} cache"
                 raise ZllmError(
                     f"device {backend.name!r} cannot hold {what}; it keeps float32 K/V caches only "
@@ -173,15 +135,9 @@ class KVCache:
         }
 
 
-def check_kv_format_name(kv_format: str) -> None:
-    """A KV cache format's name (InvalidArgumentError, also a ZllmError and a ValueError, for any other value)."""
-    if not isinstance(kv_format, str) or kv_format not in KV_FORMATS:
-        raise InvalidArgumentError(f"kv_cache {kv_format!r} is unknown; choose one of {', '.join(KV_FORMATS)}")
-
-
 def check_kv_format(kv_format: str, backend) -> None:
     check_kv_format_name(kv_format)
-    supported = getattr(backend, "kv_formats", ("f32",))
+    supported = backend.capabilities.kv_formats
     if kv_format not in supported:
         raise ZllmError(
             f"device {backend.name!r} does not implement the {kv_format} KV cache (it has {', '.join(supported)}); "

@@ -5,15 +5,19 @@ T = tokens in this call, D = hidden size, Hq / Hkv = query / key-value heads, Dh
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
-from edge.attention import MlaWeights, cache_slots, gqa_attention, load_mla_weights, mla_attention
+from edge.attention import MlaWeights, gqa_attention, load_mla_weights, mla_attention
+from edge.core.contract import ForwardModel
+from edge.core.kv import cache_slots
+from edge.core.moe import ExpertSource, MoeLayerWeights
+from edge.core.spec import LlamaSpec
 from edge.kv_cache import KVCache, check_kv_format
-from edge.moe import ExpertSource, MoeLayerWeights, moe_block, route_and_fetch, routed_experts
+from edge.moe import ExpertMixer, moe_block
 from edge.rope import RopeTable
-from edge.spec import LlamaSpec
 
 
 @dataclass
@@ -41,6 +45,17 @@ class LayerWeights:
     mla: MlaWeights | None = None  # set on MLA layers (DeepSeek), whose q/k/v/o fields are then None
 
 
+def _forward_ops_of(transformer: "Transformer"):
+    """The transformer's op-by-op composition for its executor, without keeping the transformer alive
+    (it holds the executor)."""
+    reference = weakref.ref(transformer)
+
+    def forward_ops(ids, cache, all_logits: bool, observer=None):
+        return reference().forward_ops(ids, cache, all_logits, observer)
+
+    return forward_ops
+
+
 class Transformer:
     """A decoder-only transformer of the Llama lineage, run by one backend."""
 
@@ -51,9 +66,7 @@ class Transformer:
         check_kv_format(kv_format, backend)
         self.kv_format = kv_format  # storage of GQA K/V, or of MLA's latent (quant/kv_formats.py)
         self.mla_form: str | None = None  # MLA: None = naive prefill + absorbed decode; or force one form
-        self.experts = experts  # where MoE layers get their routed experts' weights
-
-        load_weight = getattr(backend, "load_weight", backend.prepare_weight)  # (a backend may place them)
+        load_weight = backend.load_weight  # (a backend may place them)
 
         def weight(name: str, required: bool = True):
             if name not in tensors:
@@ -101,11 +114,28 @@ class Transformer:
                 moe=None if dense_ffn else self._moe_weights(moe, p + "mlp.", weight, tensors),
                 mla=load_mla_weights(spec, weight, float_weight, p + "self_attn.") if mla else None,
             ))
-        if experts is None and any(layer.moe is not None for layer in self.layers):
+        moe_layers = {index: layer.moe for index, layer in enumerate(self.layers) if layer.moe is not None}
+        if experts is None and moe_layers:
             raise ValueError(f"{spec.model_type} has Mixture-of-Experts layers; pass an ExpertSource as `experts`")
+        self.moe = ExpertMixer(backend, moe_layers, experts) if moe_layers else None
+        self._experts = experts
         self.rope = RopeTable(spec)
         self.attention_scale = 1.0 / math.sqrt(spec.head_dim)
-        self._fused_forward = backend.compile_forward(self)
+        self._fused_forward, self.forward_path = backend.compile_forward(ForwardModel(
+            spec=spec, layers=self.layers, embed_tokens=self.embed_tokens, final_norm=self.final_norm,
+            lm_head=self.lm_head, rope=self.rope, attention_scale=self.attention_scale, kv_format=kv_format,
+            moe=self.moe, forward_ops=_forward_ops_of(self)))
+
+    @property
+    def experts(self) -> ExpertSource | None:
+        """Where MoE layers get their routed experts' weights (a source may be swapped: route recording)."""
+        return self._experts
+
+    @experts.setter
+    def experts(self, source: ExpertSource | None) -> None:
+        self._experts = source
+        if self.moe is not None:
+            self.moe.source = source
 
     @staticmethod
     def _moe_weights(moe, prefix: str, weight, tensors: dict) -> MoeLayerWeights:
@@ -124,21 +154,8 @@ class Transformer:
             shared_expert_gate=weight(prefix + "shared_expert_gate.weight") if shared and moe.shared_expert_gate else None,
         )
 
-    def routed_experts(self, index: int, x: np.ndarray, residual: np.ndarray, router_logits: np.ndarray):
-        """MoE layer `index`'s routed experts for x [T, D] (after the layer's norm), its router logits
-        [T, E] computed elsewhere (a fused executor's graph), residual [T, D] entering the block:
-        -> (their mixture [T, D], expert ids [T, A], route weights [T, A]), on this model's backend and
-        expert source, with the same routing as the op-by-op composition."""
-        return routed_experts(self.backend, index, x, residual, router_logits, self.layers[index].moe, self.experts)
-
-    def route_moe_layer(self, index: int, router_logits: np.ndarray, residual: np.ndarray):
-        """MoE layer `index`'s route from router logits [T, E] a fused executor computed, residual [T, D]
-        entering the block, and the chosen experts from this model's ExpertSource:
-        -> (ids [T, A], route weights [T, A], {id: ExpertWeights}), routed as the op-by-op composition does."""
-        return route_and_fetch(index, router_logits, residual, self.layers[index].moe, self.experts)
-
     def new_cache(self, capacity: int) -> KVCache:
-        ring_buffers = getattr(self.backend, "ring_buffers", False)
+        ring_buffers = self.backend.capabilities.ring_buffers
         return KVCache(self.backend, cache_slots(self.spec, self.kv_format, capacity, ring_buffers), capacity)
 
     def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool, observer=None) -> np.ndarray:
@@ -155,9 +172,8 @@ class Transformer:
         ties to the lowest id. A fused executor with `next_token` picks it on the device and reads back
         only the id; otherwise it is taken from the logits."""
         fused = self._fused_forward if cache.full_kv else None
-        pick = getattr(fused, "next_token", None)
-        if pick is not None:
-            return pick(ids, cache)
+        if fused is not None and self.backend.capabilities.greedy_on_device:
+            return fused.next_token(ids, cache)
         return int(np.argmax(self.forward(ids, cache, all_logits=False)))
 
     def forward_ops(self, ids: np.ndarray, cache: KVCache, all_logits: bool, observer=None,

@@ -9,11 +9,11 @@ import math
 
 import numpy as np
 
-from edge.errors import UnsupportedModelError
-from edge.spec import LlamaSpec
-from edge.spec_dense import ROPE_PARAMETERS
+from edge.core.errors import UnsupportedModelError
+from edge.core.spec import LlamaSpec
+from edge.core.spec_dense import ROPE_PARAMETERS
 
-SUPPORTED_ROPE_TYPES = tuple(ROPE_PARAMETERS)  # each with the parameters it needs (edge/spec_dense.py)
+SUPPORTED_ROPE_TYPES = tuple(ROPE_PARAMETERS)  # each with the parameters it needs (edge/core/spec_dense.py)
 
 
 def rope_inv_freq(spec: LlamaSpec, long: bool = False) -> tuple[np.ndarray, float]:

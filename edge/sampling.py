@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge.arguments import integer, number
+from edge.core.arguments import integer, number
 
 
 @dataclass(frozen=True)

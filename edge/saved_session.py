@@ -24,10 +24,11 @@ import struct
 
 import numpy as np
 
-from converters.checkpoint import MANIFEST, sha256_file
 from devices.cache_buffers import CacheBuffer
-from edge.arguments import integer, path_argument, write_atomically
-from edge.errors import SessionError
+from edge.core.arguments import integer, path_argument
+from edge.core.errors import SessionError
+from edge.core.files import write_atomically
+from quant.checkpoint import MANIFEST, sha256_file
 
 MAGIC = b"ZLLMSESS"
 FORMAT_VERSION = 1

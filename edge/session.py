@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge.errors import SessionError, ZllmError
+from edge.core.errors import SessionError, ZllmError
 
 
 def check_token_ids(ids, vocab_size: int, error: type[ZllmError] = SessionError) -> np.ndarray:
@@ -86,9 +86,8 @@ class Session:
     def _begin_request(self) -> None:
         """A new request starts: an expert source restarts its per-request statistics (the predictor's
         frequencies within the request); its cache and what the predictor learned stay."""
-        begin = getattr(self.model.transformer.experts, "begin_request", None)
-        if begin is not None:
-            begin()
+        if self.model.experts is not None:
+            self.model.experts.begin_request()
 
     def close(self) -> None:
         """Free the KV cache and give its positions back to the model's memory budget (again: nothing)."""

@@ -8,7 +8,7 @@ from datetime import date
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from edge.errors import CheckpointError, ZllmError
+from edge.core.errors import CheckpointError, ZllmError
 
 
 class TokenizerError(ZllmError):

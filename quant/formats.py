@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge.errors import CheckpointError, ConversionError
+from edge.core.errors import CheckpointError, ConversionError
 
 FLOAT_DTYPES = ("f32", "f16")
 QUANTIZED_DTYPES = ("int8", "int4")

@@ -26,7 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from edge.errors import ConversionError
+from edge.core.errors import ConversionError
 from quant.formats import CODECS, FORMATS, FormatInfo, QuantizedTensor, Scheme
 
 

@@ -13,26 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-KV_FORMATS = ("f32", "f16", "int8")
-KV_INT8_GROUP = 32
+# the formats' names and row sizes belong to the core (a memory plan needs them without this math)
+from edge.core.kv import KV_FORMATS, KV_INT8_GROUP, kv_bytes_per_row, kv_group_size  # noqa: F401
+
 INT8_LIMIT = 127
-
-
-def kv_group_size(dim: int) -> int:
-    """Group length of the int8 format along a row of `dim` values: 32, or the whole row when 32
-    does not divide it (small test heads such as 24 or 8)."""
-    return KV_INT8_GROUP if dim % KV_INT8_GROUP == 0 else dim
-
-
-def kv_bytes_per_row(fmt: str, heads: int, dim: int) -> int:
-    """Bytes one cached position takes in one buffer of `heads` x `dim` values."""
-    if fmt == "f32":
-        return 4 * heads * dim
-    if fmt == "f16":
-        return 2 * heads * dim
-    if fmt == "int8":
-        return heads * dim + 2 * heads * (dim // kv_group_size(dim))  # codes + f16 scales
-    raise ValueError(f"KV cache format {fmt!r} is unknown; known formats: {', '.join(KV_FORMATS)}")
 
 
 def kv_relative_error_bound(fmt: str) -> float:

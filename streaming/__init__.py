@@ -1,6 +1,6 @@
 """Expert streaming for Mixture-of-Experts models: store, bounded cache, predictor, prefetcher.
 
-`open_expert_source` builds the ExpertSource (edge/moe.py) an expert strategy names:
+`open_expert_source` builds the ExpertSource (edge/core/moe.py) an expert strategy names:
 
     resident    every expert read once at load (streaming/resident.py)
     predictive  streamed through a bounded cache, with the predictor's prefetches (streaming/source.py)
@@ -9,20 +9,23 @@
 """
 from __future__ import annotations
 
-from edge.errors import ZllmError
+from edge.core.errors import ZllmError
+from streaming.options import StreamingOptions
 
 
-def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: int | None, storage=None,
-                       policy: str | None = None, depth: int = 2, threads: int = 2, verify: bool = False):
-    # `verify` also checks every record's crc32 when the resident source reads them all at load
-    """The ExpertSource for a MoE checkpoint under an expert strategy and an expert cache size."""
+def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: int | None,
+                       options: StreamingOptions = StreamingOptions(), verify: bool = False):
+    """The ExpertSource for a MoE checkpoint under an expert strategy (the options' or a resolved one)
+    and an expert cache size; `verify` also checks every record's crc32 when the resident source
+    reads them all at load."""
+    storage, policy, depth = options.storage, options.expert_policy, options.prefetch_depth
     index = checkpoint.experts
     layers = {layer: spec.moe_for_layer(layer) for layer in sorted(index.layers)}
     if strategy == "resident":
         from streaming.resident import ResidentExperts
 
         # held for the model's lifetime, like its dense weights (a backend may place them: load_weight)
-        return ResidentExperts(index, getattr(backend, "load_weight", backend.prepare_weight), verify=verify)
+        return ResidentExperts(index, backend.load_weight, verify=verify)
     if strategy == "mmap":
         from streaming.paging import MappedExperts
 
@@ -50,7 +53,7 @@ def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: in
                         "or expert_policy 'lru' or 'lfu'")
     # streamed experts are always checked against their crc32: a damaged record must never become output
     return StreamingExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage, predictor=predictor,
-                            policy=policy, depth=depth, threads=threads, verify=True)
+                            policy=policy, depth=depth, threads=options.prefetch_threads, verify=True)
 
 
 __all__ = ["open_expert_source"]

@@ -31,18 +31,18 @@ import numbers
 import re
 from dataclasses import asdict, dataclass
 
-from converters.expert_file import ExpertIndex
-from edge.attention import kv_bytes_per_token
-from edge.errors import ZllmError
+from edge.core.arguments import parse_size
+from edge.core.errors import ZllmError
+from edge.core.kv import kv_bytes_per_token
 from kernels.cpu.formats import padded_cols
 from kernels.cpu.linear import tile_scratch_rows
+from quant.expert_file import ExpertIndex
 from streaming.cache import ENTRY_OVERHEAD
 from streaming.store import aligned_length
 
 BUDGET_KV_CAPACITY = 1024  # positions the budget reserves for KV by default
 SCRATCH_TOKENS = 64        # tokens of one forward call the scratch reservation covers
 STRATEGIES = ("predictive", "ondemand", "mmap", "resident")
-_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
 
 
 @dataclass(frozen=True)
@@ -72,12 +72,10 @@ def parse_budget(value: "int | float | str | None") -> Budget | None:
             if not 0 < share <= 100:
                 raise ZllmError(f"memory budget {value!r}: a share of the expert bytes must be in (0%, 100%]")
             return Budget(expert_percent=share)
-        match = re.fullmatch(rf"\s*{_NUMBER}\s*([KMG]I?B|B)?\s*", value, re.IGNORECASE)
-        if not match:
+        size = parse_size(value)
+        if size is None:
             raise ZllmError(f"memory budget {value!r} not understood; use bytes, a size such as 512MB or 2GiB, or a "
                             "share of the expert bytes such as 50%")
-        number, unit = match.groups()
-        size = float(number) * _UNITS[(unit or "").upper()]
     else:
         size = int(value) if isinstance(value, numbers.Integral) else float(value)
     if not math.isfinite(size) or size < 1:  # -1 would plan a negative cache; 0 holds nothing

@@ -21,8 +21,8 @@ from typing import Callable
 
 import numpy as np
 
-from edge.errors import ZllmError
-from edge.moe import ExpertWeights
+from edge.core.errors import ZllmError
+from edge.core.moe import ExpertWeights
 from streaming.store import aligned_empty
 
 ENTRY_OVERHEAD = 4096  # bytes charged per entry for its prepared weights beside the buffer

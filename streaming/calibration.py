@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge.arguments import write_atomically
-from edge.moe import MoeConfig
-from streaming.predictor import (SIGNALS, ExpertPredictor, PredictorError, SignalMix, SignalWeights,
-                                 top_sets)
+from edge.core.files import write_atomically
+from edge.core.moe import MoeConfig
+from streaming.predictor import SIGNALS, ExpertPredictor, PredictorError, SignalMix, SignalWeights, top_sets
 
 TRACE_FORMAT_VERSION = 2
 PHASES = ("decode", "prefill")
@@ -157,30 +156,14 @@ class RecordingExperts:
         self.recorder.route(layer, expert_ids, residual)
         return self.inner.experts(layer, expert_ids, residual, router_logits)
 
+    def begin_request(self) -> None:
+        self.inner.begin_request()
+
     def stats(self) -> dict:
         return self.inner.stats()
 
     def close(self) -> None:
         self.inner.close()
-
-
-def calibration_prompts(tokenizer, n_requests: int, prompt_tokens: int) -> tuple[list[list[int]], str]:
-    """Prompts cut from Python's pydoc_data topics (offline English prose and code), one topic each."""
-    from pydoc_data.topics import topics
-
-    from edge.bench_moe import WORKLOAD_TOPICS
-
-    prefix = [tokenizer.bos_token_id] if tokenizer.add_bos_token and tokenizer.bos_token_id is not None else []
-    encoded = {name: prefix + tokenizer.encode(text, add_special_tokens=False)
-               for name, text in sorted(topics.items()) if name not in WORKLOAD_TOPICS}  # (the benchmark's prompts)
-    names = [name for name, ids in encoded.items() if len(ids) >= prompt_tokens]  # every prompt as long as asked
-    if n_requests > len(names):
-        raise PredictorError(f"{n_requests} requests of {prompt_tokens} prompt tokens need as many pydoc topics of that "
-                             f"length; {len(names)} have it: lower --requests or the prompt length")
-    step = max(1, len(names) // n_requests)
-    chosen = names[::step][:n_requests]
-    prompts = [encoded[name][:prompt_tokens] for name in chosen]
-    return prompts, f"pydoc_data.topics {chosen}, {prompt_tokens} prompt tokens each"
 
 
 def check_trace_fits(trace: RouteTrace, spec, trace_path: str, model_path: str) -> None:

@@ -24,9 +24,9 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from converters.expert_file import ExpertIndex
-from edge.errors import CheckpointError
-from edge.moe import ExpertWeights, distinct_experts
+from edge.core.errors import CheckpointError
+from edge.core.moe import ExpertSet, ExpertWeights, distinct_experts
+from quant.expert_file import ExpertIndex
 from streaming.source import prepared_expert
 from streaming.stats import StreamingCounters
 from streaming.storage import EmulatedDevice, parse_storage
@@ -119,7 +119,7 @@ class MappedExperts:
     def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
                 router_logits: np.ndarray | None = None) -> Mapping[int, ExpertWeights]:
         wanted = distinct_experts(expert_ids)
-        chosen = {}
+        chosen = ExpertSet()
         for expert in wanted:
             key = (layer, expert)
             if key in self._resident:
@@ -142,6 +142,9 @@ class MappedExperts:
             if self._resident_bytes + length <= self.cache_bytes:
                 break
             self._drop(key)
+
+    def begin_request(self) -> None:
+        pass  # the page cache's recency carries over requests
 
     def stats(self) -> dict:
         stats = self.counters.to_dict(io_seconds=self.counters.stall_seconds)

@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from devices.reference import rms_norm, softmax
-from edge.arguments import write_atomically
-from edge.errors import ZllmError
-from edge.moe import MoeConfig
+from edge.core.errors import ZllmError
+from edge.core.files import write_atomically
+from edge.core.moe import MoeConfig, kept_groups_mask, router_scores, selection_scores
+from edge.core.numerics import rms_norm, softmax
 from kernels.cpu.forecast import count_decode_route, gate_forecast, learn_decode_drift
 
 SIGNALS = ("gate", "temporal", "spatial", "frequency")
@@ -42,7 +42,7 @@ PREDICTOR_FILE = "predictor.json"
 PREDICTOR_FORMAT = "zllm-expert-predictor"
 PREDICTOR_VERSION = 1
 SMOOTHING = 0.1  # Laplace pseudo-count per transition: unseen transitions keep a little mass
-SIGMOID_CLIP = 1e-6  # keeps logit(sigmoid(l) + bias) finite for DeepSeek's corrected scores
+SHARE_FLOOR, SHARE_CEILING = 1e-300, float(np.nextafter(1.0, 0.0))  # keep those logits finite
 DRIFT_RATE = 0.1  # weight of the newest token in the moving average of the lookahead's logit drift
 _DRIFT_RATE_F32 = np.float32(DRIFT_RATE)
 _NO_IDS = np.zeros(0, np.int64)            # count_decode_route's "no route"
@@ -439,37 +439,25 @@ class ExpertPredictor:
         return out
 
     def selection_logits(self, target: int, logits: np.ndarray) -> np.ndarray:
-        """Raw logits [T, E] -> logits that rank experts the way `target`'s router selects them.
+        """Raw logits [T, E] -> logits that rank experts the way `target`'s router selects them
+        (edge/core/moe.py `route`: its selection scores, its group mask).
 
         Softmax and unit scoring select by the logits; sigmoid scoring with a correction bias selects by
-        sigmoid(l) + bias, returned here as logit(sigmoid(l) + bias) so every family ranks the same way.
-        Group-limited routing (n_group > 1) masks the experts of the groups that would not compete."""
+        sigmoid(l) + bias, returned here as logits of it rescaled into (0, 1), so every family ranks the same way.
+        Group-limited routing (n_group > 1) pushes the experts of the groups that would not compete
+        below every other."""
         config = self.configs[target]
-        bias = self.routers[target][2]
-        if config.scoring == "sigmoid":
-            selection = 1.0 / (1.0 + np.exp(-logits))
-            if bias is not None and config.score_correction_bias:
-                selection = selection + bias
-                clipped = np.clip(selection, SIGMOID_CLIP, 1 - SIGMOID_CLIP)
-                logits = np.log(clipped) - np.log1p(-clipped)
-            if config.n_group > 1:
-                logits = self._mask_groups(logits, selection, config)
-        elif config.n_group > 1:
-            logits = self._mask_groups(logits, softmax(logits), config)
+        bias = self.routers[target][2] if config.score_correction_bias else None
+        choice = selection_scores(router_scores(logits, config), bias)  # [T, E]
+        if config.scoring == "sigmoid" and bias is not None:
+            # sigmoid(l) + bias lies in (min bias, 1 + max bias): rescaled into (0, 1) and taken back to
+            # logits, strictly increasing, so the ranking is the router's to the last tie
+            low, high = float(np.min(bias)), 1.0 + float(np.max(bias))
+            share = np.clip((choice.astype(np.float64) - low) / (high - low), SHARE_FLOOR, SHARE_CEILING)
+            logits = np.log(share) - np.log1p(-share)
+        if config.n_group > 1:
+            logits = np.where(kept_groups_mask(choice, config), logits, logits.min() - 30.0)
         return logits.astype(np.float32, copy=False)
-
-    @staticmethod
-    def _mask_groups(logits: np.ndarray, selection: np.ndarray, config: MoeConfig) -> np.ndarray:
-        grouped = selection.reshape(len(selection), config.n_group, -1)  # [T, groups, E/groups]
-        if config.group_score == "top2_sum":
-            group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
-        else:
-            group_scores = grouped.max(-1)
-        kept = top_sets(group_scores, config.topk_group)  # [T, topk_group]
-        mask = np.zeros(group_scores.shape, bool)
-        np.put_along_axis(mask, kept, True, axis=1)
-        mask = np.repeat(mask, grouped.shape[-1], axis=1)  # [T, E]
-        return np.where(mask, logits, logits.min() - 30.0)
 
     def signals(self, layer: int, gate_logits: dict[int, np.ndarray], n_tokens: int,
                 used: tuple[bool, ...] = (True,) * len(SIGNALS)) -> dict[int, np.ndarray]:
@@ -520,6 +508,23 @@ class ExpertPredictor:
             if plan is not None:
                 return self._forecast_decode(layer, residual.reshape(-1), plan)
         return self.forecast_from_lookahead(layer, self.lookahead_logits(layer, residual), n_tokens)
+
+    def forecast_path(self) -> str:
+        """"compiled" when every one-token forecast runs in one compiled call (kernels/cpu/forecast.py),
+        else "numpy: <why>" (the general forecast, a few dozen numpy operations per MoE layer)."""
+        reasons = []
+        for layer in self.order:
+            targets = self.targets(layer)
+            if not targets or self._decode_plan(layer) is not None:
+                continue
+            _, used = self._forecast_plan(layer, tuple(targets))
+            others = [name for name, on in zip(SIGNALS[1:], used[1:]) if on]
+            if others:
+                reasons.append(f"the signal mix uses the {'/'.join(others)} signal")
+            configs = [self.configs[target] for target in targets]
+            if any(c.scoring == "sigmoid" or c.n_group > 1 or c.score_correction_bias for c in configs):
+                reasons.append("a router with sigmoid scores, a correction bias or expert groups")
+        return "compiled" if not reasons else "numpy: " + "; ".join(dict.fromkeys(reasons))
 
     def _decode_plan(self, layer: int) -> "_DecodePlan | None":
         """What a one-token forecast from `layer` needs for the compiled gate forecast, or None where it

@@ -25,8 +25,8 @@ from typing import Callable
 
 import numpy as np
 
-from edge.errors import ZllmError
-from edge.moe import ExpertWeights
+from edge.core.errors import ZllmError
+from edge.core.moe import ExpertWeights
 from streaming.cache import Entry, ExpertCache, Key
 from streaming.store import ExpertStore
 

@@ -13,8 +13,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from converters.expert_file import ExpertIndex, raw_record, read_expert_bytes
-from edge.moe import ExpertWeights, distinct_experts
+from edge.core.moe import ExpertSet, ExpertWeights, distinct_experts
+from quant.expert_file import ExpertIndex, raw_record, read_expert_bytes
 
 
 class ResidentExperts:
@@ -47,7 +47,10 @@ class ResidentExperts:
         layer_experts = self._experts[layer]
         wanted = distinct_experts(expert_ids)
         self._hits += len(wanted)
-        return {e: layer_experts[e] for e in wanted}
+        return ExpertSet((e, layer_experts[e]) for e in wanted)
+
+    def begin_request(self) -> None:
+        pass  # nothing per request: every expert is held
 
     def stats(self) -> dict:
         return {"expert_source": "resident", "expert_hits": self._hits, "expert_misses": 0,

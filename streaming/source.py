@@ -31,14 +31,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from converters.expert_file import ExpertIndex
-from edge.errors import ZllmError
-from edge.moe import ExpertWeights, MoeConfig, distinct_experts
+from edge.core.errors import ZllmError
+from edge.core.moe import ChosenExperts, ExpertWeights, MoeConfig, distinct_experts
+from quant.expert_file import ExpertIndex
 from streaming.cache import FAILED, LOADING, READY, Entry, ExpertCache, make_policy
 from streaming.prefetch import LOAD_BATCH, Prefetcher
 from streaming.stats import StreamingCounters
 from streaming.store import ExpertStore
-
 
 # Prefetch set per layer ahead: the predictor's likeliest ceil(top_k x tokens x PREFETCH_WIDTH) experts.
 # On the MoEfied SmolLM2 (top-12 of 16) at a 50% cache, 1.25 instead of 1.0 cut demand misses by 25-60%
@@ -175,6 +174,10 @@ class StreamingExperts:
                 if expert not in cached:  # (prefetch would skip it too)
                     self.prefetcher.prefetch((target, expert), position + distance, distance, score)
 
+    def forecast_path(self) -> str:
+        """How the predictor forecasts a decode step (ExpertPredictor.forecast_path); "none" without one."""
+        return self.predictor.forecast_path() if self.predictor is not None else "none"
+
     def begin_request(self) -> None:
         """A new request starts: the predictor restarts its per-request frequencies (the cache stays)."""
         if self.predictor is not None:
@@ -206,7 +209,7 @@ class StreamingExperts:
         self.store.close()
 
 
-class StreamedLayer(Mapping):
+class StreamedLayer(ChosenExperts):
     """The experts one layer's route needs: expert id -> ExpertWeights, loaded and pinned."""
 
     def __init__(self, source: StreamingExperts, layer: int, ids: list[int], room: int):
@@ -306,7 +309,7 @@ class StreamedLayer(Mapping):
 
     @property
     def window_size(self) -> int:
-        """How many experts' weights stay valid together (edge/moe.py ExpertSource)."""
+        """How many experts' weights stay valid together (edge/core/moe.py ExpertSource)."""
         return self.room
 
     def __iter__(self):

@@ -27,8 +27,9 @@ class StreamingCounters:
                 "io_seconds": io_seconds, "io_hidden_fraction": hidden}
 
 
-def peak_rss_bytes() -> int:
-    """The process's peak resident set: VmHWM on Linux, else the current RSS (psutil)."""
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set size so far: Linux's VmHWM, Windows' peak working set, or None
+    where the system keeps no high-water mark (a caller samples RSS itself then)."""
     try:
         with open(f"/proc/{os.getpid()}/status", encoding="ascii") as status:
             for line in status:
@@ -36,7 +37,8 @@ def peak_rss_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return psutil.Process().memory_info().rss
+    peak = getattr(psutil.Process().memory_info(), "peak_wset", None)
+    return int(peak) if peak is not None else None
 
 
 @functools.lru_cache(maxsize=None)

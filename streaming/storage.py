@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from edge.errors import ZllmError
+from edge.core.arguments import parse_size
+from edge.core.errors import ZllmError
 
 
 @dataclass(frozen=True)
@@ -45,20 +46,25 @@ PRESETS: dict[str, StorageModel] = {
 }
 NATIVE = "native"  # no emulation: the real device only
 
-_SIZE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 _USAGE = ("use one of native, " + ", ".join(PRESETS) +
           ", or custom:bw=SIZE,lat=TIME such as custom:bw=500MB,lat=200us (bandwidth per second)")
 
 
-def _quantity(text: str, units: dict[str, float], what: str, spec: str) -> float:
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-zµ]*)", text.strip().lower())
-    if not match or match.group(2) not in units:
-        raise ZllmError(f"storage {spec!r}: {what} {text!r} not understood; {_USAGE}")
-    value = float(match.group(1)) * units[match.group(2)]
-    if value <= 0 and what == "bandwidth":
+def _bandwidth(text: str, spec: str) -> float:
+    value = parse_size(text.removesuffix("/s"))
+    if value is None:
+        raise ZllmError(f"storage {spec!r}: bandwidth {text!r} not understood; {_USAGE}")
+    if value <= 0:
         raise ZllmError(f"storage {spec!r}: bandwidth must be positive; {_USAGE}")
     return value
+
+
+def _latency(text: str, spec: str) -> float:
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-zµ]*)", text.strip().lower())
+    if not match or match.group(2) not in _TIME_UNITS:
+        raise ZllmError(f"storage {spec!r}: latency {text!r} not understood; {_USAGE}")
+    return float(match.group(1)) * _TIME_UNITS[match.group(2)]
 
 
 def parse_storage(value: "str | StorageModel | None") -> StorageModel | None:
@@ -78,8 +84,8 @@ def parse_storage(value: "str | StorageModel | None") -> StorageModel | None:
             fields[key.strip().lower()] = text
         if set(fields) != {"bw", "lat"}:
             raise ZllmError(f"storage {spec!r}: expected the fields bw and lat, found {sorted(fields)}; {_USAGE}")
-        bandwidth = _quantity(fields["bw"].removesuffix("/s"), _SIZE_UNITS, "bandwidth", spec)
-        latency = _quantity(fields["lat"], _TIME_UNITS, "latency", spec)
+        bandwidth = _bandwidth(fields["bw"], spec)
+        latency = _latency(fields["lat"], spec)
         return StorageModel(spec, bandwidth, latency)
     raise ZllmError(f"storage {spec!r} is not known; {_USAGE}")
 

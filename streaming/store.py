@@ -20,9 +20,9 @@ from typing import Callable
 
 import numpy as np
 
-from converters.expert_file import ExpertIndex, check_stored_record, raw_record
-from edge.errors import CheckpointError
+from edge.core.errors import CheckpointError
 from kernels.cpu.record_io import read_records
+from quant.expert_file import ExpertIndex, check_stored_record, raw_record
 from streaming.storage import EmulatedDevice, StorageModel, parse_storage
 
 PAGE = 4096

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 from onnx import TensorProto
 
-from converters.onnx_export import ExportOptions, GraphBuilder, embed, linear, rms_norm
-from converters.onnx_weights import InlineWeights
+from devices.npu.onnx_export import ExportOptions, GraphBuilder, embed, linear, rms_norm
+from devices.npu.onnx_weights import InlineWeights
 from devices.npu.providers import choose_provider, create_session, placement
 from quant.formats import Scheme, quantize
 

@@ -9,8 +9,9 @@ import zlib
 
 import numpy as np
 
-from converters.expert_file import EXPERTS_FILE, PROJECTIONS, ExpertFileWriter, ExpertIndex, ExpertLayout
+from converters.expert_file import ExpertFileWriter
 from quant import Scheme, quantize
+from quant.expert_file import EXPERTS_FILE, PROJECTIONS, ExpertIndex, ExpertLayout
 
 
 def expert_weights(layer: int, expert: int, intermediate: int, hidden: int, scheme: Scheme) -> dict:

@@ -15,16 +15,16 @@ import time
 import numpy as np
 import pytest
 from test_cli import run_cli
+from tiny_models import CONTEXT, random_prompt
 
 import edge
 import edge.cli
 import edge.home
 import edge.random_moe
 from converters.convert import QuantPlan
-from edge.errors import InvalidArgumentError, SessionError, ZllmError
+from edge.core.errors import InvalidArgumentError, SessionError, ZllmError
 from edge.generation import GenerationOptions
 from streaming.budget import parse_budget
-from tiny_models import CONTEXT, random_prompt
 
 DENSE = ("llama_gqa_tied", QuantPlan(weights="f32"))
 MOE = ("qwen3_moe_norm", QuantPlan(weights="int8"))  # as tests/test_bench_moe.py: converted once per run

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_models import hf_logits, random_prompt, tiny_zoo  # noqa: F401
 
 import edge
 from converters.convert import QuantPlan
-from edge.attention import cache_slots
-from edge.errors import ZllmError
-from edge.spec import spec_from_dict
-from tiny_models import hf_logits, random_prompt, tiny_zoo  # noqa: F401
+from edge.core.errors import ZllmError
+from edge.core.kv import cache_slots
+from edge.core.spec import spec_from_dict
 
 MLA_CASES = ("deepseek_v2_mla", "deepseek_v2_qlora_yarn", "deepseek_v3_mla", "deepseek_v3_halfsplit")
 PROMPT = random_prompt(12, seed=7)

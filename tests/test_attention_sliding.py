@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_models import hf_logits, random_prompt, tiny_zoo  # noqa: F401
 
 import edge
 from converters.convert import QuantPlan
-from edge.errors import UnsupportedModelError
-from edge.spec import spec_from_dict
-from tiny_models import hf_logits, random_prompt, tiny_zoo  # noqa: F401
+from edge.core.errors import UnsupportedModelError
+from edge.core.spec import spec_from_dict
 
 SLIDING_CASES = ("mistral_swa4", "qwen2_swa_layer1", "qwen2_layer_types", "qwen3_layer_types", "qwen3_moe_swa")
 PROMPT = random_prompt(12, seed=7)  # windows are 4 or 5: the prompt is 2-3 windows long

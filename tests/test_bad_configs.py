@@ -2,7 +2,7 @@
 message (a typed error naming the config, the field or tensor, and what it must be), nothing is written,
 and a checkpoint whose manifest disagrees with its weights is refused at load.
 
-The expected-shape table (edge/spec.py `spec_tensor_shapes`) is first proven right: for the tiny model
+The expected-shape table (edge/core/spec.py `spec_tensor_shapes`) is first proven right: for the tiny model
 of every family (tests/tiny_models.py), its Hugging Face tensors, its GGUF tensors and its converted
 checkpoint have exactly the shapes the table gives.
 """
@@ -16,22 +16,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
-
-import edge
-from converters.checkpoint import MANIFEST, open_checkpoint
-from converters.convert import QuantPlan, convert
-from converters.gguf_source import GGUFSource
-from converters.hf_source import HFSource
-from converters.moefy import moefy_convert
-from edge.errors import CheckpointError, ConversionError, UnsupportedModelError
-from edge.rope import SUPPORTED_ROPE_TYPES
-from edge.spec import SPEC_CLASSES, LlamaSpec, spec_from_dict, spec_tensor_shapes
-from edge.spec_dense import ROPE_PARAMETERS
 from gguf_files import write_hf_model_gguf
+from safetensors.numpy import load_file, save_file
 from test_bad_input import assert_nothing_written, run_cli
 from test_moefy import char_tokenizer_json
 from tiny_models import ATTENTION_CASE_NAMES, CASE_NAMES, MOE_CASE_NAMES, tiny_zoo  # noqa: F401
+
+import edge
+from converters.convert import QuantPlan, convert
+from converters.gguf_source import GGUFSource
+from converters.hf_source import HFSource
+from edge.core.errors import CheckpointError, ConversionError, UnsupportedModelError
+from edge.core.spec import SPEC_CLASSES, LlamaSpec, spec_from_dict, spec_tensor_shapes
+from edge.core.spec_dense import ROPE_PARAMETERS
+from edge.moefy import moefy_convert
+from edge.rope import SUPPORTED_ROPE_TYPES
+from quant.checkpoint import MANIFEST, open_checkpoint
 
 F32 = QuantPlan(weights="f32")
 EVERY_CASE = CASE_NAMES + MOE_CASE_NAMES + ATTENTION_CASE_NAMES

@@ -17,14 +17,14 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from conftest import require_smollm2_gguf
+from gguf_files import add_byte_level_tokenizer, finish
 
 import edge
 import edge.cli
 from converters import convert as convert_module
 from converters.convert import QuantPlan, convert
-from conftest import require_smollm2_gguf
-from edge.errors import CheckpointError, ConversionError, UnsupportedModelError
-from gguf_files import add_byte_level_tokenizer, finish
+from edge.core.errors import CheckpointError, ConversionError, UnsupportedModelError
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,14 +13,14 @@ import signal
 from pathlib import Path
 
 import pytest
+from test_bad_input import assert_nothing_written, run_cli, tiny_checkpoint, tiny_checkpoint_template, tiny_llama  # noqa: F401
 
 import edge
 from converters import convert as convert_module
 from converters.convert import QuantPlan, convert
 from converters.hf_source import HFSource
 from converters.safetensors_io import SafetensorsWriter
-from edge.errors import CheckpointError, ConversionError
-from test_bad_input import assert_nothing_written, run_cli, tiny_checkpoint, tiny_checkpoint_template, tiny_llama  # noqa: F401
+from edge.core.errors import CheckpointError, ConversionError
 
 INT8 = QuantPlan(weights="int8")
 

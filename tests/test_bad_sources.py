@@ -13,17 +13,22 @@ from pathlib import Path
 
 import gguf
 import pytest
+from test_bad_input import (
+    assert_nothing_written,
+    read_safetensors_header,
+    run_cli,
+    run_cli_subprocess,
+    write_tiny_gguf,
+    write_tiny_llama,
+)
 from tokenizers import Tokenizer, models
 
 import edge
 from converters.convert import QuantPlan, convert
 from converters.gguf_source import GGUFSource
 from converters.hf_source import HFSource
-from edge.errors import CheckpointError, ConversionError, UnsupportedModelError
+from edge.core.errors import CheckpointError, ConversionError, UnsupportedModelError
 from edge.tokenizer import Tokenizer as EdgeTokenizer
-from test_bad_input import (
-    assert_nothing_written, read_safetensors_header, run_cli, run_cli_subprocess, write_tiny_gguf, write_tiny_llama,
-)
 
 VICTIM = "model.norm.weight"  # a [64] float32 tensor of the tiny Llama
 

@@ -126,7 +126,7 @@ def test_calibrate_refuses_a_trace_of_another_model(moe_checkpoint, tiny_zoo, tm
 
 
 def test_calibration_prompts_are_as_many_and_as_long_as_asked(smollm2_checkpoint):
-    from streaming.calibration import calibration_prompts
+    from edge.calibrate import calibration_prompts
     from streaming.predictor import PredictorError
 
     with edge.load(smollm2_checkpoint) as model:

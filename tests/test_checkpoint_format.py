@@ -21,13 +21,13 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
+from gguf_files import add_byte_level_tokenizer, finish, llama_cpp_permute
 from safetensors import safe_open
 
 import edge
-from converters.checkpoint import open_checkpoint
 from converters.convert import QuantPlan, convert
-from gguf_files import add_byte_level_tokenizer, finish, llama_cpp_permute
 from quant import QuantizedTensor
+from quant.checkpoint import open_checkpoint
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "U8": np.uint8}
 
@@ -57,7 +57,7 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 
 def expected_arrays(name: str, scheme: str, shape: list[int]) -> dict[str, tuple[type, tuple[int, ...]]]:
-    """The stored arrays of one tensor, from the layout converters/checkpoint.py documents:
+    """The stored arrays of one tensor, from the layout quant/checkpoint.py documents:
     W.qweight uint8 [N, groups, group_size * bits / 8], W.scales float16 [N, groups],
     W.offsets float16 [N, groups] for affine schemes; a float tensor is stored as itself."""
     if scheme in ("f32", "f16"):

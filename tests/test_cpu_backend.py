@@ -16,11 +16,11 @@ import sys
 
 import numpy as np
 import pytest
+from tiny_models import CASE_NAMES, random_prompt
 
 import edge
 from converters.convert import QuantPlan
-from edge.errors import ZllmError
-from tiny_models import CASE_NAMES, random_prompt
+from edge.core.errors import ZllmError
 
 REL_TOL = 1e-5
 N_DECODE = 6

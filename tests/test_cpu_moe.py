@@ -9,7 +9,8 @@ import pytest
 
 from devices.cpu import CpuBackend
 from devices.reference import ReferenceBackend
-from edge.moe import ExpertWeights, expert_mixture
+from edge.core.moe import ExpertWeights
+from edge.moe import expert_mixture
 from kernels.cpu import moe as moe_kernels
 from quant import Scheme, quantize
 

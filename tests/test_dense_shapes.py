@@ -28,15 +28,15 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from gguf_files import write_hf_model_gguf
+from tiny_models import TinyCase, build_hf_model, checkpoint_float_weights, hf_logits, random_prompt
 
 import edge
 from converters.convert import QuantPlan, convert
 from converters.source import SourceTensor
-from edge.errors import ConversionError
+from edge.core.errors import ConversionError
+from edge.core.spec import spec_from_dict
 from edge.rope import RopeTable
-from edge.spec import spec_from_dict
-from gguf_files import write_hf_model_gguf
-from tiny_models import TinyCase, build_hf_model, checkpoint_float_weights, hf_logits, random_prompt
 
 REL_TOL = 1e-4  # as tests/test_parity_transformers.py: f32 against f32
 F32 = QuantPlan(weights="f32")
@@ -111,8 +111,9 @@ def test_longrope_on_every_device_follows_the_whole_call(device, tiny_zoo, monke
     device: the gpu splits it into submissions (4 tokens here) and the npu pads it, neither of which
     may decide the factors by its own piece."""
     if device == "gpu":
-        import devices.gpu.forward
         from gpu_support import open_gpu
+
+        import devices.gpu.forward
 
         open_gpu()  # skips where there is no Vulkan device
         monkeypatch.setattr(devices.gpu.forward, "MAX_TOKENS_PER_SUBMISSION", 4)

@@ -52,7 +52,7 @@ class NoisyFromLayer(ReferenceBackend):
         for layer in transformer.layers[self.first_layer:]:
             down = as_float32(layer.down)
             layer.down = down + np.float32(self.scale * down.std()) * rng.standard_normal(down.shape, np.float32)
-        return None  # run edge's op-by-op composition on the perturbed weights
+        return None, "ops"  # run edge's op-by-op composition on the perturbed weights
 
     def info(self):
         return {**super().info(), "device": "noisy", "arithmetic": {"accumulation": F32_UNIT}}
@@ -121,7 +121,7 @@ def test_a_perturbation_within_tolerance_is_measured_but_not_flagged(tiny_checkp
 
 
 def test_tolerance_follows_the_devices_and_the_checkpoint_schemes(tiny_checkpoint):
-    from converters.checkpoint import read_manifest
+    from quant.checkpoint import read_manifest
 
     manifest = read_manifest(tiny_checkpoint)  # int4 matrices; hidden 64, ffn 96, 4 heads x 24
     inputs = 96
@@ -227,7 +227,7 @@ class LastLayerOnly(ReferenceBackend):
                 lambda layer, hidden, **extras: observer(layer, hidden, **extras) if layer == last else None)
             return transformer.forward_ops(ids, cache, all_logits, shown)
 
-        return forward
+        return forward, "fused"
 
     def info(self):
         return {**super().info(), "device": "fused", "arithmetic": {"accumulation": F32_UNIT}}

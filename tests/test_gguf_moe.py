@@ -13,22 +13,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import gguf
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
+from gguf_files import gguf_tensors_from_hf, write_hf_model_gguf
+from test_moe_parity import hf_routes, record_routes, relative_error, run_ours
+from tiny_models import checkpoint_float_weights, hf_logits, random_prompt, tiny_zoo  # noqa: F401
 
 import edge
-from converters.checkpoint import open_checkpoint
 from converters.convert import QuantPlan, convert
 from converters.gguf_moe import moe_config_fields
 from edge.cli import main
-from edge.errors import ConversionError
-from gguf_files import gguf_tensors_from_hf, write_hf_model_gguf
+from edge.core.errors import ConversionError
+from edge.core.spec import spec_from_dict
 from quant import QuantizedTensor
-from test_moe_parity import hf_routes, record_routes, relative_error, run_ours
-from tiny_models import checkpoint_float_weights, hf_logits, random_prompt, tiny_zoo  # noqa: F401
+from quant.checkpoint import open_checkpoint
 
 PROMPT = random_prompt(10, seed=5)
 N_DECODE = 3
@@ -87,8 +88,8 @@ def test_f32_gguf_moe_equals_hf_folder_conversion_and_transformers(tiny_zoo, tmp
                   "intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "clip_qkv", "qkv_bias")
     assert {k: ours_spec.get(k) for k in moe_fields} == {k: reference_spec.get(k) for k in moe_fields}
     layers = range(reference_spec["num_hidden_layers"])
-    assert ([edge.spec.spec_from_dict(ours_spec).moe_for_layer(i) for i in layers]
-            == [edge.spec.spec_from_dict(reference_spec).moe_for_layer(i) for i in layers])
+    assert ([spec_from_dict(ours_spec).moe_for_layer(i) for i in layers]
+            == [spec_from_dict(reference_spec).moe_for_layer(i) for i in layers])
 
     ours_weights = {**checkpoint_float_weights(ours_path), **checkpoint_expert_weights(str(ours_path))}
     reference_weights = {**checkpoint_float_weights(reference_path), **checkpoint_expert_weights(reference_path)}

@@ -12,11 +12,11 @@ import pathlib
 
 import gguf
 import pytest
+from gguf_files import byte_alphabet
 from tokenizers import Tokenizer
 
 from converters.gguf_tokenizer import tokenizer_from_gguf
-from edge.errors import ConversionError, UnsupportedModelError
-from gguf_files import byte_alphabet
+from edge.core.errors import ConversionError, UnsupportedModelError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from gpu_support import open_gpu
 
 import edge
 from converters.convert import QuantPlan
 from devices.base import DeviceUnavailableError, create_backend
-from edge.errors import ZllmError
-from gpu_support import open_gpu
+from edge.core.errors import ZllmError
 
 REPO = Path(__file__).resolve().parent.parent
 NO_VULKAN = (

@@ -16,14 +16,14 @@ import time
 
 import numpy as np
 import pytest
-
-import edge
-from converters.checkpoint import open_checkpoint
-from converters.convert import QuantPlan
-from edge.model import Transformer
-from edge.spec import spec_from_dict
 from gpu_support import open_gpu
 from tiny_models import CASE_NAMES, plan_key, random_prompt
+
+import edge
+from converters.convert import QuantPlan
+from edge.core.spec import spec_from_dict
+from edge.model import Transformer
+from quant.checkpoint import open_checkpoint
 
 LOGIT_REL_TOL = 1e-5
 
@@ -190,7 +190,7 @@ def test_heads_wider_than_the_attention_kernel_are_refused_at_load(gpu_available
 
     from converters.convert import convert
     from devices.gpu.launches import MAX_HEAD_DIM
-    from edge.errors import ZllmError
+    from edge.core.errors import ZllmError
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,

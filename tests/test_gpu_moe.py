@@ -5,7 +5,7 @@ Protocol: prefill a 12-token random prompt (all logits), then 3 greedy steps, ea
 prefill with all logits, with an observer that receives every MoE layer's expert ids.
 
 Expert ids are discrete and must equal the reference's exactly: the host routes from the router
-logits the GPU computed, through the same edge.moe.route the reference uses.
+logits the GPU computed, through the same edge.core.moe.route the reference uses.
 
 Bound for logits: 1e-5 of the largest logit, the bound of tests/test_gpu_models.py and for the same
 reason: both backends compute the same f32 math (INT4/INT8 codes and f16 scales dequantized exactly
@@ -18,12 +18,12 @@ import os
 
 import numpy as np
 import pytest
+from gpu_support import open_gpu
+from tiny_models import random_prompt
 
 import edge
 from converters.convert import QuantPlan, convert
-from edge.errors import ExpertCacheError, ZllmError
-from gpu_support import open_gpu
-from tiny_models import random_prompt
+from edge.core.errors import ExpertCacheError, ZllmError
 
 LOGIT_REL_TOL = 1e-5
 PROMPT = random_prompt(12, seed=7)

@@ -124,7 +124,7 @@ def test_a_bad_level_is_refused_by_the_cpu_device_alone(tiny_zoo):
 
     path = tiny_zoo.converted("llama_mha", QuantPlan(weights="f32"))
     script = ("import sys, edge\n"
-              "from edge.errors import ZllmError\n"
+              "from edge.core.errors import ZllmError\n"
               "print(edge.load(sys.argv[1], device='reference').session(capacity=8).prefill([5, 6]).shape)\n"
               "try:\n"
               "    edge.load(sys.argv[1], device='cpu')\n"

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_models import CASE_NAMES, random_prompt, tiny_zoo  # noqa: F401
 
 import edge
 from converters.convert import QuantPlan
 from devices.cache_buffers import CacheBuffer
 from devices.cpu import CpuBackend
-from devices.reference import ReferenceBackend, attention as reference_attention
-from edge.errors import ZllmError
+from devices.reference import ReferenceBackend
+from devices.reference import attention as reference_attention
+from edge.core.errors import ZllmError
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import kv_quant
 from quant import kv_formats
-from tiny_models import CASE_NAMES, random_prompt, tiny_zoo  # noqa: F401
 
 LOGIT_GAIN = 8.0
 F32 = QuantPlan(weights="f32")

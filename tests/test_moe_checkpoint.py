@@ -12,14 +12,14 @@ import shutil
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from tiny_models import random_prompt
 
 import edge
-from converters.checkpoint import open_checkpoint
 from converters.convert import QuantPlan, convert, tensor_class
-from converters.expert_file import ALIGNMENT, EXPERTS_FILE
 from edge.cli import main
-from edge.errors import CheckpointError, ConversionError, UnsupportedModelError
-from tiny_models import random_prompt
+from edge.core.errors import CheckpointError, ConversionError, UnsupportedModelError
+from quant.checkpoint import open_checkpoint
+from quant.expert_file import ALIGNMENT, EXPERTS_FILE
 
 PROMPT = random_prompt(10, seed=11)
 MIXED = QuantPlan(weights="int8", group_size=32, overrides={"experts": "int4"})
@@ -169,7 +169,7 @@ def test_cli_converts_with_compression_and_inspect_shows_experts(tiny_zoo, tmp_p
 
 
 def test_impossible_moe_configuration_is_refused(tmp_path):
-    from edge.spec import spec_from_dict, spec_tensor_names
+    from edge.core.spec import spec_from_dict, spec_tensor_names
 
     spec = spec_from_dict({"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2,
                            "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 6,

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import save_file
+from tiny_models import MOE_CASE_NAMES, hf_logits, random_prompt
 
 import edge
 from converters.convert import QuantPlan, convert
-from edge.moe import MoeConfig, route
-from tiny_models import MOE_CASE_NAMES, hf_logits, random_prompt
+from edge.core.moe import MoeConfig, route
 
 PROMPT = random_prompt(12, seed=7)
 N_DECODE = 4

@@ -26,17 +26,17 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from gguf_files import write_hf_model_gguf
+from test_moe_parity import hf_routes, record_routes, relative_error
+from tiny_models import TinyCase, greedy_decode, hf_logits, random_prompt
 
 import edge
 from converters.convert import QuantPlan, convert
-from edge.errors import UnsupportedModelError
-from edge.moe import MoeConfig, route
-from edge.spec import spec_from_dict
-from gguf_files import write_hf_model_gguf
+from edge.core.errors import UnsupportedModelError
+from edge.core.moe import MoeConfig, route
+from edge.core.spec import spec_from_dict
 from streaming.budget import plan_memory
 from streaming.prefetch import DEFAULT_THREADS
-from test_moe_parity import hf_routes, record_routes, relative_error
-from tiny_models import TinyCase, greedy_decode, hf_logits, random_prompt
 
 REL_TOL = 1e-4  # as tests/test_moe_parity.py: f32 against f32
 F32 = QuantPlan(weights="f32")

@@ -10,20 +10,20 @@ import shutil
 
 import numpy as np
 import pytest
+from tiny_models import tiny_zoo  # noqa: F401
 
 import edge
-from converters.checkpoint import read_manifest
 from converters.convert import QuantPlan, convert
-from converters.expert_file import ExpertIndex, raw_record, read_expert_bytes
-from converters.moefy import (DEFAULT_MOEFY, MoefiedSource, MoefySetting, moefy_convert, parse_dense_layers,
-                              parse_moefy)
+from converters.moefy import DEFAULT_MOEFY, MoefiedSource, MoefySetting, parse_dense_layers, parse_moefy
 from converters.moefy_calibrate import capture_ffn_inputs, dense_ffn, token_windows
 from converters.moefy_fit import LayerMoefication, balanced_kmeans
 from converters.source import SourceTensor, SourceTokenizer
 from edge.cli import main
-from edge.errors import ConversionError, UnsupportedModelError
+from edge.core.errors import ConversionError, UnsupportedModelError
+from edge.moefy import moefy_convert
 from quant import QuantizedTensor, Scheme, quantize
-from tiny_models import tiny_zoo  # noqa: F401
+from quant.checkpoint import read_manifest
+from quant.expert_file import ExpertIndex, raw_record, read_expert_bytes
 
 F32 = QuantPlan(weights="f32")
 FAST = dict(calibration_tokens=1024, heldout_tokens=256, progress=False)
@@ -156,7 +156,7 @@ def test_gate_and_up_rows_of_a_quantized_source_stay_bit_exact():
         def close(self):
             pass
 
-    from edge.spec import LlamaSpec
+    from edge.core.spec import LlamaSpec
     spec = LlamaSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1)
     neurons = np.stack([np.arange(1, 64, 2), np.arange(0, 64, 2)])  # odd neurons, even neurons
     fit = LayerMoefication(neurons, np.zeros((2, 32), np.float32), np.zeros(2, np.float32), "weights", 0.0)

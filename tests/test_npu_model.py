@@ -24,10 +24,11 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
+from tiny_models import random_prompt  # noqa: E402
+
 import edge  # noqa: E402
 from converters.convert import QuantPlan  # noqa: E402
-from edge.errors import SessionError, ZllmError  # noqa: E402
-from tiny_models import random_prompt  # noqa: E402
+from edge.core.errors import SessionError, ZllmError  # noqa: E402
 
 REL_TOL = 1e-4
 INT8_ACTIVATION_TOL = 0.04

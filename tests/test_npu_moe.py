@@ -27,12 +27,15 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-import edge  # noqa: E402
-from converters.convert import QuantPlan  # noqa: E402
-from edge.errors import ZllmError  # noqa: E402
-from converters.convert import convert  # noqa: E402
 from test_moe_parity import record_routes, write_llama_moe  # noqa: E402
 from tiny_models import greedy_decode, random_prompt  # noqa: E402
+
+import edge  # noqa: E402
+from converters.convert import (
+    QuantPlan,  # noqa: E402
+    convert,  # noqa: E402
+)
+from edge.core.errors import ZllmError  # noqa: E402
 
 REL_TOL = 1e-4
 PROMPT = random_prompt(12, seed=7)
@@ -191,10 +194,10 @@ def test_fused_and_op_by_op_paths_agree_below_edge_load(tiny_zoo):
     """The Transformer built directly on the npu backend, experts prepared for its expert backend: the
     fused graphs and the op-by-op composition (single-op graphs; experts through NpuBackend.expert_mixture,
     i.e. the CPU backend) route alike and agree within REL_TOL."""
-    from converters.checkpoint import open_checkpoint
     from devices.base import create_backend
+    from edge.core.spec import spec_from_dict
     from edge.model import Transformer
-    from edge.spec import spec_from_dict
+    from quant.checkpoint import open_checkpoint
     from streaming.resident import ResidentExperts
 
     backend = create_backend("npu:cpu,accuracy_level=0")

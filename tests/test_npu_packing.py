@@ -20,10 +20,10 @@ onnxruntime = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, numpy_helper  # noqa: E402
 
-from converters.onnx_export import ExportOptions, GraphBuilder, linear  # noqa: E402
-from converters.onnx_weights import InlineWeights  # noqa: E402
 from devices import reference  # noqa: E402
 from devices.npu import NpuBackend  # noqa: E402
+from devices.npu.onnx_export import ExportOptions, GraphBuilder, linear  # noqa: E402
+from devices.npu.onnx_weights import InlineWeights  # noqa: E402
 from quant import QuantizedTensor  # noqa: E402
 from quant.formats import CODECS, Scheme, quantize, symmetric_zero_point  # noqa: E402
 

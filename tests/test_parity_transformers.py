@@ -26,11 +26,6 @@ import os
 import numpy as np
 import pytest
 import torch
-
-import edge
-from converters.checkpoint import open_checkpoint
-from converters.convert import QuantPlan
-from quant import QuantizedTensor
 from tiny_models import (
     CASE_NAMES,
     build_hf_model,
@@ -40,6 +35,11 @@ from tiny_models import (
     plan_key,
     random_prompt,
 )
+
+import edge
+from converters.convert import QuantPlan
+from quant import QuantizedTensor
+from quant.checkpoint import open_checkpoint
 
 PROMPT = random_prompt(12, seed=7)
 N_DECODE = 4

@@ -9,10 +9,18 @@ import json
 import numpy as np
 import pytest
 
-from edge.moe import MoeConfig
+from edge.core.moe import MoeConfig, route
 from streaming.calibration import RouteTrace, TraceRecorder, calibrate, format_calibration, replay
-from streaming.predictor import (PREDICTOR_FILE, ExpertPredictor, PredictorError, SignalMix, SignalWeights,
-                                 read_predictor_file, write_predictor_file)
+from streaming.predictor import (
+    PREDICTOR_FILE,
+    ExpertPredictor,
+    PredictorError,
+    SignalMix,
+    SignalWeights,
+    top_sets,
+    read_predictor_file,
+    write_predictor_file,
+)
 
 N_LAYERS, E, A = 4, 16, 2
 LAYERS = [1, 2, 4, 5]  # MoE layers need not be consecutive (dense layers between them)
@@ -324,3 +332,28 @@ def test_one_token_drift_step_is_the_moving_average():
     expected = np.float32(0.9) * drift + np.float32(0.1) * (actual - lookahead)
     learn_decode_drift(drift, actual, lookahead, np.float32(0.1))
     np.testing.assert_allclose(drift, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("config", [
+    MoeConfig(num_experts=16, top_k=4, intermediate_size=8),
+    MoeConfig(num_experts=16, top_k=4, intermediate_size=8, scoring="unit"),
+    MoeConfig(num_experts=16, top_k=3, intermediate_size=8, scoring="sigmoid", norm_topk_prob=True),
+    MoeConfig(num_experts=16, top_k=4, intermediate_size=8, scoring="sigmoid", score_correction_bias=True),
+    MoeConfig(num_experts=16, top_k=4, intermediate_size=8, n_group=4, topk_group=2, group_score="max"),
+    MoeConfig(num_experts=16, top_k=4, intermediate_size=8, scoring="sigmoid", n_group=4, topk_group=2,
+              group_score="top2_sum", score_correction_bias=True),
+], ids=["softmax", "unit", "sigmoid", "sigmoid-bias", "groups-max", "deepseek-v3"])
+def test_selection_logits_pick_the_routers_experts(config):
+    """Routing is defined once (edge/core/moe.py `route`): the experts the predictor's selection logits
+    rank highest are exactly the ones `route` chooses from the same router logits."""
+    rng = np.random.default_rng(11)
+    d = 12
+    bias = rng.normal(0, 0.3, config.num_experts).astype(np.float32)
+    gain, router = rng.normal(1, 0.1, d).astype(np.float32), rng.normal(0, 1, (config.num_experts, d)).astype(np.float32)
+    correction = bias if config.score_correction_bias else None
+    predictor = ExpertPredictor({0: config, 1: config}, {0: (gain, router, correction), 1: (gain, router, correction)},
+                                depth=1)
+    logits = rng.normal(0, 2, (200, config.num_experts)).astype(np.float32)
+    ranked = top_sets(predictor.selection_logits(1, logits), config.top_k)
+    ids, _ = route(logits, config, correction)
+    np.testing.assert_array_equal(np.sort(ranked, -1), np.sort(ids, -1))

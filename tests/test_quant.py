@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from edge.errors import CheckpointError, ConversionError
 import quant.formats
+from edge.core.errors import CheckpointError, ConversionError
 from quant import (
     ALL_SCHEMES,
     FORMATS,

@@ -14,11 +14,11 @@ import struct
 
 import numpy as np
 import pytest
+from tiny_models import random_prompt, tiny_zoo  # noqa: F401
 
 import edge
 from converters.convert import QuantPlan
-from edge.errors import SessionError
-from tiny_models import random_prompt, tiny_zoo  # noqa: F401
+from edge.core.errors import SessionError
 
 F32 = QuantPlan(weights="f32")
 PROMPT = random_prompt(20, seed=11)

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_kv_cache_formats import LOGIT_GAIN
+from tiny_models import random_prompt, tiny_zoo  # noqa: F401
 
 import edge
 from converters.convert import QuantPlan
 from devices.cache_buffers import CacheBuffer, StoredRows
 from devices.cpu import CpuBackend
-from devices.reference import ReferenceBackend, attention as reference_attention
+from devices.reference import ReferenceBackend
+from devices.reference import attention as reference_attention
 from edge.attention import attend_stored
-from edge.errors import ZllmError
+from edge.core.contract import Capabilities
+from edge.core.errors import ZllmError
 from kernels.cpu.attention_stored import stored_attention
 from quant import kv_formats
-from test_kv_cache_formats import LOGIT_GAIN
-from tiny_models import random_prompt, tiny_zoo  # noqa: F401
 
 F32 = QuantPlan(weights="f32")
 ATOL = 1e-5
@@ -97,6 +99,7 @@ def test_stored_attention_refuses_mismatched_inputs():
 def test_backends_without_stored_attention_refuse_compressed_rows():
     class Float32Only:
         name = "f32only"
+        capabilities = Capabilities()  # nothing beyond the operations every backend has
 
     keys = stored("f16", np.ones((4, 1, 8), np.float32))
     with pytest.raises(ZllmError) as error:

@@ -7,17 +7,24 @@ import threading
 
 import numpy as np
 import pytest
+from streaming_experts import raw_bytes, read_records_through_preadv, write_expert_file
 
 from devices.reference import ReferenceBackend
-from edge.errors import ZllmError
-from edge.moe import MoeConfig
+from edge.core.errors import ZllmError
+from edge.core.moe import MoeConfig
 from streaming import store as store_module
-from streaming.cache import (ENTRY_OVERHEAD, CyclePolicy, ExpertCache, ForecastPolicy, LfuPolicy, LruPolicy,
-                             NextUsePolicy)
+from streaming.cache import (
+    ENTRY_OVERHEAD,
+    CyclePolicy,
+    ExpertCache,
+    ForecastPolicy,
+    LfuPolicy,
+    LruPolicy,
+    NextUsePolicy,
+)
 from streaming.paging import MappedExperts
 from streaming.source import StreamingExperts
 from streaming.store import ExpertReadError, ExpertStore
-from streaming_experts import raw_bytes, read_records_through_preadv, write_expert_file
 
 BUFFER = 8192
 ENTRY = BUFFER + ENTRY_OVERHEAD

@@ -8,14 +8,14 @@ import shutil
 
 import numpy as np
 import pytest
+from tiny_models import greedy_decode, random_prompt
 
 import edge
 from converters.convert import QuantPlan
-from converters.expert_file import EXPERTS_FILE, ExpertChecksumError
-from edge.errors import SessionError, ZllmError
+from edge.core.errors import SessionError, ZllmError
+from quant.expert_file import EXPERTS_FILE, ExpertChecksumError
 from streaming.budget import SCRATCH_TOKENS, Budget, parse_budget, plan_memory
 from streaming.prefetch import DEFAULT_THREADS
-from tiny_models import greedy_decode, random_prompt
 
 PROMPT = random_prompt(9, seed=5)
 N_DECODE = 6

@@ -6,13 +6,13 @@ import os
 
 import numpy as np
 import pytest
+from streaming_experts import raw_bytes, write_expert_file
 
-from converters.expert_file import ExpertChecksumError
-from edge.errors import ZllmError
+from edge.core.errors import ZllmError
+from quant.expert_file import ExpertChecksumError
 from streaming import store as store_module
 from streaming.storage import PRESETS, EmulatedDevice, StorageModel, parse_storage
 from streaming.store import IO_BUFFERED, IO_DIRECT, PAGE, ExpertReadError, ExpertStore, aligned_empty
-from streaming_experts import raw_bytes, write_expert_file
 
 
 @pytest.fixture(scope="module", params=[None, "zstd"], ids=["raw", "zstd"])

@@ -18,17 +18,16 @@ import numpy as np
 import pytest
 from test_api_edges import assert_cli_error, dense_path, llama, moe_path, no_default_models  # noqa: F401
 from test_cli import run_cli
+from tiny_models import random_prompt
 
 import edge
 import edge.api
 import edge.cli
 from devices.base import BACKENDS
 from devices.reference import ReferenceBackend, as_float32
-from edge.errors import InvalidArgumentError, ZllmError
+from edge.core.errors import InvalidArgumentError, ZllmError
 from edge.sampling import SamplingParams, sample_token
 from edge.tokenizer import TokenizerError
-from tiny_models import random_prompt
-
 
 # ---------------------------------------------------------------------------------- sampling extremes
 
@@ -280,7 +279,7 @@ class NanFromLayer(ReferenceBackend):
     def compile_forward(self, transformer):
         layer = transformer.layers[self.layer]
         layer.down = np.full_like(as_float32(layer.down), np.nan)
-        return None
+        return None, "ops"
 
     def info(self):
         return {**super().info(), "device": "nanfrom", "arithmetic": {"accumulation": 2.0 ** -24}}

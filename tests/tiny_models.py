@@ -45,9 +45,9 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from converters.checkpoint import open_checkpoint
 from converters.convert import QuantPlan, convert
 from quant import QuantizedTensor
+from quant.checkpoint import open_checkpoint
 
 VOCAB = 160
 CONTEXT = 64  # max_position_embeddings of every case

@@ -16,16 +16,19 @@ from devices.base import DeviceUnavailableError
 from devices.cache_buffers import CacheBuffer, KvCodec, StoredRows
 from devices.cpu.memory import HugePageArena, huge_pages_available
 from devices.cpu.weights import CpuWeight, as_vector, prepare_weight
-from quant.kv_formats import KV_FORMATS
+from edge.core.contract import Capabilities
+from edge.core.kv import KV_FORMATS
+from edge.core.moe import as_chosen
 
 try:
     import numba
+
     import kernels.cpu  # noqa: F401  (configures Numba's cache and threading before kernels load)
     from kernels.cpu import attention as attention_kernels
     from kernels.cpu import attention_stored as stored_attention_kernels
-    from kernels.cpu import elementwise, kv_quant, linear as linear_kernels
+    from kernels.cpu import elementwise, isa, kv_quant
+    from kernels.cpu import linear as linear_kernels
     from kernels.cpu import moe as moe_kernels
-    from kernels.cpu import isa
     from kernels.cpu.cpu_probe import best_int8_dot, bf16_prefill_is_faster, runs_bf16
     from kernels.cpu.llvm_ir import ACT_F32, ACT_INT8, INT8_DOTS
     from kernels.cpu.runtime import threading_info
@@ -75,9 +78,6 @@ NUMBA_KV_CODEC = KvCodec(kv_quant.quantize_int8, kv_quant.dequantize_int8, kv_qu
 
 class CpuBackend:
     name = "cpu"
-    kv_formats = KV_FORMATS
-    ring_buffers = True  # sliding layers may keep only their window (run op by op)
-    runs_moe = True
 
     def __init__(self, threads: int | None = None, variant: str | None = None):
         isa.check_configuration()  # a bad ZLLM_EDGE_ISA, or a target the JIT cannot serve
@@ -100,6 +100,9 @@ class CpuBackend:
         else:
             self.prefill_reason = "f32"
         self.threads = _thread_count(threads)
+        # sliding layers may keep only their window (run op by op); f16 and int8 K/V read as stored
+        self.capabilities = Capabilities(kv_formats=KV_FORMATS, cache_buffers=True, ring_buffers=True, stored_attention=True,
+                                         expert_mixture=True, greedy_on_device=True, threads=self.threads)
         self.weight_arena = HugePageArena() if huge_pages_available() else None
         self._largest_expert = (0, 0, 0)  # (K_max, I, padded I) over the experts packed (_expert_table)
         numba.set_num_threads(self.threads)
@@ -120,6 +123,10 @@ class CpuBackend:
     # --- weights -------------------------------------------------------------------------------
     def prepare_weight(self, weight):
         return prepare_weight(weight, self.activation_style, bf16_prefill=self.bf16_prefill)
+
+    @property
+    def expert_backend(self):
+        return self
 
     def load_weight(self, weight):
         """prepare_weight for a weight the model holds for its lifetime: a matrix's arrays are copied
@@ -187,12 +194,13 @@ class CpuBackend:
         """The routed experts' mixture of a MoE layer, one compiled call per batch of experts
         (kernels/cpu/moe.py): x [T, D], ids / weights [T, A], experts {id: ExpertWeights} -> [T, D].
 
-        A source that keeps only `window_size` experts' weights valid at once (edge/moe.py
-        ExpertSource) is read that many experts at a time, in ascending id order; the kernel adds
+        A source that keeps only `window_size` experts' weights valid at once (edge/core/moe.py
+        ChosenExperts) is read that many experts at a time, in ascending id order; the kernel adds
         them in the same order either way, so the result does not depend on the window."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         ids = np.asarray(ids)
-        window = getattr(experts, "window_size", None)
+        experts = as_chosen(experts)
+        window = experts.window_size
         if len(x) == 1 and (window is None or window >= ids.shape[-1]):
             return self._one_token_mixture(x, ids.reshape(-1), np.asarray(weights).reshape(-1), experts)
         distinct = np.unique(ids)  # ascending
@@ -218,11 +226,10 @@ class CpuBackend:
         order = np.argsort(ids)
         ascending = ids[order].tolist()
         coeffs = np.ascontiguousarray(weights[order], np.float32)
-        ready_run = getattr(experts, "ready_run", None)
         out = np.zeros(x.shape, np.float32)
         start = 0
         while start < len(ascending):
-            n = ready_run(ascending, start) if ready_run is not None else len(ascending)
+            n = experts.ready_run(ascending, start)
             chosen = [experts[expert] for expert in ascending[start:start + n]]  # referenced until the kernel returns
             table = np.concatenate([self._expert_table(w) for w in chosen])  # [3 * n, W_FIELDS]
             # scratch for the largest expert packed so far (extra zero padding changes no sum)
@@ -269,21 +276,21 @@ class CpuBackend:
         self.use_threads()
         return attention_kernels.head_matmul(x, w)
 
-    def compile_forward(self, transformer):
+    def compile_forward(self, model):
         from devices.cpu.executor import KV_DTYPES, FusedForward
 
-        if transformer.spec.attention_kind != "gqa" or transformer.kv_format not in KV_DTYPES:
-            # the fused executor reads float32 or float16 K/V; MLA and int8 caches run op by op on
-            # the same Numba kernels
-            return None
-
-        spec = transformer.spec
-        if spec.qk_norm_over_projection or spec.clip_qkv is not None:
-            # the fused executor composes Llama-like attention only; these run op by op on the same
-            # Numba kernels
-            return None
-
-        return FusedForward(transformer, self)
+        # the fused executor composes Llama-like attention over float32 or float16 K/V; the rest runs
+        # op by op on the same Numba kernels
+        spec = model.spec
+        if spec.attention_kind != "gqa":
+            return None, f"ops: {spec.attention_kind.upper()} attention"
+        if model.kv_format not in KV_DTYPES:
+            return None, f"ops: {model.kv_format} KV cache"
+        if spec.qk_norm_over_projection:
+            return None, "ops: q/k norm over the whole projection"
+        if spec.clip_qkv is not None:
+            return None, "ops: clip_qkv"
+        return FusedForward(model, self), "fused"
 
     def info(self) -> dict:
         import llvmlite.binding as llvm

@@ -6,10 +6,10 @@ longest call so far, and runs a whole forward pass as one compiled call; with an
 call per layer so that the observer sees the residual stream in between.
 
 A Mixture-of-Experts model runs one compiled call per stretch of layers that ends at a MoE layer:
-the call ends with that layer's router logits, and between calls the layer is routed (edge/moe.py
-`route`, as on every device), its experts are taken from the model's expert source (resident,
-paged or streamed) and mixed by one compiled call (kernels/cpu/moe.py), and the shared expert, if
-any, is added op by op.
+the call ends with that layer's router logits, and between calls the model's MoE runner
+(edge/core/contract.py) routes the layer as on every device, takes its experts from the model's
+expert source (resident, paged or streamed) and mixes them in one compiled call (kernels/cpu/moe.py);
+the shared expert, if any, is added op by op.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import weakref
 import numpy as np
 
 from devices.cpu.weights import CpuWeight, MissingKernelError, as_vector
-from edge.moe import routed_experts, shared_experts
 from kernels.cpu import formats as wf
 from kernels.cpu import forward as fk
 from kernels.cpu.attention import MAX_DECODE_SPLITS, scratch_floats
@@ -34,15 +33,15 @@ def _kv_array(buffer) -> np.ndarray:
 
 
 class _ModelTables:
-    """Descriptors, params and the layer table of one transformer (read by every call)."""
+    """Descriptors, params and the layer table of one model (read by every call)."""
 
-    def __init__(self, transformer):
-        spec = transformer.spec
+    def __init__(self, model):
+        spec = model.spec
         self.weights: list[CpuWeight] = []  # kept referenced: descriptors point into their arrays
         self._vectors: list[np.ndarray] = []
         self._params_length = 0
         layer_rows = []
-        for layer in transformer.layers:
+        for layer in model.layers:
             row = np.full(fk.LAYER_FIELDS, fk.NO_PARAM, np.int64)
             row[fk.L_INPUT_NORM] = self._vector(layer.input_norm)
             row[fk.L_POST_NORM] = self._vector(layer.post_attention_norm)
@@ -69,10 +68,10 @@ class _ModelTables:
         self.dims[fk.M_HEAD_DIM] = spec.head_dim
         self.dims[fk.M_INTERMEDIATE] = spec.intermediate_size
         self.dims[fk.M_VOCAB] = spec.vocab_size
-        self.dims[fk.M_EMBED] = self._matrix(transformer.embed_tokens)
-        self.dims[fk.M_LM_HEAD] = self._matrix(transformer.lm_head)  # tied: the same quantized table
-        self.dims[fk.M_FINAL_NORM] = self._vector(transformer.final_norm)
-        self.dims[fk.M_KV_BYTES] = np.dtype(KV_DTYPES[transformer.kv_format]).itemsize
+        self.dims[fk.M_EMBED] = self._matrix(model.embed_tokens)
+        self.dims[fk.M_LM_HEAD] = self._matrix(model.lm_head)  # tied: the same quantized table
+        self.dims[fk.M_FINAL_NORM] = self._vector(model.final_norm)
+        self.dims[fk.M_KV_BYTES] = np.dtype(KV_DTYPES[model.kv_format]).itemsize
         self.dims[fk.M_LAYERS] = spec.num_hidden_layers
         self.descriptors = np.stack([w.descriptor for w in self.weights])
         self.params = np.concatenate(self._vectors) if self._vectors else np.zeros(0, np.float32)
@@ -165,15 +164,16 @@ class _Scratch:
 class FusedForward:
     """(ids, cache, all_logits, observer) -> logits, with the semantics of Transformer.forward_ops."""
 
-    def __init__(self, transformer, backend):
+    def __init__(self, model, backend):
         self.backend = backend
-        self.spec = transformer.spec
-        self.rope = transformer.rope
+        self.spec = model.spec
+        self.rope = model.rope
         self.eps = np.float32(self.spec.rms_norm_eps)
-        self.scale = np.float32(transformer.attention_scale)
-        self.tables = _ModelTables(transformer)
-        self._transformer = weakref.ref(transformer)  # its expert source may be swapped (route recording)
-        self.moe_layers = {index: layer.moe for index, layer in enumerate(transformer.layers) if layer.moe is not None}
+        self.scale = np.float32(model.attention_scale)
+        self.tables = _ModelTables(model)
+        self.kv_format = model.kv_format
+        self.moe = model.moe  # routes a MoE layer, fetches and mixes its experts
+        self.moe_layers = {index: layer.moe for index, layer in enumerate(model.layers) if layer.moe is not None}
         self.scratch = _Scratch(self.tables, self.spec, backend.threads)
         self._kv_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()  # scratch buffers are shared: one call at a time
@@ -184,7 +184,7 @@ class FusedForward:
         if table is None:
             spec = self.spec
             expected = (cache.capacity, spec.num_key_value_heads, spec.head_dim)
-            dtype = np.dtype(KV_DTYPES[self._transformer().kv_format])
+            dtype = np.dtype(KV_DTYPES[self.kv_format])
             rows = []
             for layer in cache.layers:
                 arrays = [_kv_array(buffer) for buffer in layer]
@@ -248,10 +248,8 @@ class FusedForward:
         x, hidden = s.normed[:n_tokens], s.hidden[:n_tokens]
         router_logits = s.router_logits[:n_tokens, :weights.config.num_experts].copy()
         # the expert source may keep what it is given (the predictor learns from it): copies, not scratch views
-        out, ids, route_weights = routed_experts(self.backend, layer, x, hidden.copy(), router_logits, weights,
-                                                 self._transformer().experts)
-        shared = shared_experts(self.backend, x, weights)
-        hidden += out if shared is None else out + shared
+        out, ids, route_weights = self.moe.block(layer, x, hidden.copy(), router_logits)
+        hidden += out
         return {"expert_ids": ids, "expert_weights": route_weights}
 
     def last_step_times(self) -> list[tuple[int, str, float]]:

@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from converters.safetensors_io import release_view
+from quant.safetensors_io import release_view
 
 HUGE_PAGE = 2 << 20
 CHUNK_BYTES = 64 << 20  # address space reserved at a time; only the pages written are ever allocated

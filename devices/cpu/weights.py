@@ -16,7 +16,7 @@ from devices.cpu.memory import HugePageArena
 from kernels.cpu import formats as wf
 from kernels.cpu.linear import attach_kernels
 from kernels.cpu.llvm_ir import ACT_F32
-from quant import QuantizedTensor
+from quant import GROUP_SIZES, QuantizedTensor
 
 
 class MissingKernelError(DeviceUnavailableError):
@@ -24,7 +24,7 @@ class MissingKernelError(DeviceUnavailableError):
 
 
 def supported_formats() -> str:
-    quantized = ", ".join(f"{dtype}_{'sym' if sym else 'affine'}_g{{{','.join(map(str, wf.SUPPORTED_GROUP_SIZES))}}}"
+    quantized = ", ".join(f"{dtype}_{'sym' if sym else 'affine'}_g{{{','.join(map(str, GROUP_SIZES))}}}"
                           for dtype, sym in wf.QUANTIZED_KINDS)
     floats = ", ".join(str(dtype) for dtype in wf.FLOAT_KINDS)
     return f"matrices in {quantized}, {floats}; vectors in any float dtype"
@@ -63,7 +63,7 @@ def prepare_weight(weight, activations: int = ACT_F32, arena: HugePageArena | No
     if isinstance(weight, QuantizedTensor):
         scheme = weight.scheme
         kind = wf.QUANTIZED_KINDS.get((scheme.dtype, scheme.symmetric))
-        if kind is None or scheme.group_size not in wf.SUPPORTED_GROUP_SIZES:
+        if kind is None or scheme.group_size not in GROUP_SIZES:
             raise MissingKernelError(
                 f"device 'cpu' has no kernel for a weight stored as {scheme} (shape {weight.shape}); "
                 f"its kernels cover {supported_formats()}. Convert the model with a supported --weights, "

@@ -13,12 +13,15 @@ from devices.gpu.launches import MAX_HEAD_DIM, LaunchBuilder, Tuning
 from devices.gpu.ops import GpuOps
 from devices.gpu.shaders import KernelCache
 from devices.gpu.tensors import GpuKV, GpuMatrix, GpuVector
+from edge.core.contract import Capabilities
 from quant import QuantizedTensor
 
 
 class GpuBackend:
     name = "gpu"
-    runs_moe = True
+    # K/V in f32 over every position (sliding layers mask by window); routed experts in the GPU expert
+    # cache (configure_expert_cache); greedy tokens picked on the GPU
+    capabilities = Capabilities(expert_mixture=True, expert_cache=True, greedy_on_device=True)
     # what ExpertSources prepare experts with (edge/api.py): nothing, they hand the MoE block the experts'
     # stored bytes as host views, and the GPU expert cache (configure_expert_cache) uploads them
     expert_backend = HostExpertWeights()
@@ -53,6 +56,8 @@ class GpuBackend:
         self.upload_seconds += time.perf_counter() - began
         self.weight_bytes += prepared.nbytes
         return prepared
+
+    load_weight = prepare_weight  # the model's own weights are uploaded once, as every weight is
 
     def embed(self, table, ids):
         return self.ops.embed(table, ids)
@@ -96,9 +101,6 @@ class GpuBackend:
     def argmax(self, x):
         return self.ops.argmax(x)
 
-    kv_formats = ("f32",)  # edge refuses kv_cache="f16"/"int8" on this device
-    ring_buffers = False  # sliding layers keep every position and mask by window
-
     def allocate_kv(self, capacity: int, kv_heads: int, head_dim: int):
         return GpuKV(self.ctx, capacity, kv_heads, head_dim), GpuKV(self.ctx, capacity, kv_heads, head_dim)
 
@@ -110,15 +112,15 @@ class GpuBackend:
             self.expert_cache.close()
         self.expert_cache = GpuExpertCache(self.ctx, layers, capacity)
 
-    def compile_forward(self, transformer):
-        check_gqa_only(transformer, "gpu")
-        if transformer.spec.head_dim > MAX_HEAD_DIM:  # refused at load, not at the first prefill
+    def compile_forward(self, model):
+        check_gqa_only(model, "gpu")
+        if model.spec.head_dim > MAX_HEAD_DIM:  # refused at load, not at the first prefill
             raise DeviceUnavailableError(f"device 'gpu' runs attention heads of up to {MAX_HEAD_DIM} dimensions; "
-                                         f"this model's have {transformer.spec.head_dim}: use device 'cpu' or 'npu'")
-        if has_moe_layers(transformer) and self.expert_cache is None:
+                                         f"this model's have {model.spec.head_dim}: use device 'cpu' or 'npu'")
+        if has_moe_layers(model) and self.expert_cache is None:
             raise ValueError("device 'gpu' runs a Mixture-of-Experts model through its GPU expert cache: call "
                              "backend.configure_expert_cache(...) before building the model (edge.load does)")
-        return FusedForward(self, transformer)
+        return FusedForward(self, model), "fused"
 
     def expert_stats(self) -> dict:
         """The GPU expert cache's counters (empty for a dense model)."""

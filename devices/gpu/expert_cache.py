@@ -54,6 +54,8 @@ class HostExpertWeights:
     def prepare_weight(weight):
         return weight
 
+    load_weight = prepare_weight
+
 
 @dataclass
 class GpuExpert:

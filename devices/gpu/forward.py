@@ -28,23 +28,23 @@ MAX_TOKENS_PER_SUBMISSION = 128
 
 
 class FusedForward:
-    def __init__(self, backend, transformer):
+    def __init__(self, backend, model):
         self.ctx, self.builder = backend.ctx, backend.builder
-        # what the executor needs from the transformer, not the transformer itself (which holds this
+        # what the executor needs from the model, not the model itself (which holds this
         # executor): no reference cycle, so device buffers go when the model does
-        self.layers, self.rope = transformer.layers, transformer.rope
-        self.final_norm, self.lm_head = transformer.final_norm, transformer.lm_head
-        self.attention_scale = transformer.attention_scale
-        spec = transformer.spec
+        self.layers, self.rope = model.layers, model.rope
+        self.final_norm, self.lm_head = model.final_norm, model.lm_head
+        self.attention_scale = model.attention_scale
+        spec = model.spec
         for name in ("embed_tokens", "lm_head"):
-            if not isinstance(getattr(transformer, name), GpuMatrix):
+            if not isinstance(getattr(model, name), GpuMatrix):
                 raise TypeError(f"the GPU executor needs {name} prepared by the gpu backend")
         self.dim = spec.hidden_size
         self.q_heads, self.kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
         self.qk_norm_over_projection = spec.qk_norm_over_projection  # OLMoE: q/k norm over the whole projection
         self.clip_qkv = spec.clip_qkv  # OLMoE: q, k, v clamped after their projections
         self.intermediate = spec.intermediate_size
-        self.vocab = transformer.lm_head.shape[0]
+        self.vocab = model.lm_head.shape[0]
         self.eps = float(spec.rms_norm_eps)
         ctx = self.ctx
         moe_layers = [layer for layer in self.layers if layer.moe is not None]
@@ -87,8 +87,8 @@ class FusedForward:
         if self.expert_cache is not None:
             self.expert_cache.forget_bound()
         # MoE layers route on the host through the model (edge's routing and its ExpertSource)
-        self._transformer = weakref.ref(transformer)
-        self._embed = self.builder.embed(self.step, self.ids, transformer.embed_tokens, self.hidden)
+        self.moe_runner = model.moe  # routes MoE layers and fetches their experts (edge/core/contract.py)
+        self._embed = self.builder.embed(self.step, self.ids, model.embed_tokens, self.hidden)
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._heads: dict[str, Launches] = {}
 
@@ -229,10 +229,7 @@ class FusedForward:
         return int(token)
 
     def _route(self, index: int, router_logits: np.ndarray, residual: np.ndarray):
-        transformer = self._transformer()
-        if transformer is None:
-            raise RuntimeError("the model this GPU executor belongs to has been closed")
-        return transformer.route_moe_layer(index, router_logits, residual)
+        return self.moe_runner.route(index, router_logits, residual)
 
     def _run(self, ids: np.ndarray, cache, head: str | None, observed: list | None,
              routes: list | None = None, call_end: int | None = None) -> np.ndarray | int | None:

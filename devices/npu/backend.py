@@ -35,12 +35,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from converters.onnx_export import ATTENTION_FORMS, ExportOptions
 from devices.base import check_gqa_only
 from devices.npu import ops
 from devices.npu.executor import NpuExecutor, allocate_kv
 from devices.npu.graph_cache import GraphCache
+from devices.npu.onnx_export import ATTENTION_FORMS, ExportOptions
 from devices.npu.providers import PRIORITY, choose_provider, import_onnxruntime
+from edge.core.contract import Capabilities
 
 _FLAGS = {"0": False, "1": True, "false": False, "true": True}
 
@@ -108,7 +109,9 @@ class NpuSettings:
 
 class NpuBackend:
     name = "npu"
-    runs_moe = True  # routed experts on the CPU backend (expert_backend), the rest in graphs
+    # K/V in f32 over every position (sliding layers mask by window); routed experts on the CPU backend
+    # (expert_backend), the rest in graphs
+    capabilities = Capabilities(expert_mixture=True)
 
     def __init__(self, threads: int | None = None, variant: str | None = None):
         self.settings = NpuSettings.parse(variant, threads)
@@ -154,19 +157,18 @@ class NpuBackend:
     def prepare_weight(self, weight):
         return weight  # graphs read the checkpoint's arrays when they are exported, nothing to prepare
 
-    def compile_forward(self, transformer):
-        check_gqa_only(transformer, "npu")
-        moe = [(i, layer.moe) for i, layer in enumerate(transformer.layers) if layer.moe is not None]
-        self.moe_layers = [i for i, _ in moe]
-        self.dense_ffn_layers = [i for i in range(len(transformer.layers)) if i not in self.moe_layers]
-        self.shared_experts = any(weights.shared_gate is not None for _, weights in moe)
-        cache = GraphCache(transformer, self.export_options)
-        executor = NpuExecutor(transformer, cache, self.runtime, self.settings)
-        self.executors.append(executor)
-        return executor
+    load_weight = prepare_weight
 
-    kv_formats = ("f32",)  # edge refuses kv_cache="f16"/"int8" on this device
-    ring_buffers = False  # sliding layers keep every position and mask by window
+    def compile_forward(self, model):
+        check_gqa_only(model, "npu")
+        moe = [(i, layer.moe) for i, layer in enumerate(model.layers) if layer.moe is not None]
+        self.moe_layers = [i for i, _ in moe]
+        self.dense_ffn_layers = [i for i in range(len(model.layers)) if i not in self.moe_layers]
+        self.shared_experts = any(weights.shared_gate is not None for _, weights in moe)
+        cache = GraphCache(model, self.export_options)
+        executor = NpuExecutor(model, cache, self.runtime, self.settings)
+        self.executors.append(executor)
+        return executor, "fused"
 
     def allocate_kv(self, capacity: int, kv_heads: int, head_dim: int):
         return allocate_kv(capacity, kv_heads, head_dim)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from converters.onnx_export import GraphShape, mask_input_name, uses_group_query_attention
+from devices.npu.onnx_export import GraphShape, mask_input_name, uses_group_query_attention
 from devices.npu.providers import create_session, placement
 
 MASKED = np.float32(-np.inf)
@@ -214,7 +214,7 @@ class NpuExecutor:
             return outputs[name].numpy()[0, :valid]
 
         # residual: the stream entering the block (the expert predictor reads it), x: after its norm
-        out, ids, weights = self.model.routed_experts(layer, rows("ffn_in"), rows("hidden_out"), rows("router_logits"))
+        out, ids, weights = self.model.moe.routed(layer, rows("ffn_in"), rows("hidden_out"), rows("router_logits"))
         if "shared_expert_out" in outputs:
             out = out + rows("shared_expert_out")  # [T, D], in the op-by-op composition's order
         block = np.zeros((1, tokens, self.spec.hidden_size), np.float32)

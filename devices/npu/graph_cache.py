@@ -15,7 +15,7 @@ weight file (found through the memory-mapped weights, so nothing is hashed again
 whose weights are not mapped from a checkpoint is keyed by the sha256 of its weight bytes.
 
 A graph is stale, and rebuilt, when its recorded exporter version, exporter source digest (sha256
-of converters/onnx_export.py and onnx_weights.py) or checkpoint digest differs from the current
+of devices/npu/onnx_export.py and onnx_weights.py) or checkpoint digest differs from the current
 ones, or its weight references point outside weights.bin; a weight file whose index does not
 match is removed with every graph beside it. Writers hold a lock file, and each graph appears
 atomically (written aside, then renamed).
@@ -33,8 +33,8 @@ from contextlib import contextmanager
 import numpy as np
 import onnx
 
-from converters.onnx_export import EXPORTER_DIGEST, EXPORTER_VERSION, ExportOptions, GraphShape, export_graph
-from converters.onnx_weights import ExternalWeightFile, WeightFileError
+from devices.npu.onnx_export import EXPORTER_DIGEST, EXPORTER_VERSION, ExportOptions, GraphShape, export_graph
+from devices.npu.onnx_weights import ExternalWeightFile, WeightFileError
 from kernels.cache_home import zllm_home
 from quant import QuantizedTensor
 

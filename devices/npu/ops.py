@@ -1,6 +1,6 @@
 """Single operations of the backend contract, each as a small graph on the backend's provider.
 
-They are built from the same emitters as the whole-model graphs (converters/onnx_export.py), so a
+They are built from the same emitters as the whole-model graphs (devices/npu/onnx_export.py), so a
 layer-by-layer comparison against the reference exercises the very nodes the fused graphs use.
 Sessions are cached per weight and shape signature; weights are embedded in these small graphs.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from converters.onnx_export import ExportOptions, GraphBuilder, attend, embed, linear, rms_norm, rotate
-from converters.onnx_weights import InlineWeights
+from devices.npu.onnx_export import ExportOptions, GraphBuilder, attend, embed, linear, rms_norm, rotate
+from devices.npu.onnx_weights import InlineWeights
 from devices.npu.providers import create_session
 
 FLOAT = TensorProto.FLOAT

@@ -29,7 +29,7 @@ log = logging.getLogger("zllm.npu")
 class Provider:
     key: str  # the name after "npu:" in a device string
     ep_name: str  # onnxruntime's name
-    attention: str  # graph form it takes (converters/onnx_export.py): "contrib" or "standard"
+    attention: str  # graph form it takes (devices/npu/onnx_export.py): "contrib" or "standard"
     static_shapes: bool  # compiles for fixed shapes (decode S=1, prefill chunks S=N)
     plugin_module: str | None  # Python package shipping it as a plugin EP library, if any
     how_to_get: str

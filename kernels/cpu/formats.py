@@ -28,7 +28,6 @@ KIND_NAMES = {kind: fmt.name for kind, fmt in IR_FORMATS.items()}
 QUANTIZED_KINDS = {("int4", True): INT4_SYM, ("int4", False): INT4_AFFINE,
                    ("int8", True): INT8_SYM, ("int8", False): INT8_AFFINE}
 FLOAT_KINDS = {np.dtype(np.float32): F32, np.dtype(np.float16): F16}
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
 # Descriptor columns.
 W_KIND = 0

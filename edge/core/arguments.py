@@ -8,8 +8,9 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 
-from edge.errors import InvalidArgumentError
+from edge.core.errors import InvalidArgumentError
 
 
 def _bounds(minimum, maximum, above) -> str:
@@ -89,20 +90,18 @@ def writable_file(option: str, path: str | None, suffix: str | None = None) -> N
                                "writable directory")
 
 
-def write_atomically(path, write, binary: bool = False) -> None:
-    """Write `path` through `write(f)`, all of it or nothing: into a hidden file beside it (the same file
-    system), flushed to the disk and renamed over `path` once `write` returns, removed if anything fails.
-    A reader sees the old file or the new one, never a part; an interrupted write leaves the old one."""
-    import secrets
 
-    folder, name = os.path.split(os.path.abspath(path))
-    temporary = os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
-    try:
-        with open(temporary, "xb" if binary else "x") as f:  # an ordinary file's mode (umask), never an existing file
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+
+SIZE_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
+_SIZE = re.compile(r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMG]I?B|B)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> float | None:
+    """A size written as people write it: 512, 1.5e9, 512MB, 2GiB, 64kb (decimal KB/MB/GB, binary
+    KiB/MiB/GiB, case-insensitive) -> bytes (a float, not rounded, sign kept); None if it is not one.
+    Callers say what they wanted in their own error message."""
+    match = _SIZE.fullmatch(text)
+    if not match:
+        return None
+    number, unit = match.groups()
+    return float(number) * SIZE_UNITS[(unit or "").upper()]

@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from edge.errors import UnsupportedModelError
-from edge.moe import MoeConfig
-from edge.spec_dense import FieldRule, LlamaSpec, MistralSpec, Qwen2Spec, Qwen3Spec
+from edge.core.errors import UnsupportedModelError
+from edge.core.moe import MoeConfig
+from edge.core.spec_dense import FieldRule, LlamaSpec, MistralSpec, Qwen2Spec, Qwen3Spec
 
 
 def _with_dense_ffn(spec: LlamaSpec, fields: tuple[str, ...]) -> tuple[str, ...]:
@@ -221,7 +221,7 @@ class DeepseekV3Spec(DeepseekV2Spec):
 
 
 # --- Mixture-of-Experts families ----------------------------------------------------------------
-# Each says which layers are sparse and how their router scores experts (edge/moe.py `route`).
+# Each says which layers are sparse and how their router scores experts (edge/core/moe.py `route`).
 
 
 def _sparse_by_step(layer: int, num_experts: int, decoder_sparse_step: int, mlp_only_layers: list[int]) -> bool:

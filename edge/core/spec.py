@@ -2,7 +2,7 @@
 
 `spec_from_dict` picks the family by `model_type` through a small alias table and ignores
 keys it does not know, so a config.json written by any transformers version loads; each family's
-dataclass checks its fields' types and ranges (edge/spec_dense.py FIELD_RULES).
+dataclass checks its fields' types and ranges (edge/core/spec_dense.py FIELD_RULES).
 
 `spec_tensor_shapes` is the one table of every weight a spec declares and the shape it must have,
 [out, in] for matrices; the converter checks a source's tensors against it before writing anything,
@@ -13,15 +13,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, NamedTuple
 
-from edge.errors import ConversionError, UnsupportedModelError, ZllmError
-from edge.moe import MoeConfig
-from edge.spec_dense import show
-# The families' dataclasses live beside this module; edge.spec is where the rest of the code imports them from.
-from edge.spec_dense import LlamaSpec, MistralSpec, Qwen2Spec, Qwen3Spec  # noqa: F401
-from edge.spec_moe import (  # noqa: F401
-    DeepseekV2Spec, DeepseekV3Spec, LlamaMoeSpec, MixtralSpec, OlmoeSpec, Qwen2MoeSpec, Qwen3MoeSpec,
-)
+from edge.core.errors import ConversionError, UnsupportedModelError, ZllmError
+from edge.core.moe import MoeConfig
 
+# The families' dataclasses live beside this module; edge.spec is where the rest of the code imports them from.
+from edge.core.spec_dense import LlamaSpec, MistralSpec, Qwen2Spec, Qwen3Spec, show  # noqa: F401
+from edge.core.spec_moe import (
+    DeepseekV2Spec,
+    DeepseekV3Spec,
+    LlamaMoeSpec,
+    MixtralSpec,
+    OlmoeSpec,
+    Qwen2MoeSpec,
+    Qwen3MoeSpec,
+)
 
 SPEC_CLASSES: dict[str, type[LlamaSpec]] = {
     "llama": LlamaSpec,

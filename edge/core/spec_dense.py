@@ -1,5 +1,5 @@
 """Dense decoder families of the Llama lineage (Llama, Mistral, Qwen2, Qwen3): one dataclass each,
-fields named exactly as in Hugging Face config.json. The registry and readers live in edge/spec.py.
+fields named exactly as in Hugging Face config.json. The registry and readers live in edge/core/spec.py.
 
 Every spec checks its fields when it is built: each field's type and range in one table per class
 (FIELD_RULES, merged along the class hierarchy), then what the fields must satisfy together
@@ -12,10 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from edge.arguments import is_integer, is_number
-from edge.errors import ConversionError, UnsupportedModelError
-from edge.moe import MoeConfig
-
+from edge.core.arguments import is_integer, is_number
+from edge.core.errors import ConversionError, UnsupportedModelError
+from edge.core.moe import MoeConfig
 
 # --- field rules ----------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ Dimensions: S = tokens in this call, C = KV capacity (positions the cache holds)
 already in the cache, D = hidden size, Hq / Hkv = query / key-value heads, Dh = head dim,
 V = vocabulary, R = rows whose logits are returned. Batch is always 1.
 
-Quantized weights go to `com.microsoft::MatMulNBits` as stored (converters/onnx_weights.py).
+Quantized weights go to `com.microsoft::MatMulNBits` as stored (devices/npu/onnx_weights.py).
 Two forms of the same math, chosen by `ExportOptions.attention`:
 
 - "contrib": ONNX Runtime's fused contrib ops. `GroupQueryAttention` applies RoPE itself
@@ -52,7 +52,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from converters.onnx_weights import (
+from devices.npu.onnx_weights import (
     AFFINE_INT4_MODES,
     embedding_arrays,
     float_matrix_t,
@@ -527,7 +527,7 @@ def export_graph(model, shape: GraphShape, options: ExportOptions, weights) -> o
 
     `model` is anything with the fields of edge.model.Transformer that matter here: spec, layers,
     embed_tokens, final_norm, lm_head, attention_scale. Weights go through `weights` (a store from
-    converters/onnx_weights.py)."""
+    devices/npu/onnx_weights.py)."""
     spec = model.spec
     if not 0 <= shape.first_layer <= shape.end_layer <= spec.num_hidden_layers:
         raise ValueError(f"layer range [{shape.first_layer}, {shape.end_layer}) is outside the model's "
