@@ -15,13 +15,8 @@
 from __future__ import annotations
 
 import argparse
-import heapq
-import mmap
 import os
-import random
 import sys
-import threading
-import time
 
 import numpy as np
 
@@ -32,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import edge  # noqa: E402
 from edge.bench import text_prompt  # noqa: E402
 from streaming.budget import parse_budget  # noqa: E402
+from streaming.floor import POLICIES, demand_reads, disk_throughput  # noqa: E402
 
 
 def record_routes(path: str, tokens: int) -> list[dict[int, list[int]]]:
@@ -50,80 +46,6 @@ def record_routes(path: str, tokens: int) -> list[dict[int, list[int]]]:
                 steps.append({})
                 token = int(session.prefill([token], observer=observe).argmax())
     return steps
-
-
-def replay(uses: list[tuple[int, int]], layers: list[int], per_token: int, capacity: int, policy: str) -> int:
-    """Demand reads of the expert uses [(layer, expert)] in order through a cache of `capacity` entries."""
-    if policy == "belady":
-        next_use, seen = [0] * len(uses), {}
-        for i in range(len(uses) - 1, -1, -1):
-            next_use[i], seen[uses[i]] = seen.get(uses[i], len(uses)), i
-        cached, heap, reads = {}, [], 0
-        for i, key in enumerate(uses):
-            if key not in cached:
-                reads += 1
-                while len(cached) >= capacity:  # evict the entry needed furthest ahead
-                    when, victim = heapq.heappop(heap)
-                    if cached.get(victim) == -when:
-                        del cached[victim]
-            cached[key] = next_use[i]
-            heapq.heappush(heap, (-next_use[i], key))
-        return reads
-    order = {layer: i for i, layer in enumerate(layers)}
-    n = len(order)
-    cached, reads = {}, 0  # key -> last use
-    used = {}  # key -> visits of its layer that used it (nextuse)
-    for i, key in enumerate(uses):
-        if key not in cached:
-            reads += 1
-            if len(cached) >= capacity:
-                here = order[key[0]]
-                in_use = {k for k in uses[i - (i % per_token): i] if k[0] == key[0]}
-                candidates = [k for k in cached if k not in in_use]
-
-                def distance(k):  # MoE layers until k's layer is computed again (its own: a whole cycle)
-                    return (order[k[0]] - here) % n or n
-
-                if policy == "lru":
-                    victim = min(candidates, key=cached.__getitem__)
-                elif policy == "cycle":  # the layer the model reaches last, then least recently used
-                    victim = min(candidates, key=lambda k: (-distance(k), cached[k]))
-                else:  # nextuse: distance + n (1 - p) / p, p = (uses + 1) / (visits + 2) of k's layer so far
-                    visits = i // per_token + 1
-
-                    def expected(k):
-                        p = (used.get(k, 0) + 1) / (visits + 2)
-                        return distance(k) + n * (1 - p) / p
-
-                    victim = max(candidates, key=lambda k: (expected(k), -cached[k]))
-                del cached[victim]
-        cached[key] = i
-        used[key] = used.get(key, 0) + 1
-    return reads
-
-
-def disk_throughput(experts_file: str, record_bytes: int, depth: int, reads: int = 800) -> dict:
-    size = os.path.getsize(experts_file)
-
-    def worker():
-        fd = os.open(experts_file, os.O_RDONLY | os.O_DIRECT)
-        buffer = mmap.mmap(-1, record_bytes)  # page aligned, as O_DIRECT needs
-        rng = random.Random(threading.get_ident())
-        try:
-            for _ in range(reads // depth):
-                os.preadv(fd, [buffer], rng.randrange(0, size // record_bytes - 1) * record_bytes)
-        finally:
-            os.close(fd)
-
-    threads = [threading.Thread(target=worker) for _ in range(depth)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    seconds = time.perf_counter() - started
-    done = reads // depth * depth
-    return {"queue_depth": depth, "reads_per_second": done / seconds, "gb_per_second": done * record_bytes / seconds / 1e9}
 
 
 def main() -> int:
@@ -147,8 +69,7 @@ def main() -> int:
         record_bytes = -(-max(index.layout(layer).raw_length for layer in layers) // 4096) * 4096
         experts_file = index.path
     capacity = int(n_experts * share / 100)
-    reads = {policy: replay(uses, layers, per_token, capacity, policy) / len(steps)
-             for policy in ("belady", "nextuse", "cycle", "lru")}
+    reads = {policy: demand_reads(uses, layers, per_token, capacity, policy) / len(steps) for policy in POLICIES}
     disk = [disk_throughput(experts_file, record_bytes, depth) for depth in (1, 2, 4, 8)]
     best = max(disk, key=lambda d: d["reads_per_second"])
     report = {"model": args.model, "budget": args.budget, "tokens": len(steps), "expert_uses_per_token": per_token,

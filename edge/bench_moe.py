@@ -24,6 +24,8 @@ import platform
 import statistics
 import sys
 
+import numpy as np
+
 from edge.bench import (
     PROMPT_SEED,
     WARMUP_NEW_TOKENS,
@@ -35,6 +37,7 @@ from edge.bench import (
     id_prompt,
     machine_info,
 )
+from streaming.options import StreamingOptions
 
 STRATEGY_OPTIONS = {
     "resident": {"expert_strategy": "resident"},
@@ -227,6 +230,10 @@ def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str
                     None)
         if "error" not in row and mmap is not None:
             row["decode_vs_mmap"] = _ratio(row["decode_tokens_per_second"], mmap["decode_tokens_per_second"])
+    if resident is not None:
+        progress("the read floor: replaying the resident run's routes")
+        add_bounds(rows, resident, checkpoint_path, device, threads, timed_prompts, storage,
+                   queue_depth=StreamingOptions().prefetch_threads)  # the loading threads the runs had
     baselines = [r["baseline_rss_bytes"] for r in rows if "error" not in r]
     return {
         "model": os.path.abspath(checkpoint_path), "model_type": manifest["model"]["model_type"],
@@ -236,6 +243,77 @@ def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str
         "interpreter_baseline_rss_bytes": statistics.median(baselines) if baselines else None,
         "rss_tolerance": RSS_TOLERANCE, "configs": rows, "machine": machine_info(),
     }
+
+
+# ---------------------------------------------------------------------------------- the bound
+
+
+def resident_routes(checkpoint_path: str, device: str, threads: int | None, prompts: list[list[int]],
+                    generated: list[list[int]]) -> tuple[list[tuple[int, int]], int, int]:
+    """The expert uses [(layer, expert)] of the resident runs' decode steps, in execution order, re-run
+    with the tokens they produced: -> (uses, uses per step, decode steps)."""
+    import edge
+    from edge.bench import load_threads
+
+    uses: list[tuple[int, int]] = []
+    steps = 0
+
+    def observe(layer, hidden, expert_ids=None, expert_weights=None):
+        if expert_ids is not None:
+            uses.extend((layer, expert) for expert in sorted(set(np.asarray(expert_ids).ravel().tolist())))
+
+    with edge.load(checkpoint_path, device=device, threads=load_threads(device, threads),
+                   expert_strategy="resident") as model:
+        for prompt, tokens in zip(prompts, generated):
+            with model.session(capacity=len(prompt) + len(tokens)) as session:
+                session.prefill(prompt)
+                for token in tokens[:-1]:  # the last token chosen is not run
+                    session.prefill([token], observer=observe)
+                    steps += 1
+    return uses, len(uses) // max(steps, 1), steps
+
+
+def add_bounds(rows: list[dict], resident: dict, checkpoint_path: str, device: str, threads: int | None,
+               prompts: list[list[int]], storage: str | None, queue_depth: int) -> None:
+    """Beside every streamed row: the bound no expert strategy can beat, 1 / max(the resident token time
+    of this run, the time the Belady read floor of its cache size takes on the disk), and the share of
+    it reached. The disk is the emulated one when --storage names one, else this machine's, measured
+    with O_DIRECT reads at the engine's queue depth."""
+    from quant.checkpoint import read_manifest
+    from quant.expert_file import ExpertIndex
+    from streaming.budget import entry_bytes
+    from streaming.floor import demand_reads, disk_throughput, read_seconds
+    from streaming.storage import parse_storage
+    from streaming.store import aligned_length
+
+    uses, per_step, steps = resident_routes(checkpoint_path, device, threads, prompts, resident["tokens"])
+    index = ExpertIndex(checkpoint_path, read_manifest(checkpoint_path)["experts"])
+    layers = sorted(index.layers)
+    entry = max(entry_bytes(index, layer) for layer in layers)
+    record_bytes = max(aligned_length(index.layout(layer).raw_length) for layer in layers)
+    emulated = parse_storage(storage)
+    if emulated is not None:
+        bandwidth, latency = emulated.bandwidth_bytes_per_s, emulated.latency_s
+        disk = {"storage": emulated.name, "bandwidth_bytes_per_second": bandwidth, "latency_seconds": latency,
+                "queue_depth": queue_depth}
+    else:
+        measured = disk_throughput(index.path, record_bytes, queue_depth)
+        bandwidth, latency = measured["gb_per_second"] * 1e9, 0.0  # the measurement includes the latency
+        disk = {"storage": "native", "bandwidth_bytes_per_second": bandwidth, "queue_depth": queue_depth,
+                "reads_per_second": measured["reads_per_second"]}
+    resident_seconds = 1.0 / resident["decode_tokens_per_second"]
+    for row in rows:
+        if "error" in row or row["expert_cache_bytes"] is None:
+            continue
+        capacity = max(1, row["expert_cache_bytes"] // entry)
+        reads = demand_reads(uses, layers, per_step, capacity, "belady") / max(steps, 1)
+        floor_seconds = read_seconds(reads, record_bytes, bandwidth, latency, queue_depth)
+        bound = 1.0 / max(resident_seconds, floor_seconds)
+        row["bound"] = {"resident_seconds_per_token": resident_seconds, "floor_reads_per_token": reads,
+                        "floor_bytes_per_token": reads * record_bytes, "floor_seconds_per_token": floor_seconds,
+                        "disk": disk, "tokens_per_second": bound,
+                        "limited_by": "compute" if resident_seconds >= floor_seconds else "disk"}
+        row["fraction_of_bound"] = row["decode_tokens_per_second"] / bound
 
 
 # ---------------------------------------------------------------------------------- output
@@ -254,8 +332,9 @@ def _num(value, fmt: str = ".1f") -> str:
 
 
 def format_moe_table(report: dict) -> str:
-    header = ["strategy", "budget", "cache MB", "decode tok/s", "vs resident", "vs mmap", "hit rate", "recall@k",
-              "stall", "peak RSS-base MB", "budget MB", "in budget", "tokens = resident"]
+    header = ["strategy", "budget", "cache MB", "decode tok/s", "vs resident", "vs mmap", "floor reads", "bound t/s",
+              "of bound", "hit rate", "recall@k", "stall", "peak RSS-base MB", "budget MB", "in budget",
+              "tokens = resident"]
     rows = [header]
     for r in report["configs"]:
         if "error" in r:
@@ -263,6 +342,8 @@ def format_moe_table(report: dict) -> str:
             continue
         rows.append([r["strategy"], r["budget"], _mb(r["expert_cache_bytes"]), _num(r["decode_tokens_per_second"]),
                      _num(r.get("decode_vs_resident"), ".2f"), _num(r.get("decode_vs_mmap"), ".2f"),
+                     _num((r.get("bound") or {}).get("floor_reads_per_token")),
+                     _num((r.get("bound") or {}).get("tokens_per_second")), _num(r.get("fraction_of_bound"), ".2f"),
                      _pct(r["hit_rate"]), _pct(r["predictor_recall"]), _pct(r["stall_fraction"]),
                      _mb(r["peak_rss_over_baseline_bytes"]), _mb(r["budget_bytes"]),
                      {None: "-", True: "yes", False: "NO"}[r["rss_within_budget"]],
@@ -272,7 +353,9 @@ def format_moe_table(report: dict) -> str:
              f"{report['storage']}, prefetch depth {report['prefetch_depth']}",
              f"prompt: {report['prompt_tokens']} tokens ({report['prompt_source']}); {report['new_tokens']} greedy "
              f"tokens; {report['repeats']} timed run(s) per config, each in its own process; interpreter baseline "
-             f"RSS {_mb(report['interpreter_baseline_rss_bytes'])} MB (subtracted before comparing with the budget)"]
+             f"RSS {_mb(report['interpreter_baseline_rss_bytes'])} MB (subtracted before comparing with the budget)",
+             "floor reads: expert reads per token an omniscient (Belady) cache of that size needs, replaying the "
+             "resident run's routes; bound t/s: 1 / max(resident token time, the floor's reads on the disk)"]
     for i, row in enumerate(rows):
         if len(row) != len(header):
             lines.append("  ".join(row))

@@ -14,7 +14,9 @@ from tiny_models import tiny_zoo  # noqa: F401
 import edge
 import edge.cli
 from converters.convert import QuantPlan
+from streaming.floor import POLICIES, demand_reads, read_seconds
 from streaming.predictor import PREDICTOR_FILE, SignalWeights
+from streaming.storage import parse_storage
 
 MOE_CASE = "qwen3_moe_norm"  # 2 MoE layers, top-2 of 8 experts
 ROW_KEYS = {"strategy", "budget", "budget_bytes", "expert_cache_bytes", "expert_bytes", "expert_share", "memory_plan",
@@ -160,3 +162,40 @@ def test_random_moe_decodes_to_changing_routes(tmp_path):
     assert len(distinct) >= 15  # of the 28 possible pairs: no cycle of a repeated token
     repeated = np.mean([set(a) == set(b) for a, b in zip(decode_routes, decode_routes[1:])])
     assert repeated < 0.3
+
+
+def test_every_streamed_row_has_its_bound(moe_checkpoint, tmp_path, capsys):
+    """bound = 1 / max(the resident token time, the Belady floor's reads on the emulated disk)."""
+    report_path = tmp_path / "report.json"
+    code, out, err = run_cli(capsys, "bench", moe_checkpoint, "--memory-budget", "50%,100%", "--storage", "nvme",
+                             "--strategies", "resident,ondemand", "--prompt-tokens", 6, "--new-tokens", 8,
+                             "--json", report_path, "--quiet")
+    assert code == 0, err
+    configs = {(row["strategy"], row["budget"]): row for row in json.loads(report_path.read_text())["configs"]}
+    resident_seconds = 1 / configs[("resident", "100%")]["decode_tokens_per_second"]
+    nvme = parse_storage("nvme")
+    for budget in ("50%", "100%"):
+        row = configs[("ondemand", budget)]
+        bound = row["bound"]
+        assert bound["resident_seconds_per_token"] == pytest.approx(resident_seconds)
+        assert bound["disk"]["bandwidth_bytes_per_second"] == nvme.bandwidth_bytes_per_s
+        assert bound["tokens_per_second"] == pytest.approx(
+            1 / max(resident_seconds, bound["floor_seconds_per_token"]))
+        assert row["fraction_of_bound"] == pytest.approx(row["decode_tokens_per_second"] / bound["tokens_per_second"])
+    # a cache that holds every expert reads nothing an omniscient cache would not: each expert once at most
+    assert configs[("ondemand", "100%")]["bound"]["floor_reads_per_token"] <= \
+        configs[("ondemand", "50%")]["bound"]["floor_reads_per_token"]
+    assert configs[("ondemand", "50%")]["bound"]["floor_reads_per_token"] > 0
+    assert "bound t/s" in out and "of bound" in out
+
+
+def test_belady_reads_no_more_than_any_online_policy():
+    rng = np.random.default_rng(5)
+    layers, per_layer = [0, 1, 2], 3
+    uses = [(layer, int(e)) for _ in range(40) for layer in layers
+            for e in sorted(rng.choice(8, per_layer, replace=False))]
+    per_token = len(layers) * per_layer
+    reads = {policy: demand_reads(uses, layers, per_token, 10, policy) for policy in POLICIES}
+    assert reads["belady"] == min(reads.values())
+    assert demand_reads(uses, layers, per_token, 24, "belady") == len(set(uses))  # everything fits: cold misses only
+    assert read_seconds(10, 4096, 4096 * 1e3, 1e-3, depth=4) == pytest.approx(10 / 1e3 + 3 * 1e-3)
