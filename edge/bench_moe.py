@@ -303,8 +303,8 @@ def add_bounds(rows: list[dict], resident: dict, checkpoint_path: str, device: s
                 "reads_per_second": measured["reads_per_second"]}
     resident_seconds = 1.0 / resident["decode_tokens_per_second"]
     for row in rows:
-        if "error" in row or row["expert_cache_bytes"] is None:
-            continue
+        if "error" in row or row["strategy"] == "resident" or row["expert_cache_bytes"] is None:
+            continue  # (a resident run reads nothing while it decodes)
         capacity = max(1, row["expert_cache_bytes"] // entry)
         reads = demand_reads(uses, layers, per_step, capacity, "belady") / max(steps, 1)
         floor_seconds = read_seconds(reads, record_bytes, bandwidth, latency, queue_depth)
