@@ -10,7 +10,7 @@ import numpy as np
 
 from devices.cache_buffers import CacheBuffer, KvCodec, StoredRows, decode_stored
 from edge.core import numerics
-from edge.core.contract import Capabilities
+from edge.core.contract import Capabilities, ComputeThreads
 from edge.core.kv import KV_FORMATS
 from edge.core.numerics import silu, softmax
 from quant import QuantizedTensor
@@ -123,6 +123,9 @@ class ReferenceBackend:
 
     def allocate_cache(self, rows: int, heads: int, dim: int, fmt: str) -> CacheBuffer:
         return CacheBuffer(rows, heads, dim, fmt, NUMPY_KV_CODEC)
+
+    def compute_threads(self, spec, tokens: int) -> ComputeThreads:
+        return ComputeThreads()  # numpy's own threads hold nothing the budget must reserve
 
     def compile_forward(self, model):
         return None, "ops: the numpy oracle is the op-by-op composition"

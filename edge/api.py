@@ -25,7 +25,7 @@ from edge.session import Session, check_token_ids
 from edge.tokenizer import Tokenizer, TokenizerError
 from quant import QuantizedTensor
 from quant.checkpoint import open_checkpoint
-from streaming.budget import parse_budget, plan_memory
+from streaming.budget import SCRATCH_TOKENS, parse_budget, plan_memory
 from streaming.stats import peak_rss_bytes, release_free_heap
 
 DEFAULT_SESSION_CAPACITY = 4096
@@ -92,7 +92,7 @@ class Model:
             self.backend = create_backend(options.device, threads=options.threads)
         except (ValueError, DeviceUnavailableError) as exc:
             raise ZllmError(str(exc)) from None
-        self.compute_threads = self.backend.capabilities.threads or 1  # each with its own prefill tile
+        self.compute_threads = self.backend.compute_threads(self.spec, SCRATCH_TOKENS)  # each with its own scratch
         # one budget: dense weights + tokenizer + KV reservation + scratch + expert cache (streaming/budget.py)
         self.memory = plan_memory(self.spec, self.weight_bytes, experts, options.memory_budget, self.expert_strategy,
                                   streaming.prefetch_threads, options.kv_capacity, options.kv_cache, tokenizer_bytes,

@@ -32,10 +32,10 @@ import re
 from dataclasses import asdict, dataclass
 
 from edge.core.arguments import parse_size
+from edge.core.contract import ComputeThreads
 from edge.core.errors import ZllmError
+from edge.core.spec import widest_ffn
 from edge.core.kv import kv_bytes_per_token
-from kernels.cpu.formats import padded_cols
-from kernels.cpu.linear import tile_scratch_rows
 from quant.expert_file import ExpertIndex
 from streaming.cache import ENTRY_OVERHEAD
 from streaming.store import aligned_length
@@ -84,18 +84,15 @@ def parse_budget(value: "int | float | str | None") -> Budget | None:
     return Budget(bytes=int(size))
 
 
-def scratch_bytes(spec, kv_capacity: int, compute_threads: int = 1) -> int:
-    """Activations of one forward call of SCRATCH_TOKENS tokens (float32), and each compute thread's
-    prefill tile: tile_scratch_rows rows as wide as the widest projection input."""
-    widest_ffn = max([spec.intermediate_size] + [m.intermediate_size + m.shared_intermediate_size
-                                                  for m in (spec.moe_for_layer(i) for i in range(spec.num_hidden_layers))
-                                                  if m is not None])
+def scratch_bytes(spec, kv_capacity: int, compute_threads: ComputeThreads | int = 1) -> int:
+    """Activations of one forward call of SCRATCH_TOKENS tokens (float32), and each compute thread's own
+    scratch as its backend states it (ComputeThreads; a bare count: threads with none of their own)."""
+    if not isinstance(compute_threads, ComputeThreads):
+        compute_threads = ComputeThreads(compute_threads)
     heads = spec.num_attention_heads
-    per_token = (6 * spec.hidden_size + 3 * heads * spec.head_dim + 3 * widest_ffn + spec.vocab_size
+    per_token = (6 * spec.hidden_size + 3 * heads * spec.head_dim + 3 * widest_ffn(spec) + spec.vocab_size
                  + heads * kv_capacity)  # residual/norm/attention buffers, FFN, logits, attention scores
-    widest_input = max(spec.hidden_size, spec.num_attention_heads * spec.head_dim, widest_ffn)
-    tile = tile_scratch_rows(SCRATCH_TOKENS) * padded_cols(widest_input)
-    return (SCRATCH_TOKENS * per_token + compute_threads * tile) * 4
+    return SCRATCH_TOKENS * per_token * 4 + compute_threads.count * compute_threads.scratch_bytes_each
 
 
 def predictor_bytes(spec, layers: list[int], depth: int) -> int:
@@ -139,7 +136,8 @@ def _mb(n: int) -> str:
 
 def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int | str | None", strategy: str,
                 loading_threads: int, kv_capacity: int | None = None, kv_format: str = "f32",
-                tokenizer_bytes: int = 0, prefetch_depth: int = 2, compute_threads: int = 1) -> MemoryPlan:
+                tokenizer_bytes: int = 0, prefetch_depth: int = 2,
+                compute_threads: ComputeThreads | int = 1) -> MemoryPlan:
     """Split `budget` for a model; refuses a budget below the minimum working set (ZllmError)."""
     parsed = parse_budget(budget)
     context = spec.max_position_embeddings

@@ -16,9 +16,10 @@ from devices.base import DeviceUnavailableError
 from devices.cache_buffers import CacheBuffer, KvCodec, StoredRows
 from devices.cpu.memory import HugePageArena, huge_pages_available
 from devices.cpu.weights import CpuWeight, as_vector, prepare_weight
-from edge.core.contract import Capabilities
+from edge.core.contract import Capabilities, ComputeThreads
 from edge.core.kv import KV_FORMATS
 from edge.core.moe import as_chosen
+from edge.core.spec import widest_projection_input
 
 try:
     import numba
@@ -30,6 +31,7 @@ try:
     from kernels.cpu import linear as linear_kernels
     from kernels.cpu import moe as moe_kernels
     from kernels.cpu.cpu_probe import best_int8_dot, bf16_prefill_is_faster, runs_bf16
+    from kernels.cpu.formats import padded_cols
     from kernels.cpu.llvm_ir import ACT_F32, ACT_INT8, INT8_DOTS
     from kernels.cpu.runtime import threading_info
 except ImportError as exc:  # pragma: no cover - numba is a declared dependency
@@ -74,6 +76,12 @@ def default_activations() -> tuple[str, str]:
     return "int8", f"this CPU runs {INT8_DOTS[style].name} for int8 dot products"
 
 NUMBA_KV_CODEC = KvCodec(kv_quant.quantize_int8, kv_quant.dequantize_int8, kv_quant.widen_halves)
+
+
+def prefill_tile_bytes(spec, tokens: int) -> int:
+    """One compute thread's prefill tile for a call of `tokens` tokens: tile_scratch_rows rows as wide as
+    the widest projection input (devices/cpu/executor.py allocates it)."""
+    return 4 * linear_kernels.tile_scratch_rows(tokens) * padded_cols(widest_projection_input(spec))
 
 
 class CpuBackend:
@@ -275,6 +283,9 @@ class CpuBackend:
     def head_matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         self.use_threads()
         return attention_kernels.head_matmul(x, w)
+
+    def compute_threads(self, spec, tokens: int) -> ComputeThreads:
+        return ComputeThreads(self.threads, prefill_tile_bytes(spec, tokens))
 
     def compile_forward(self, model):
         from devices.cpu.executor import KV_DTYPES, FusedForward

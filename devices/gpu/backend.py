@@ -13,7 +13,7 @@ from devices.gpu.launches import MAX_HEAD_DIM, LaunchBuilder, Tuning
 from devices.gpu.ops import GpuOps
 from devices.gpu.shaders import KernelCache
 from devices.gpu.tensors import GpuKV, GpuMatrix, GpuVector
-from edge.core.contract import Capabilities
+from edge.core.contract import Capabilities, ComputeThreads
 from quant import QuantizedTensor
 
 
@@ -111,6 +111,9 @@ class GpuBackend:
         if self.expert_cache is not None:
             self.expert_cache.close()
         self.expert_cache = GpuExpertCache(self.ctx, layers, capacity)
+
+    def compute_threads(self, spec, tokens: int) -> ComputeThreads:
+        return ComputeThreads()  # the GPU's scratch lives in its own memory (memory_bytes reports it)
 
     def compile_forward(self, model):
         check_gqa_only(model, "gpu")

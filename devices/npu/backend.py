@@ -41,7 +41,7 @@ from devices.npu.executor import NpuExecutor, allocate_kv
 from devices.npu.graph_cache import GraphCache
 from devices.npu.onnx_export import ATTENTION_FORMS, ExportOptions
 from devices.npu.providers import PRIORITY, choose_provider, import_onnxruntime
-from edge.core.contract import Capabilities
+from edge.core.contract import Capabilities, ComputeThreads
 
 _FLAGS = {"0": False, "1": True, "false": False, "true": True}
 
@@ -158,6 +158,11 @@ class NpuBackend:
         return weight  # graphs read the checkpoint's arrays when they are exported, nothing to prepare
 
     load_weight = prepare_weight
+
+    def compute_threads(self, spec, tokens: int) -> ComputeThreads:
+        from devices.cpu.backend import prefill_tile_bytes
+
+        return ComputeThreads(1, prefill_tile_bytes(spec, tokens))  # the expert backend's prefill tile
 
     def compile_forward(self, model):
         check_gqa_only(model, "npu")

@@ -36,6 +36,15 @@ class Capabilities:
     threads: int | None = None       # compute threads; None for a device that schedules its own work
 
 
+@dataclass(frozen=True)
+class ComputeThreads:
+    """For the memory budget: the threads a backend computes a forward call with, and the scratch each
+    one holds beyond the activations every backend needs (the cpu's prefill tile)."""
+
+    count: int = 1
+    scratch_bytes_each: int = 0
+
+
 class MoeRunner(Protocol):
     """What a fused executor calls for a MoE layer, given the router logits [T, E] it computed: the
     model routes (edge/core/moe.py `route`, as on every device), takes the chosen experts from its
@@ -125,6 +134,10 @@ class Backend(Protocol):
         """A fused executor for the whole forward pass and "fused", or None and why the model runs
         op by op on this device (edge's composition of the operations above): the reason is shown
         in `device_info()["forward"]`, so a slower path is never silent."""
+
+    def compute_threads(self, spec, tokens: int) -> ComputeThreads:
+        """The threads a forward call of `tokens` tokens of this model computes with, and each one's own
+        scratch (the memory budget reserves it)."""
 
     def info(self) -> dict: ...
 

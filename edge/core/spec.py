@@ -359,3 +359,15 @@ def shape_mismatches(spec: LlamaSpec, shapes: Mapping[str, tuple[int, ...]], fir
             problems.append(f"tensor {name} has shape {list(shape)}; the config ({want.because}) "
                             f"needs {list(want.shape)}")
     return problems
+
+
+def widest_ffn(spec) -> int:
+    """The widest feed-forward intermediate of any layer: dense, or a MoE layer's expert with its shared experts."""
+    moe = (spec.moe_for_layer(i) for i in range(spec.num_hidden_layers))
+    return max([spec.intermediate_size] + [m.intermediate_size + m.shared_intermediate_size
+                                           for m in moe if m is not None])
+
+
+def widest_projection_input(spec) -> int:
+    """The widest input any projection takes: the hidden size, the attention output or the widest FFN."""
+    return max(spec.hidden_size, spec.num_attention_heads * spec.head_dim, widest_ffn(spec))
