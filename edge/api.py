@@ -417,17 +417,18 @@ def _text_content(messages) -> list[dict] | None:
     return flat
 
 
-def load(path, options: LoadOptions | None = None, **settings) -> Model:
+def load(path, *positional, options: LoadOptions | None = None, **settings) -> Model:
     """Open a zllm checkpoint (mmap, no copy of the weights) on a device.
 
     The settings are LoadOptions.of's keyword arguments: device ("reference", "cpu", "cpu:f32", "gpu",
     "npu:openvino", ...), threads, memory_budget, kv_capacity, kv_cache, verify, the expert streaming
     options of a MoE model (storage, expert_strategy, expert_policy, prefetch_depth, prefetch_threads)
-    and gpu_expert_cache; edge/options.py says what each takes. Or pass one LoadOptions as `options`.
+    and gpu_expert_cache (the first ones may be given by position, in that order: edge.load(path, "cpu"));
+    edge/options.py says what each takes. Or pass one LoadOptions as `options`.
     """
     if options is None:
-        options = LoadOptions.from_settings(settings)
-    elif not isinstance(options, LoadOptions) or settings:
-        raise InvalidArgumentError(f"edge.load takes keyword settings or options=LoadOptions(...), not both; "
-                                   f"got options={options!r} and {sorted(settings)}")
+        options = LoadOptions.from_settings(positional, settings)
+    elif not isinstance(options, LoadOptions) or positional or settings:
+        raise InvalidArgumentError(f"edge.load takes settings or options=LoadOptions(...), not both; "
+                                   f"got options={options!r} and {len(positional)} positional, {sorted(settings)}")
     return Model(path, options)

@@ -70,14 +70,22 @@ class LoadOptions:
         return cls(device, threads, memory_budget, kv_capacity, kv_cache, verify, streaming, gpu_expert_cache)
 
     @classmethod
-    def from_settings(cls, settings: dict) -> "LoadOptions":
-        """From keyword arguments as a caller wrote them, an unknown name refused by name."""
-        known = [p for p in cls.of.__code__.co_varnames[1:cls.of.__code__.co_argcount]]
+    def from_settings(cls, positional: tuple = (), settings: dict | None = None) -> "LoadOptions":
+        """From arguments as a caller wrote them (positional ones in `of`'s order), a setting that is
+        unknown, given twice or one too many refused by name."""
+        settings = dict(settings or {})
+        known = list(cls.of.__code__.co_varnames[1:cls.of.__code__.co_argcount])
+        if len(positional) > len(known):
+            raise InvalidArgumentError(f"edge.load takes at most {len(known)} settings by position ({', '.join(known)}), "
+                                       f"got {len(positional)}")
+        twice = sorted(name for name in known[:len(positional)] if name in settings)
+        if twice:
+            raise InvalidArgumentError(f"edge.load got {', '.join(twice)} both by position and by name")
         unknown = sorted(set(settings) - set(known))
         if unknown:
             raise InvalidArgumentError(f"edge.load got unknown settings {', '.join(unknown)}; it takes "
                                        f"{', '.join(known)} (or options=LoadOptions(...))")
-        return cls.of(**settings)
+        return cls.of(**dict(zip(known, positional)), **settings)
 
     def replace(self, **changes) -> "LoadOptions":
         return dataclasses.replace(self, **changes)

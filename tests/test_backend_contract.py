@@ -127,6 +127,10 @@ def test_load_options_are_one_value_checked_once():
         edge.load(_dense(), options=options, device="cpu")
     with edge.load(_dense(), options=LoadOptions.of(device="cpu")) as model:
         assert model.options.device == "cpu"
+    with edge.load(_dense(), "cpu", 1) as model:  # the first settings by position, as edge.load always took them
+        assert (model.options.device, model.options.threads) == ("cpu", 1)
+    with pytest.raises(edge.InvalidArgumentError, match="device both by position and by name"):
+        edge.load(_dense(), "cpu", device="reference")
 
 
 def test_running_a_checkpoint_imports_nothing_of_the_converters():
