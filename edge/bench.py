@@ -219,12 +219,11 @@ def _device_worker(connection, checkpoint_path: str, device: str, threads: int |
         model = edge.load(checkpoint_path, device=device, threads=load_threads(device, threads),
                           **(load_options or {}))
         load_seconds = time.perf_counter() - started
-        memory = getattr(model, "memory", None)
         _verify_device(device, model)
         connection.send({"event": "loaded", "load_seconds": load_seconds, "device_info": model.device_info(),
                          "weight_bytes": model.weight_bytes, "rss_before_load_bytes": rss_before_load,
                          "rss_after_load_bytes": psutil.Process().memory_info().rss,
-                         "memory_plan": memory.to_dict() if memory is not None else None})
+                         "memory_plan": model.memory.to_dict()})
         while True:
             try:
                 command = connection.recv()

@@ -232,7 +232,7 @@ def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str
             row["decode_vs_mmap"] = _ratio(row["decode_tokens_per_second"], mmap["decode_tokens_per_second"])
     if resident is not None:
         progress("the read floor: replaying the resident run's routes")
-        add_bounds(rows, resident, checkpoint_path, device, threads, timed_prompts, storage,
+        add_bounds(rows, resident, checkpoint_path, manifest, device, threads, timed_prompts, storage,
                    queue_depth=StreamingOptions().prefetch_threads)  # the loading threads the runs had
     baselines = [r["baseline_rss_bytes"] for r in rows if "error" not in r]
     return {
@@ -273,13 +273,12 @@ def resident_routes(checkpoint_path: str, device: str, threads: int | None, prom
     return uses, len(uses) // max(steps, 1), steps
 
 
-def add_bounds(rows: list[dict], resident: dict, checkpoint_path: str, device: str, threads: int | None,
+def add_bounds(rows: list[dict], resident: dict, checkpoint_path: str, manifest: dict, device: str, threads: int | None,
                prompts: list[list[int]], storage: str | None, queue_depth: int) -> None:
     """Beside every streamed row: the bound no expert strategy can beat, 1 / max(the resident token time
     of this run, the time the Belady read floor of its cache size takes on the disk), and the share of
     it reached. The disk is the emulated one when --storage names one, else this machine's, measured
     with O_DIRECT reads at the engine's queue depth."""
-    from quant.checkpoint import read_manifest
     from quant.expert_file import ExpertIndex
     from streaming.budget import entry_bytes
     from streaming.floor import demand_reads, disk_throughput, read_seconds
@@ -287,7 +286,7 @@ def add_bounds(rows: list[dict], resident: dict, checkpoint_path: str, device: s
     from streaming.store import aligned_length
 
     uses, per_step, steps = resident_routes(checkpoint_path, device, threads, prompts, resident["tokens"])
-    index = ExpertIndex(checkpoint_path, read_manifest(checkpoint_path)["experts"])
+    index = ExpertIndex(checkpoint_path, manifest["experts"])
     layers = sorted(index.layers)
     entry = max(entry_bytes(index, layer) for layer in layers)
     record_bytes = max(aligned_length(index.layout(layer).raw_length) for layer in layers)

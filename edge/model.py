@@ -118,7 +118,6 @@ class Transformer:
         if experts is None and moe_layers:
             raise ValueError(f"{spec.model_type} has Mixture-of-Experts layers; pass an ExpertSource as `experts`")
         self.moe = ExpertMixer(backend, moe_layers, experts) if moe_layers else None
-        self._experts = experts
         self.rope = RopeTable(spec)
         self.attention_scale = 1.0 / math.sqrt(spec.head_dim)
         self._fused_forward, self.forward_path = backend.compile_forward(ForwardModel(
@@ -128,14 +127,15 @@ class Transformer:
 
     @property
     def experts(self) -> ExpertSource | None:
-        """Where MoE layers get their routed experts' weights (a source may be swapped: route recording)."""
-        return self._experts
+        """Where MoE layers get their routed experts' weights (a source may be swapped: route recording);
+        None for a dense model."""
+        return self.moe.source if self.moe is not None else None
 
     @experts.setter
     def experts(self, source: ExpertSource | None) -> None:
-        self._experts = source
-        if self.moe is not None:
-            self.moe.source = source
+        if self.moe is None:
+            raise ValueError(f"{self.spec.model_type} has no Mixture-of-Experts layers to take experts from")
+        self.moe.source = source
 
     @staticmethod
     def _moe_weights(moe, prefix: str, weight, tensors: dict) -> MoeLayerWeights:

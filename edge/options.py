@@ -5,6 +5,7 @@ travels as this value, not as a dozen loose arguments."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 
 from edge.core.arguments import integer
@@ -74,10 +75,10 @@ class LoadOptions:
         """From arguments as a caller wrote them (positional ones in `of`'s order), a setting that is
         unknown, given twice or one too many refused by name."""
         settings = dict(settings or {})
-        known = list(cls.of.__code__.co_varnames[1:cls.of.__code__.co_argcount])
+        known = list(inspect.signature(cls.of).parameters)
         if len(positional) > len(known):
-            raise InvalidArgumentError(f"edge.load takes at most {len(known)} settings by position ({', '.join(known)}), "
-                                       f"got {len(positional)}")
+            raise InvalidArgumentError(f"edge.load takes at most {len(known)} settings by position "
+                                       f"({', '.join(known)}), got {len(positional)}")
         twice = sorted(name for name in known[:len(positional)] if name in settings)
         if twice:
             raise InvalidArgumentError(f"edge.load got {', '.join(twice)} both by position and by name")
@@ -86,6 +87,3 @@ class LoadOptions:
             raise InvalidArgumentError(f"edge.load got unknown settings {', '.join(unknown)}; it takes "
                                        f"{', '.join(known)} (or options=LoadOptions(...))")
         return cls.of(**dict(zip(known, positional)), **settings)
-
-    def replace(self, **changes) -> "LoadOptions":
-        return dataclasses.replace(self, **changes)

@@ -24,26 +24,18 @@ F32 = QuantPlan(weights="f32")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(scope="module")
+def dense(tiny_zoo) -> str:
+    return tiny_zoo.converted("llama_gqa_tied", F32)
+
+
 @pytest.mark.parametrize("device", ["reference", "cpu"])
-def test_every_backend_declares_its_capabilities(device):
-    with edge.load(_dense(), device=device) as model:
+def test_every_backend_declares_its_capabilities(dense, device):
+    with edge.load(dense, device=device) as model:
         capabilities = model.backend.capabilities
         assert isinstance(capabilities, Capabilities)
         assert capabilities.threads == (None if device == "reference" else model.backend.threads)
         assert model.backend.expert_backend is model.backend
-
-
-_DENSE_PATH: list[str] = []
-
-
-def _dense() -> str:
-    return _DENSE_PATH[0]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def dense_checkpoint(tiny_zoo):
-    _DENSE_PATH[:] = [tiny_zoo.converted("llama_gqa_tied", F32)]
-    yield
 
 
 class Recording(ReferenceBackend):
@@ -71,10 +63,10 @@ def test_a_fused_executor_is_given_a_forward_model_not_the_model(monkeypatch, ti
         assert model.device_info()["forward"] == "ops: recorded"
 
 
-def test_cpu_runs_the_fused_executor_and_says_so():
-    with edge.load(_dense(), device="cpu") as model:
+def test_cpu_runs_the_fused_executor_and_says_so(dense):
+    with edge.load(dense, device="cpu") as model:
         assert model.device_info()["forward"] == "fused"
-    with edge.load(_dense(), device="reference") as model:
+    with edge.load(dense, device="reference") as model:
         assert model.device_info()["forward"] == "ops: the numpy oracle is the op-by-op composition"
 
 
@@ -118,25 +110,25 @@ def test_generate_json_carries_the_forward_path(smollm2_checkpoint, capsys):
     assert json.loads(out)["device"]["forward"] == "fused"
 
 
-def test_load_options_are_one_value_checked_once():
+def test_load_options_are_one_value_checked_once(dense):
     options = LoadOptions.of(device="cpu", threads=2, memory_budget="50%", prefetch_depth=3)
     assert options.threads == 2 and options.streaming.prefetch_depth == 3
     with pytest.raises(edge.InvalidArgumentError, match="edge.load got unknown settings devce"):
-        edge.load(_dense(), devce="cpu")
+        edge.load(dense, devce="cpu")
     with pytest.raises(edge.InvalidArgumentError, match="not both"):
-        edge.load(_dense(), options=options, device="cpu")
-    with edge.load(_dense(), options=LoadOptions.of(device="cpu")) as model:
+        edge.load(dense, options=options, device="cpu")
+    with edge.load(dense, options=LoadOptions.of(device="cpu")) as model:
         assert model.options.device == "cpu"
-    with edge.load(_dense(), "cpu", 1) as model:  # the first settings by position, as edge.load always took them
+    with edge.load(dense, "cpu", 1) as model:  # the first settings by position, as edge.load always took them
         assert (model.options.device, model.options.threads) == ("cpu", 1)
     with pytest.raises(edge.InvalidArgumentError, match="device both by position and by name"):
-        edge.load(_dense(), "cpu", device="reference")
+        edge.load(dense, "cpu", device="reference")
 
 
-def test_running_a_checkpoint_imports_nothing_of_the_converters():
+def test_running_a_checkpoint_imports_nothing_of_the_converters(dense):
     """Loading and generating are the reader's work (quant/checkpoint.py): converters/ stays unimported."""
     script = ("import sys, edge\n"
-              f"model = edge.load({_dense()!r}, device='cpu')\n"
+              f"model = edge.load({dense!r}, device='cpu')\n"
               "model.generate([1, 2, 3], max_new_tokens=2).result\n"
               "print(sorted(m for m in sys.modules if m == 'converters' or m.startswith('converters.')))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
