@@ -24,7 +24,8 @@ from quant.formats import ALL_SCHEMES, Int4Codes, Int8Codes, QuantizedTensor, qu
 
 EPS = float(np.finfo(np.float32).eps)
 QUANTIZED = [s for s in ALL_SCHEMES if s.is_quantized]
-SHAPES = [(1, 40), (7, 100), (50, 256), (130, 70)]  # (N, K): N = 1, K off the group grid, tiny and larger
+# (N, K): N = 1, K off the group grid, tiny and larger, and K over several of the prefill's depth slices (K_SLICE)
+SHAPES = [(1, 40), (7, 100), (50, 256), (130, 70), (20, 300)]
 
 
 @pytest.fixture(scope="module")

@@ -79,9 +79,11 @@ NUMBA_KV_CODEC = KvCodec(kv_quant.quantize_int8, kv_quant.dequantize_int8, kv_qu
 
 
 def prefill_tile_bytes(spec, tokens: int) -> int:
-    """One compute thread's prefill tile for a call of `tokens` tokens: tile_scratch_rows rows as wide as
-    the widest projection input (devices/cpu/executor.py allocates it)."""
-    return 4 * linear_kernels.tile_scratch_rows(tokens) * padded_cols(widest_projection_input(spec))
+    """One compute thread's prefill scratch for a call of `tokens` tokens: its tile (tile_scratch_rows rows
+    as wide as the widest projection input) and its block of results (devices/cpu/executor.py allocates
+    both)."""
+    tile = linear_kernels.tile_scratch_rows(tokens) * padded_cols(widest_projection_input(spec))
+    return 4 * (tile + linear_kernels.BLOCK_FLOATS)
 
 
 class CpuBackend:

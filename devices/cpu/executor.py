@@ -22,7 +22,7 @@ from devices.cpu.weights import CpuWeight, MissingKernelError, as_vector
 from kernels.cpu import formats as wf
 from kernels.cpu import forward as fk
 from kernels.cpu.attention import MAX_DECODE_SPLITS, scratch_floats
-from kernels.cpu.linear import TILE_M, TILE_T, padded_tokens, pairs_length, sums_length, tile_scratch_rows
+from kernels.cpu.linear import BLOCK_FLOATS, padded_tokens, pairs_length, sums_length, tile_scratch_rows
 
 KV_DTYPES = {"f32": np.float32, "f16": np.float16}  # the K/V storage the fused kernel reads
 
@@ -118,7 +118,7 @@ class _Scratch:
         self.x_sums = np.zeros((n_threads, sums_length(k_padded)), np.float32)
         self.replicas = np.zeros((n_threads, max(spec.hidden_size, spec.num_attention_heads * spec.head_dim)),
                                  np.float32)
-        self.blocks = np.zeros((n_threads, TILE_M * TILE_T), np.float32)
+        self.blocks = np.zeros((n_threads, BLOCK_FLOATS), np.float32)
         self.row_scratch = np.zeros(tables.max_rows, np.float32)
         self.embed_scratch = np.zeros((1, tables.embedding_cols_padded), np.float32)
         self.sync = np.zeros((fk.sync_rows(spec.num_hidden_layers), fk.SYNC_STRIDE), np.int64)

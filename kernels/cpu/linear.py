@@ -8,7 +8,9 @@ int8 per block of 32 for integer dot products (the `cpu:int8` device variant, ll
 Prefill (T tokens): `gemm` dequantizes TILE_ROWS weight rows once into a small f32 tile
 and multiplies that tile by every token through a register-blocked micro-kernel (TILE_M rows x
 TILE_T tokens), so dequantization is paid once per row, not once per token, and the loop is
-bound by multiply-adds. Its bf16 variant (quantized weights, where the CPU runs AVX-512 BF16)
+bound by multiply-adds. The depth is walked in slices of K_SLICE that every micro-block of a tile
+reads in turn, so that x stays in L1 whatever the length of the prompt (one call over the whole depth
+read each token block's x from L2 or, past a few hundred tokens, from memory). Its bf16 variant (quantized weights, where the CPU runs AVX-512 BF16)
 dequantizes into bf16 tiles and multiplies them by x rounded to bf16 pairs, sums in f32. Tokens
 are read from xt, the input transposed (tokens minor) and zero-padded; each block of results is
 scattered into the output. Full f32 weight matrices are
@@ -38,6 +40,8 @@ from kernels.cpu.runtime import cfunc, helper, kernel, mutable, readonly
 TILE_M = 6  # weight rows per micro-kernel call
 TILE_T = 32  # tokens per micro-kernel call (two vectors of 16)
 TILE_ROWS = 48  # weight rows dequantized per tile: TILE_M * 8
+BLOCK_FLOATS = TILE_ROWS * TILE_T  # one thread's results of a tile's rows for TILE_T tokens
+K_SLICE = 128  # k per micro-kernel call: TILE_T tokens of x over K_SLICE k (16 KB) stay in L1
 MATVEC_BLOCK = 4  # decode row ranges are cut at multiples of this (a multiple of every row-dot block)
 
 K_F32, K_F16 = wf.F32, wf.F16
@@ -187,7 +191,7 @@ def _gemm_for(bf16: bool):
         are stored at once, and the result is already the next projection's xt).
 
         xt: x transposed, [>= K_padded rows, xt_stride (padded tokens) columns], zero-padded. tile:
-        [tile_scratch_rows(n_tokens), tile_stride >= K_padded] and block: [TILE_M * TILE_T], both
+        [tile_scratch_rows(n_tokens), tile_stride >= K_padded] and block: [BLOCK_FLOATS], both
         private to the caller's thread. out: [>= n_tokens, out_stride] (transposed: [>= out_col + rows,
         out_stride]). The same for every kind: the tile is filled by the kind's dequantize callback,
         found through the descriptor. bf16 dequantizes into bf16 tiles (8 significant bits) and rounds
@@ -196,7 +200,7 @@ def _gemm_for(bf16: bool):
         w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
         depth = w[W_COLS_PADDED]
         tiles = numba.carray(float32_pointer(tile), (TILE_ROWS, tile_stride))
-        results = numba.carray(float32_pointer(block), (TILE_M * TILE_T,))
+        results = numba.carray(float32_pointer(block), (BLOCK_FLOATS,))
         out_rows = out_col + row_end - row_begin if transposed else n_tokens
         outputs = numba.carray(float32_pointer(out), (out_rows, out_stride))
         bf16_tile = tile  # uint16 [TILE_ROWS, tile_stride]
@@ -218,40 +222,48 @@ def _gemm_for(bf16: bool):
                     for k in range(depth):
                         tiles[n_rows + r, k] = 0.0
             short = n_tokens <= LANES
+            block_stride = LANES if short else TILE_T
             for t_begin in range(0, n_tokens, TILE_T):
                 n_t = min(TILE_T, n_tokens - t_begin)
-                for m_begin in range(0, n_rows, TILE_M):
-                    if bf16 and short:  # results: block[m * 16 + t]
-                        bf16_tile_times_16_tokens(bf16_tile + 2 * m_begin * tile_stride, tile_stride,
-                                                  x_pairs + 4 * t_begin, xt_stride, depth, block)
-                    elif bf16:  # results: block[m * 32 + t]
-                        bf16_tile_times_tokens(bf16_tile + 2 * m_begin * tile_stride, tile_stride,
-                                               x_pairs + 4 * t_begin, xt_stride, depth, block)
-                    elif short:
-                        tile_times_16_tokens(tile + 4 * m_begin * tile_stride, tile_stride, xt + 4 * t_begin,
-                                             xt_stride, depth, block)
-                    else:
-                        tile_times_tokens(tile + 4 * m_begin * tile_stride, tile_stride, xt + 4 * t_begin, xt_stride,
-                                          depth, block)
-                    block_stride = LANES if short else TILE_T
-                    n_m = min(TILE_M, n_rows - m_begin)
-                    first_col = out_col + tile_begin - row_begin + m_begin
-                    for m in range(n_m):
-                        col = first_col + m
-                        if transposed:
-                            destination = outputs[col, t_begin:t_begin + n_t]
-                            if accumulate:
-                                for t in range(n_t):
-                                    destination[t] += results[m * block_stride + t]
+                # depth in slices whose x stays in L1 while every micro-block of the tile reads it
+                for k_begin in range(0, depth, K_SLICE):
+                    k_count = min(K_SLICE, depth - k_begin)
+                    resume = 1 if k_begin > 0 else 0
+                    for m_begin in range(0, n_rows, TILE_M):
+                        results_at = block + 4 * m_begin * block_stride
+                        if bf16:  # k in pairs: the bf16 tile's row r holds k at 2 bytes each, x_pairs a row per pair
+                            tile_at = bf16_tile + 2 * (m_begin * tile_stride + k_begin)
+                            x_at = x_pairs + 4 * ((k_begin // 2) * xt_stride + t_begin)
+                            if short:
+                                bf16_tile_times_16_tokens(tile_at, tile_stride, x_at, xt_stride, k_count, results_at,
+                                                          resume)
                             else:
-                                for t in range(n_t):
-                                    destination[t] = results[m * block_stride + t]
-                        elif accumulate:
+                                bf16_tile_times_tokens(tile_at, tile_stride, x_at, xt_stride, k_count, results_at,
+                                                       resume)
+                        else:
+                            tile_at = tile + 4 * (m_begin * tile_stride + k_begin)
+                            x_at = xt + 4 * (k_begin * xt_stride + t_begin)
+                            if short:
+                                tile_times_16_tokens(tile_at, tile_stride, x_at, xt_stride, k_count, results_at, resume)
+                            else:
+                                tile_times_tokens(tile_at, tile_stride, x_at, xt_stride, k_count, results_at, resume)
+                first_col = out_col + tile_begin - row_begin
+                for m in range(n_rows):
+                    col = first_col + m
+                    if transposed:
+                        destination = outputs[col, t_begin:t_begin + n_t]
+                        if accumulate:
                             for t in range(n_t):
-                                outputs[t_begin + t, col] += results[m * block_stride + t]
+                                destination[t] += results[m * block_stride + t]
                         else:
                             for t in range(n_t):
-                                outputs[t_begin + t, col] = results[m * block_stride + t]
+                                destination[t] = results[m * block_stride + t]
+                    elif accumulate:
+                        for t in range(n_t):
+                            outputs[t_begin + t, col] += results[m * block_stride + t]
+                    else:
+                        for t in range(n_t):
+                            outputs[t_begin + t, col] = results[m * block_stride + t]
 
     return gemm
 
@@ -531,7 +543,7 @@ def linear(descriptor: np.ndarray, x: np.ndarray, bias: np.ndarray | None, n_thr
     out = np.empty((n_tokens, n_rows), np.float32)
     prefill = n_tokens > 1
     tiles = np.empty((n_threads, tile_scratch_rows(n_tokens), k_padded) if prefill else (n_threads, 1, 1), np.float32)
-    blocks = np.empty((n_threads, TILE_M * TILE_T), np.float32)
+    blocks = np.empty((n_threads, BLOCK_FLOATS), np.float32)
     vector_len = CHUNK if prefill else k_padded
     xt = np.empty((k_padded, padded_tokens(n_tokens)) if prefill else (1, 1), np.float32)
     bias_array = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)

@@ -127,11 +127,13 @@ def bf16_pair_dot(e: Emitter, acc, pairs_a, pairs_b):
 
 
 def make_tile_times_tokens(rows: int, token_vectors: int, bf16: bool = False):
-    """Intrinsic: block[r, t] = sum_k tile[r, k] * xt[k, t] for r < rows, t < 16 * token_vectors.
+    """Intrinsic: block[r, t] = sum_k tile[r, k] * xt[k, t] for r < rows, t < 16 * token_vectors,
+    or with `resume` block[r, t] + that sum (the same multiply-adds in the same order as one call
+    over the whole depth, so a depth cut into slices gives the same bits).
 
     Arguments (all int64): tile (f32, rows apart by tile_stride elements), tile_stride, xt (f32
     tokens-minor: xt[k, t] at xt + 4 * (k * xt_stride + t)), xt_stride, depth (number of k), block
-    (f32 [rows, 16 * token_vectors], written). The register block holds rows * token_vectors
+    (f32 [rows, 16 * token_vectors], written), resume (0 or 1). The register block holds rows * token_vectors
     accumulators; each k costs token_vectors loads of x, `rows` broadcasts of a weight and
     rows * token_vectors fused multiply-adds, so the loop is bound by multiply-adds, not loads.
 
@@ -143,22 +145,31 @@ def make_tile_times_tokens(rows: int, token_vectors: int, bf16: bool = False):
     element, x_type, w_type, w_align = (2, V16I32, I32, 2) if bf16 else (4, V16F, F32, 4)
 
     @intrinsic
-    def tile_times_tokens(typingctx, tile, tile_stride, xt, xt_stride, depth, block):
-        signature = types.void(*([INT64_ARGS] * 6))
+    def tile_times_tokens(typingctx, tile, tile_stride, xt, xt_stride, depth, block, resume):
+        signature = types.void(*([INT64_ARGS] * 7))
 
         def codegen(context, builder, sig, args):
-            tile, tile_stride, xt, xt_stride, depth, block = args
+            tile, tile_stride, xt, xt_stride, depth, block, resume = args
             e = Emitter(builder)
             zero = ir.Constant(V16F, [0.0] * LANES)
             tile_rows = [e.address(tile, (e.b.mul(tile_stride, e.i64(r)), element)) for r in range(rows)]
             steps = e.b.sdiv(depth, e.i64(2)) if bf16 else depth  # (bf16: pairs of k)
             pass_rows, pass_vectors = micro_kernel_pass(rows, token_vectors)
+            resuming = builder.icmp_signed("!=", resume, e.i64(0))
+
+            def block_vector(r, j):  # address of block[r, 16 j : 16 j + 16]
+                return e.address(block, e.i64(4 * (r * token_vectors * LANES + j * LANES)))
+
             # one pass over k per part of the block whose accumulators fit the registers
             for first_row in range(0, rows, pass_rows):
                 for first_vector in range(0, token_vectors, pass_vectors):
                     pass_rows_here = range(first_row, min(rows, first_row + pass_rows))
                     vectors = range(first_vector, min(token_vectors, first_vector + pass_vectors))
-                    accumulators = {(r, j): e.variable(zero) for r in pass_rows_here for j in vectors}
+                    accumulators = {}
+                    for r in pass_rows_here:
+                        for j in vectors:
+                            stored = e.load(V16F, block_vector(r, j), 4)
+                            accumulators[r, j] = e.variable(builder.select(resuming, stored, zero))
                     with e.loop(steps) as step_loop:
                         k = step_loop.index
                         x_row = e.address(xt, (e.b.mul(k, xt_stride), 4))
@@ -171,8 +182,7 @@ def make_tile_times_tokens(rows: int, token_vectors: int, bf16: bool = False):
                                     e.fma(w, xs[j], builder.load(acc))
                                 builder.store(total, acc)
                     for (r, j), acc in accumulators.items():
-                        destination = e.address(block, e.i64(4 * (r * token_vectors * LANES + j * LANES)))
-                        e.store(builder.load(acc), destination, 4)
+                        e.store(builder.load(acc), block_vector(r, j), 4)
             return context.get_dummy_value()
 
         return signature, codegen

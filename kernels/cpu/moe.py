@@ -28,7 +28,7 @@ from numba import prange, types
 
 from kernels.cpu.elementwise import silu_times
 from kernels.cpu.formats import W_ACTIVATIONS, W_COLS, W_COLS_PADDED, W_FIELDS, W_ROWS
-from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_M, TILE_T, gemm_rows, matvec_rows,
+from kernels.cpu.linear import (BLOCK_FLOATS, CHUNK, MATVEC_BLOCK, TILE_M, gemm_rows, matvec_rows,
                                 pairs_length, padded_tokens, prefetch_head, prepare_vector, split, sums_length,
                                 tile_scratch_rows, transpose_tokens)
 from kernels.cpu.runtime import kernel, mutable, readonly
@@ -94,7 +94,7 @@ def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, 
 
     Scratch: gathered [>= Te, D]; xt [>= D_padded, padded Te]; gate_t / up_t [>= I_padded, padded Te];
     tiles [P, tile_scratch_rows(most routed tokens), K_max];
-    blocks [P, TILE_M * TILE_T]."""
+    blocks [P, BLOCK_FLOATS]."""
     n_experts = offsets.shape[0] - 1
     d_model = out.shape[1]
     for e in range(n_experts):
@@ -245,4 +245,4 @@ def expert_mixture(descriptors: np.ndarray, experts: np.ndarray, x: np.ndarray, 
         np.empty((most, d_model), np.float32), np.empty((k_max, columns), np.float32),
         np.empty((h_rows, columns), np.float32), np.empty((h_rows, columns), np.float32),
         np.empty((n_threads, tile_scratch_rows(most), k_max), np.float32),
-        np.empty((n_threads, TILE_M * TILE_T), np.float32))
+        np.empty((n_threads, BLOCK_FLOATS), np.float32))
