@@ -676,6 +676,8 @@ def add_arguments(parser) -> None:
     moe.add_argument("--strategies", default="resident,mmap,ondemand,predictive",
                      help="expert strategies to compare (resident runs once, at 100%%)")
     moe.add_argument("--prefetch-depth", type=int, default=2, help="MoE layers ahead the predictor prefetches")
+    moe.add_argument("--io-engine", choices=("auto", "io_uring", "threads"), default="auto",
+                     help="how streamed experts are read (edge.load's io_engine)")
     moe.add_argument("--plot", default=None, metavar="FILE.png", help="plot tokens/s and hit rate against the budget")
     moe.add_argument("--random-moe", action="store_true",
                      help="benchmark the built-in large random MoE (I/O stress case; built on first use)")

@@ -150,7 +150,7 @@ def summarize(strategy: str, budget: str, loaded: dict, runs: list[dict], peak_r
         "predictor_recall": _ratio(totals.get("predictor_hits_1"), totals.get("predictor_actual_1")),
         "predictor_recall_by_distance": {d: _ratio(totals[f"predictor_hits_{d}"], totals[f"predictor_actual_{d}"])
                                          for d in distances},
-        "storage": final.get("storage"), "io_mode": final.get("io_mode"),
+        "storage": final.get("storage"), "io_mode": final.get("io_mode"), "io_engine": final.get("io_engine"),
         "peak_rss_bytes": peak_rss, "baseline_rss_bytes": baseline, "peak_rss_over_baseline_bytes": over_baseline,
         "rss_within_budget": (None if budget_bytes is None or over_baseline is None
                               else over_baseline <= budget_bytes * (1 + RSS_TOLERANCE)),
@@ -173,7 +173,8 @@ def check_moe_counts(prompt_tokens: int, new_tokens: int, repeats: int) -> None:
 
 def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str], storage: str | None,
                   device: str = "cpu", threads: int | None = None, prompt_tokens: int = 64, new_tokens: int = 64,
-                  repeats: int = 1, prefetch_depth: int = 2, progress=None, options: str = "--memory-budget") -> dict:
+                  repeats: int = 1, prefetch_depth: int = 2, progress=None, options: str = "--memory-budget",
+                  io_engine: str = "auto") -> dict:
     """Measure every (strategy, budget); returns the report (what --json writes). `options`: the command
     line options that asked for this benchmark, which a refusal of a dense checkpoint names."""
     from quant.checkpoint import read_manifest
@@ -199,7 +200,7 @@ def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str
     rows = []
     for strategy, budget in configs:
         options = {**STRATEGY_OPTIONS[strategy], "memory_budget": budget, "storage": storage,
-                   "prefetch_depth": prefetch_depth, "kv_capacity": prompt_tokens + new_tokens}
+                   "prefetch_depth": prefetch_depth, "kv_capacity": prompt_tokens + new_tokens, "io_engine": io_engine}
         progress(f"{strategy} at {budget}: loading")
         try:
             worker = DeviceWorker(checkpoint_path, device, threads, options)
@@ -232,13 +233,18 @@ def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str
             row["decode_vs_mmap"] = _ratio(row["decode_tokens_per_second"], mmap["decode_tokens_per_second"])
     if resident is not None:
         progress("the read floor: replaying the resident run's routes")
+        from streaming.prefetch import RING_DEPTH
+
+        # the queue depth the runs read at: io_uring's reads in flight, or one per loading thread
+        ring = any(row.get("io_engine") == "io_uring" for row in rows)
         add_bounds(rows, resident, checkpoint_path, manifest, device, threads, timed_prompts, storage,
-                   queue_depth=StreamingOptions().prefetch_threads)  # the loading threads the runs had
+                   queue_depth=RING_DEPTH if ring else StreamingOptions().prefetch_threads)
     baselines = [r["baseline_rss_bytes"] for r in rows if "error" not in r]
     return {
         "model": os.path.abspath(checkpoint_path), "model_type": manifest["model"]["model_type"],
         "device": device, "threads": threads, "storage": storage or "native", "budgets": budgets,
-        "strategies": strategies, "prefetch_depth": prefetch_depth, "prompt_tokens": prompt_tokens,
+        "strategies": strategies, "prefetch_depth": prefetch_depth, "io_engine": io_engine,
+        "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens, "decode_steps": new_tokens - 1, "repeats": repeats, "prompt_source": prompt_source,
         "interpreter_baseline_rss_bytes": statistics.median(baselines) if baselines else None,
         "rss_tolerance": RSS_TOLERANCE, "configs": rows, "machine": machine_info(),
@@ -414,7 +420,8 @@ def cmd_bench_moe(args) -> int:
     # the device, --threads and --prefetch-depth as every configuration's edge.load will check them: before the
     # default MoE is built (minutes), not as a refusal of every configuration after it
     device = args.device.strip()
-    LoadOptions.of(device, load_threads(device, args.threads), prefetch_depth=args.prefetch_depth)
+    LoadOptions.of(device, load_threads(device, args.threads), prefetch_depth=args.prefetch_depth,
+                   io_engine=args.io_engine)
     if args.plot:
         try:  # checked before the sweep, not after minutes of it
             import matplotlib  # noqa: F401
@@ -434,7 +441,7 @@ def cmd_bench_moe(args) -> int:
     report = run_moe_bench(path, budgets, strategies, args.storage, device=device, threads=args.threads,
                            prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
                            prefetch_depth=args.prefetch_depth, progress=progress,
-                           options=", ".join(given) or "--memory-budget")
+                           options=", ".join(given) or "--memory-budget", io_engine=args.io_engine)
     emit_report(format_moe_table(report), report, args.json)
     refused = [row for row in report["configs"] if "error" in row]
     if len(refused) == len(report["configs"]):  # nothing measured: a failure, not a report

@@ -235,7 +235,8 @@ def _memory_options(args) -> dict:
     """edge.load's memory budget and expert streaming options from the command line."""
     return {"memory_budget": args.memory_budget, "storage": args.storage, "expert_strategy": args.expert_strategy,
             "expert_policy": args.expert_policy, "prefetch_depth": args.prefetch_depth,
-            "prefetch_threads": args.prefetch_threads, "gpu_expert_cache": args.gpu_expert_cache}
+            "prefetch_threads": args.prefetch_threads, "gpu_expert_cache": args.gpu_expert_cache,
+            "io_engine": args.io_engine}
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -258,7 +259,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="MoE: expert cache eviction (default: nextuse, the expert whose next use is expected "
                         "furthest ahead, with the predictive strategy; else lru)")
     p.add_argument("--prefetch-depth", type=int, default=2, help="MoE: layers ahead the predictor prefetches")
-    p.add_argument("--prefetch-threads", type=int, default=4, help="MoE: expert loading threads (each keeps one read in flight)")
+    p.add_argument("--prefetch-threads", type=int, default=4,
+                   help="MoE, io engine 'threads': expert loading threads (each keeps one read in flight)")
+    p.add_argument("--io-engine", choices=("auto", "io_uring", "threads"), default="auto",
+                   help="MoE: how streamed experts are read: io_uring (no reader threads), threads, or auto "
+                        "(io_uring where the kernel allows it)")
     p.add_argument("--gpu-expert-cache", default=None,
                    help="MoE on --device gpu: bytes of experts kept on the GPU: 64MB, bytes, or P%% of all experts "
                         "(default: every expert if they take at most half the adapter's memory)")

@@ -53,7 +53,8 @@ def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: in
                         "or expert_policy 'lru' or 'lfu'")
     # streamed experts are always checked against their crc32: a damaged record must never become output
     return StreamingExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage, predictor=predictor,
-                            policy=policy, depth=depth, threads=options.prefetch_threads, verify=True)
+                            policy=policy, depth=depth, threads=options.prefetch_threads, verify=True,
+                            io_engine=options.io_engine)
 
 
 __all__ = ["open_expert_source"]

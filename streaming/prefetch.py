@@ -1,9 +1,16 @@
-"""The prefetcher: a small pool of threads that load experts into the cache from one priority queue.
+"""The prefetcher: loads experts into the cache from one priority queue, through one of two engines.
 
 Order: demand loads first (a miss: an expert the layer being computed needs and nobody is loading),
-then prefetches by (layer distance, -predictor score). The model's thread, which waits for its
-misses, reads queued demand loads too, beside the pool threads, so a layer's misses are read in
-parallel and none waits for a pool thread busy with a prefetch.
+then prefetches by (layer distance, -predictor score).
+
+    RingLoader    io_uring (kernels/cpu/uring.py): the model's thread submits the queue's head in one
+                  compiled call, up to RING_DEPTH reads in flight, and collects completions between
+                  layers, crc32 included; no thread of ours reads, so none takes the GIL or a core
+                  from the model's thread. The default where the kernel allows io_uring.
+    ThreadLoader  a small pool of threads, each reading a batch per call without the GIL; the model's
+                  thread, which waits for its misses, reads queued demand loads too, beside the pool
+                  threads, so a layer's misses are read in parallel and none waits for a pool thread
+                  busy with a prefetch. The portable fallback (no io_uring, compressed records).
 
 Positions count layer visits across forward passes (`pass * num_layers + layer`), so "stale" is
 well defined across tokens: when the model moves past a layer, prefetches queued for that layer or
@@ -16,8 +23,10 @@ room may have been made; the pool threads wait on a second condition over the sa
 """
 from __future__ import annotations
 
+import errno
 import heapq
 import itertools
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +36,7 @@ import numpy as np
 
 from edge.core.errors import ZllmError
 from edge.core.moe import ExpertWeights
-from streaming.cache import Entry, ExpertCache, Key
+from streaming.cache import LOADING, Entry, ExpertCache, Key
 from streaming.store import ExpertStore
 
 # Records a loading thread reads in one call without the GIL (one after another: the disk's queue is
@@ -52,19 +61,20 @@ class Task:
     cancelled: bool = field(default=False, compare=False)
 
 
-class Prefetcher:
+class LoadQueue:
+    """The queue of loads both engines serve (demand loads first, then prefetches by distance and
+    score) and their counters; an engine reads what it takes from it (ThreadLoader, RingLoader)."""
+
+    engine = ""  # as model.stats() names it
+    threads = 0  # loading threads of ours
+
     def __init__(self, store: ExpertStore, cache: ExpertCache,
-                 prepare: Callable[[int, int, np.ndarray], ExpertWeights],
-                 threads: int = DEFAULT_THREADS, batch: int = LOAD_BATCH):
-        if threads < 1 or batch < 1:
-            raise ValueError(f"the prefetcher needs at least one thread and batches of at least one record, "
-                             f"got {threads} threads, batches of {batch}")
-        self.batch = batch
+                 prepare: Callable[[int, int, np.ndarray], ExpertWeights]):
         self.store, self.cache, self.prepare = store, cache, prepare
         self.lock = cache.lock
-        # Pool threads wait for tasks on their own condition (over the same lock): notifying the
-        # cache's condition (loads finished, pins released) must not wake every idle loader, each of
-        # which would take the GIL from the model's thread only to go back to sleep.
+        # Loaders wait for tasks on their own condition (over the same lock): notifying the cache's
+        # condition (loads finished, pins released) must not wake every idle loader, each of which
+        # would take the GIL from the model's thread only to go back to sleep.
         self.work = threading.Condition(cache.lock)
         self.position = -1
         self._queue: list[Task] = []
@@ -75,14 +85,6 @@ class Prefetcher:
         self.prefetches_queued = self.prefetches_loaded = self.prefetches_cancelled = 0
         self.prefetches_skipped = self.demand_loads = 0
         self.io_seconds = 0.0  # summed wall time of loads (read + decompress + prepare)
-        self._threads = [threading.Thread(target=self._work, name=f"zllm-prefetch-{i}", daemon=True)
-                         for i in range(threads)]
-        for thread in self._threads:
-            thread.start()
-
-    @property
-    def threads(self) -> int:
-        return len(self._threads)
 
     # --- scheduling (the model's thread) -------------------------------------------------------
     def advance(self, position: int) -> None:
@@ -128,17 +130,6 @@ class Prefetcher:
         self.demand_loads += 1
         return entry, True
 
-    def load_demanded(self) -> None:
-        """Read queued demand loads in the calling thread until none is left: the thread that waits for
-        them works on them beside the pool threads, so a layer's misses are read in parallel and none
-        waits for a pool thread to finish a prefetch."""
-        while True:
-            with self.lock:
-                task = self._pop_demand()
-            if task is None:
-                return
-            self._load([task.entry], prefetched=False)
-
     def _pop_demand(self) -> Task | None:
         """The first queued demand load, taken off the queue (the lock is held)."""
         while self._queue and (self._queue[0].cancelled or self._queue[0].entry is not None):
@@ -149,73 +140,59 @@ class Prefetcher:
                 return task
         return None
 
-    # --- loading (pool threads) ----------------------------------------------------------------
-    def _next_batch(self) -> tuple[list[Entry], bool] | None:
-        """A demand load alone, or up to `batch` prefetches in priority order, each with its entry
-        reserved, and whether they are prefetches; None at close."""
-        with self.lock:
-            batch: list[Entry] = []
-            while True:
-                while not self._queue and not self._closed and not batch:
-                    self.work.wait()
-                if self._closed:
-                    return None
-                if not batch and (demanded := self._pop_demand()) is not None:
-                    return [demanded.entry], False
-                if not self._queue or len(batch) == self.batch or self._queue[0].entry is not None:
-                    if not batch:
-                        continue  # only cancelled tasks were left: wait for more
-                    self._in_flight += len(batch)
-                    return batch, True
-                task = heapq.heappop(self._queue)
-                if task.cancelled:
-                    continue
-                del self._queued[task.key]
-                if task.target < self.position:
-                    self.prefetches_cancelled += 1
-                    continue
-                if task.key in self.cache.entries:
-                    continue
-                try:
-                    entry = self.cache.reserve(task.key, self.store.buffer_bytes(task.key[0]), for_prefetch=True,
-                                               position=self.position, needed_at=task.target)
-                except ZllmError:  # an expert the cache can never hold: the demand load will report it
-                    entry = None
-                if entry is None:
-                    self.prefetches_skipped += 1
-                    continue
-                batch.append(entry)
-
-    def _work(self) -> None:
-        while (picked := self._next_batch()) is not None:
-            self._load(*picked)
-
-    def _load(self, batch: list[Entry], prefetched: bool) -> None:
-        """Read a batch of reserved entries, prepare them, and publish them together."""
-        started = time.monotonic()
-        try:
-            results = self.store.read_batch([(e.key[0], e.key[1], e.buffer) for e in batch])
-        except Exception as exc:  # stored on the entries and raised where they are needed
-            results = [exc] * len(batch)
-        outcomes = []
-        for entry, result in zip(batch, results):
-            if isinstance(result, BaseException):
-                outcomes.append((entry, None, result))
+    def _take_prefetch(self) -> Entry | None:
+        """The next queued prefetch still worth loading, taken off the queue with its entry reserved;
+        None when the queue holds none (or a demand load comes first). The lock is held."""
+        while self._queue and self._queue[0].entry is None:
+            task = heapq.heappop(self._queue)
+            if task.cancelled:
+                continue
+            del self._queued[task.key]
+            if task.target < self.position:
+                self.prefetches_cancelled += 1
+                continue
+            if task.key in self.cache.entries:
                 continue
             try:
-                outcomes.append((entry, self.prepare(entry.key[0], entry.key[1], result), None))
-            except Exception as exc:
-                outcomes.append((entry, None, exc))
-        with self.lock:
-            self._in_flight -= len(batch)
-            self.io_seconds += (time.monotonic() - started) * len(batch)
-            for entry, weights, error in outcomes:
-                if error is None:
-                    self.prefetches_loaded += prefetched
-                    self.cache.mark_ready(entry, weights, notify=False)
-                else:
-                    self.cache.mark_failed(entry, error, notify=False)
-            self.lock.notify_all()  # one wake-up for the batch
+                entry = self.cache.reserve(task.key, self.store.buffer_bytes(task.key[0]), for_prefetch=True,
+                                           position=self.position, needed_at=task.target)
+            except ZllmError:  # an expert the cache can never hold: the demand load will report it
+                entry = None
+            if entry is None:
+                self.prefetches_skipped += 1
+                continue
+            self._in_flight += 1
+            return entry
+        return None
+
+    def _publish(self, outcomes: list[tuple[Entry, ExpertWeights | None, BaseException | None]],
+                 prefetched: list[bool]) -> None:
+        """Mark loaded entries ready (or failed) and wake their waiters once. The lock is held."""
+        for (entry, weights, error), was_prefetch in zip(outcomes, prefetched):
+            if error is None:
+                self.prefetches_loaded += was_prefetch
+                self.cache.mark_ready(entry, weights, notify=False)
+            else:
+                self.cache.mark_failed(entry, error, notify=False)
+        self.lock.notify_all()
+
+    def _prepared(self, entry: Entry, result) -> tuple[Entry, ExpertWeights | None, BaseException | None]:
+        """(entry, its prepared weights or None, the error or None) from a read's raw view or error."""
+        if isinstance(result, BaseException):
+            return entry, None, result
+        try:
+            return entry, self.prepare(entry.key[0], entry.key[1], result), None
+        except Exception as exc:  # stored on the entry and raised where it is needed
+            return entry, None, exc
+
+    # --- what an engine provides -----------------------------------------------------------------
+    def poll(self) -> None:
+        """Start queued loads and publish finished ones, without waiting (the model's thread, between
+        layers and before it looks at which experts are ready)."""
+
+    def wait_loaded(self, entry: Entry) -> None:
+        """Block until the entry's load is published (READY or FAILED)."""
+        raise NotImplementedError
 
     def wait_idle(self) -> None:
         """Block until nothing is queued or being loaded (benchmarks and tests use it between phases)."""
@@ -228,12 +205,252 @@ class Prefetcher:
             return {"prefetches_queued": self.prefetches_queued, "prefetches_loaded": self.prefetches_loaded,
                     "prefetches_cancelled": self.prefetches_cancelled,
                     "prefetches_skipped_full": self.prefetches_skipped, "demand_loads": self.demand_loads,
-                    "prefetch_threads": self.threads, "io_seconds": self.io_seconds}
+                    "prefetch_threads": self.threads, "io_engine": self.engine, "io_seconds": self.io_seconds}
 
     def close(self) -> None:
         with self.lock:
             self._closed = True
             self.lock.notify_all()
             self.work.notify_all()
+
+
+class ThreadLoader(LoadQueue):
+    """A pool of threads that take loads off the queue and read them, a batch per call without the GIL
+    (ExpertStore.read_batch); the model's thread reads its own queued misses beside them."""
+
+    engine = "threads"
+
+    def __init__(self, store: ExpertStore, cache: ExpertCache,
+                 prepare: Callable[[int, int, np.ndarray], ExpertWeights],
+                 threads: int = DEFAULT_THREADS, batch: int = LOAD_BATCH):
+        if threads < 1 or batch < 1:
+            raise ValueError(f"the prefetcher needs at least one thread and batches of at least one record, "
+                             f"got {threads} threads, batches of {batch}")
+        super().__init__(store, cache, prepare)
+        self.batch = batch
+        self._threads = [threading.Thread(target=self._work, name=f"zllm-prefetch-{i}", daemon=True)
+                         for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def threads(self) -> int:
+        return len(self._threads)
+
+    def wait_loaded(self, entry: Entry) -> None:
+        # misses no pool thread has taken are read here, in parallel with the pool's reads
+        while entry.state == LOADING:
+            with self.lock:
+                task = self._pop_demand()
+            if task is None:
+                break
+            self._load([task.entry], prefetched=False)
+        self.cache.wait_loaded(entry)
+
+    def _next_batch(self) -> tuple[list[Entry], bool] | None:
+        """A demand load alone, or up to `batch` prefetches in priority order, each with its entry
+        reserved, and whether they are prefetches; None at close."""
+        with self.lock:
+            batch: list[Entry] = []
+            while True:
+                while not self._queue and not self._closed and not batch:
+                    self.work.wait()
+                if self._closed:
+                    return None
+                if not batch and (demanded := self._pop_demand()) is not None:
+                    return [demanded.entry], False
+                entry = self._take_prefetch() if len(batch) < self.batch else None
+                if entry is not None:
+                    batch.append(entry)
+                elif batch:
+                    return batch, True
+                # else a demand load came first, or nothing worth loading was left: look again
+
+    def _work(self) -> None:
+        while (picked := self._next_batch()) is not None:
+            self._load(*picked)
+
+    def _load(self, batch: list[Entry], prefetched: bool) -> None:
+        """Read a batch of reserved entries, prepare them, and publish them together."""
+        started = time.monotonic()
+        try:
+            results = self.store.read_batch([(e.key[0], e.key[1], e.buffer) for e in batch])
+        except Exception as exc:  # stored on the entries and raised where they are needed
+            results = [exc] * len(batch)
+        outcomes = [self._prepared(entry, result) for entry, result in zip(batch, results)]
+        with self.lock:
+            self._in_flight -= len(batch)
+            self.io_seconds += (time.monotonic() - started) * len(batch)
+            self._publish(outcomes, [prefetched] * len(batch))
+
+    def close(self) -> None:
+        super().close()
         for thread in self._threads:
             thread.join()
+
+
+# Reads the ring keeps in flight. Demand loads beyond it wait in the queue, ahead of every prefetch,
+# and go out as soon as a read completes.
+RING_DEPTH = 16
+
+
+class RingLoader(LoadQueue):
+    """Loads through io_uring (kernels/cpu/uring.py): the model's thread submits the queue's head in
+    `poll` between layers, and takes what completed, while one completion thread, which never returns
+    to Python, waits for the completions and checks each record's crc32. `wait_loaded` waits (without
+    the GIL) for the one read it needs. An emulated storage device (streaming/storage.py) books each
+    read when it is submitted, and a completed read is published no earlier than the emulated device
+    would have delivered it."""
+
+    engine = "io_uring"
+    threads = 1  # the completion thread
+
+    def __init__(self, store: ExpertStore, cache: ExpertCache,
+                 prepare: Callable[[int, int, np.ndarray], ExpertWeights], depth: int = RING_DEPTH):
+        from kernels.cpu import uring
+
+        super().__init__(store, cache, prepare)
+        self._uring = uring
+        self.depth = depth
+        self._ring = np.zeros(uring.RING_BYTES, np.uint8)
+        status = uring.ring_init(self._ring.ctypes.data, 2 * depth)
+        if status < 0:
+            raise OSError(-status, f"io_uring_setup: {os.strerror(-status)}")
+        # per tag (a read in flight's slot): its buffer and record length (for the crc32), and what the
+        # completion thread publishes: the bytes read or -errno, the crc32, and done (set last)
+        self._addresses = np.zeros(depth, np.uint64)
+        self._lengths = np.zeros(depth, np.int64)
+        self._results = np.zeros(depth, np.int64)
+        self._crcs = np.zeros(depth, np.uint32)
+        self._done = np.zeros(depth, np.int64)
+        self._finished = np.zeros(depth, np.int64)
+        self._free_tags = list(range(depth - 1, -1, -1))
+        self._flight: dict[int, tuple[Entry, bool, float, float | None]] = {}  # tag -> (entry, prefetch, start, due)
+        self._arrived: list[tuple[float, Entry, ExpertWeights | None, BaseException | None, bool]] = []
+        self._completion_error: int = 0
+        for compiled in (uring.ring_submit, uring.ring_stop, uring.ring_complete, uring.ring_finished, uring.ring_wait):
+            compiled.dispatcher  # compiled (or loaded from the cache) now, not at the first read's wait
+        self._completer = threading.Thread(target=self._complete, name="zllm-io-uring", daemon=True)
+        self._completer.start()
+
+    def _complete(self) -> None:
+        self._completion_error = self._uring.ring_complete(self._ring.ctypes.data, self._addresses, self._lengths,
+                                                           self.store.verify, self._results, self._crcs, self._done)
+
+    # --- submitting (the lock is held) -------------------------------------------------------------
+    def _submit(self) -> None:
+        """Submit the queue's head (demand loads, then prefetches) while tags are free."""
+        batch: list[tuple[Entry, bool]] = []
+        while len(batch) < len(self._free_tags) and not self._closed:
+            demanded = self._pop_demand()
+            if demanded is not None:
+                batch.append((demanded.entry, False))
+                continue
+            entry = self._take_prefetch()
+            if entry is None:
+                break
+            batch.append((entry, True))
+        if not batch:
+            return
+        offsets, spans, tags = (np.empty(len(batch), np.int64) for _ in range(3))
+        addresses = np.empty(len(batch), np.uint64)
+        now = time.monotonic()
+        for i, (entry, prefetched) in enumerate(batch):
+            layer, expert = entry.key
+            offset, span, length = self.store.read_span(layer, expert, entry.buffer)
+            tag = self._free_tags.pop()
+            offsets[i], spans[i], addresses[i], tags[i] = offset, span, entry.buffer.ctypes.data, tag
+            self._addresses[tag], self._lengths[tag] = addresses[i], length
+            self._flight[tag] = (entry, prefetched, now, self.store.book(length, now))
+        queued = self._uring.ring_submit(self._ring.ctypes.data, self.store.fd, offsets, spans, addresses, tags,
+                                         self._done)
+        if queued != len(batch):  # the ring holds twice the tags: only an OS error leaves reads out
+            error = OSError(-queued if queued < 0 else errno.EAGAIN, "io_uring submission failed")
+            for tag in tags[max(queued, 0):].tolist():
+                entry, prefetched, _, _ = self._flight.pop(tag)
+                self._free_tags.append(tag)
+                self._in_flight -= 1
+                self._arrived.append((0.0, entry, None, error, prefetched))
+
+    # --- completing (the lock is held) -------------------------------------------------------------
+    def _take_finished(self) -> None:
+        """Take the reads the completion thread has published: check, prepare, and hold them until due."""
+        if not self._flight:
+            return
+        if self._completion_error:
+            raise OSError(-self._completion_error, f"io_uring completion failed: "
+                                                   f"{os.strerror(-self._completion_error)}")
+        flight = np.fromiter(self._flight, np.int64, len(self._flight))
+        n = self._uring.ring_finished(self._done, flight, self._finished)
+        if n == 0:
+            return
+        now = time.monotonic()
+        for tag in self._finished[:n].tolist():
+            entry, prefetched, started, due = self._flight.pop(tag)
+            result, crc = int(self._results[tag]), int(self._crcs[tag])
+            self._free_tags.append(tag)
+            self._in_flight -= 1
+            layer, expert = entry.key
+            try:
+                raw = self.store.finish_read(layer, expert, entry.buffer, result, crc, now - started)
+            except Exception as exc:  # stored on the entry and raised where it is needed
+                raw = exc
+            _, weights, error = self._prepared(entry, raw)
+            self.io_seconds += now - started
+            self._arrived.append((due or 0.0, entry, weights, error, prefetched))
+
+    def _deliver(self) -> None:
+        """Publish the arrived reads whose emulated delivery time has passed."""
+        if not self._arrived:
+            return
+        now = time.monotonic()
+        due = [item for item in self._arrived if item[0] <= now]
+        if due:
+            self._arrived = [item for item in self._arrived if item[0] > now]
+            self._publish([(entry, weights, error) for _, entry, weights, error, _ in due],
+                          [prefetched for *_, prefetched in due])
+
+    def _step(self) -> None:
+        self._take_finished()
+        self._submit()
+        self._deliver()
+
+    def poll(self) -> None:
+        with self.lock:
+            self._step()
+
+    def wait_loaded(self, entry: Entry) -> None:
+        with self.lock:
+            while True:
+                self._step()
+                if entry.state != LOADING:
+                    return
+                arrived = [item[0] for item in self._arrived if item[1] is entry]
+                if arrived:  # read, waiting out the emulated device
+                    self.store.wait_until(arrived[0])
+                    continue
+                if not self._flight:
+                    raise ZllmError(f"layer {entry.key[0]} expert {entry.key[1]} is loading but no read of it is "
+                                    "queued or in flight")
+                # its read, or (while it waits in the queue for a tag) the oldest read in flight
+                tag = next((t for t, flight in self._flight.items() if flight[0] is entry), next(iter(self._flight)))
+                self._uring.ring_wait(self._done, tag)
+
+    def wait_idle(self) -> None:
+        with self.lock:
+            while (self._queued or self._flight or self._arrived) and not self._closed:
+                self._step()
+                if self._flight:
+                    self._uring.ring_wait(self._done, next(iter(self._flight)))
+                elif self._arrived:
+                    self.store.wait_until(min(item[0] for item in self._arrived))
+
+    def close(self) -> None:
+        with self.lock:
+            for tag in list(self._flight) if self._completer.is_alive() else []:  # the kernel may still
+                self._uring.ring_wait(self._done, tag)                            # write into their buffers
+            self._flight.clear()
+            if self._completer.is_alive() and self._uring.ring_stop(self._ring.ctypes.data) == 0:
+                self._completer.join()
+            self._uring.ring_exit(self._ring.ctypes.data)
+        super().close()

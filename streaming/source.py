@@ -35,7 +35,8 @@ from edge.core.errors import ZllmError
 from edge.core.moe import ChosenExperts, ExpertWeights, MoeConfig, distinct_experts
 from quant.expert_file import ExpertIndex
 from streaming.cache import FAILED, LOADING, READY, Entry, ExpertCache, make_policy
-from streaming.prefetch import LOAD_BATCH, Prefetcher
+from streaming.options import IO_ENGINES
+from streaming.prefetch import LOAD_BATCH, RingLoader, ThreadLoader
 from streaming.stats import StreamingCounters
 from streaming.store import ExpertStore
 
@@ -61,7 +62,7 @@ class StreamingExperts:
     def __init__(self, index: ExpertIndex, prepare_weight, layers: dict[int, MoeConfig], cache_bytes: int,
                  storage=None, predictor=None, policy: str = "lru", depth: int = 2, threads: int = 2,
                  verify: bool = True, direct_io: bool = True, store: ExpertStore | None = None,
-                 prefetch_width: float = PREFETCH_WIDTH, load_batch: int = LOAD_BATCH):
+                 prefetch_width: float = PREFETCH_WIDTH, load_batch: int = LOAD_BATCH, io_engine: str = "auto"):
         self.index = index
         self._prepare_weight = prepare_weight
         self.layers = dict(sorted(layers.items()))
@@ -79,11 +80,31 @@ class StreamingExperts:
         # preparing costs more CPU than the read itself.
         self._layout_signature = {layer: index.layout(layer).signature for layer in self.layers}
         self._prepared: dict[int, dict[tuple, ExpertWeights]] = {}  # buffer address -> layout -> weights
-        self.prefetcher = Prefetcher(self.store, self.cache, self._prepare, threads, load_batch)
+        self.io_engine_reason = self._engine_refusal(io_engine)
+        if self.io_engine_reason is None:
+            self.prefetcher = RingLoader(self.store, self.cache, self._prepare)
+        else:
+            self.prefetcher = ThreadLoader(self.store, self.cache, self._prepare, threads, load_batch)
         self.policy = policy
         self.counters = StreamingCounters()
         self._pass, self._last_ordinal = 0, None
         self._current: StreamedLayer | None = None
+
+    def _engine_refusal(self, io_engine: str) -> str | None:
+        """None when the loads go through io_uring, else why they go through reader threads."""
+        if io_engine not in IO_ENGINES:
+            raise ZllmError(f"io_engine {io_engine!r} is not known; choose one of {', '.join(IO_ENGINES)}")
+        if io_engine == "threads":
+            return "io_engine 'threads' asked for"
+        if self.index.compression is not None:
+            reason = "compressed records are decompressed by the reader threads"
+        else:
+            from kernels.cpu.uring import unavailable_reason
+
+            reason = unavailable_reason(self.store.fd)
+        if reason is not None and io_engine == "io_uring":
+            raise ZllmError(f"io_engine 'io_uring' cannot run here: {reason}; use io_engine 'auto' or 'threads'")
+        return reason
 
     def _prepare(self, layer: int, expert: int, raw: np.ndarray) -> ExpertWeights:
         by_layout = self._prepared.setdefault(raw.ctypes.data, {})
@@ -130,6 +151,7 @@ class StreamingExperts:
         with self.cache.lock:
             self.cache.new_step()
         self._current = StreamedLayer(self, layer, ids, room)
+        self.prefetcher.poll()  # this layer's misses go out before the forecast is made
         if self.predictor is not None:
             with self.cache.lock:  # eviction reads the predictor's need vectors under this lock
                 self.predictor.observe(layer, expert_ids, residual, router_logits=router_logits)
@@ -139,6 +161,7 @@ class StreamingExperts:
                 # the gate lookahead cannot reach (another token's input): by the next-token estimate.
                 forecast.update({first: self.predictor.need_vector(first) for first in self._next_pass_targets()})
             self._schedule(position, forecast, free_entries=room - len(ids), n_tokens=len(expert_ids))
+            self.prefetcher.poll()
         return self._current
 
     def _schedule(self, position: int, forecast: dict[int, np.ndarray], free_entries: int, n_tokens: int) -> None:
@@ -188,6 +211,7 @@ class StreamingExperts:
         store, prefetch = self.store.stats(), self.prefetcher.stats()
         stats = self.counters.to_dict(io_seconds=prefetch["io_seconds"])
         stats.update({"expert_source": self.strategy, "expert_policy": self.policy,
+                      "io_engine_reason": self.io_engine_reason,
                       "bytes_read": store["bytes_read"], "io_mode": store["io_mode"], "storage": store["storage"],
                       "expert_cache_bytes": self.cache.capacity_bytes,
                       "expert_cache_peak_bytes": self.cache.peak_charged, "expert_evictions": self.cache.evictions,
@@ -245,9 +269,7 @@ class StreamedLayer(ChosenExperts):
     def _wait(self, entry: Entry) -> None:
         if entry.state == LOADING:
             started = time.monotonic()
-            self.source.prefetcher.load_demanded()  # misses no pool thread has taken: read them here
-            if entry.state == LOADING:
-                self.source.cache.wait_loaded(entry)
+            self.source.prefetcher.wait_loaded(entry)
             self.source.counters.stall_seconds += time.monotonic() - started
         if entry.state == FAILED:
             cache = self.source.cache
@@ -261,6 +283,7 @@ class StreamedLayer(ChosenExperts):
         at least one: the call waits for ids[start] if it is not loaded yet. A consumer that mixes
         experts in ascending id order takes them run by run and computes with the loaded ones
         while the others are read."""
+        self.source.prefetcher.poll()
         self[ids[start]]
         entries, n = self._entries, 1
         while start + n < len(ids):

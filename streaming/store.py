@@ -207,6 +207,53 @@ class ExpertStore:
             self.emulated_seconds += slept
         return results
 
+    # --- reads issued elsewhere (an io_uring engine, streaming/prefetch.py RingLoader) ------------
+    def read_span(self, layer: int, expert: int, out: np.ndarray) -> tuple[int, int, int]:
+        """(file offset, bytes to read, record length) of a read of (layer, expert) into `out`, which
+        another engine issues on `fd` and hands back to finish_read. Uncompressed records only."""
+        if self.index.compression is not None:
+            raise ValueError("compressed expert records are read by read() and read_batch(), which decompress them")
+        if len(out) < self.buffer_bytes(layer):
+            raise ValueError(f"layer {layer} expert {expert}: buffer of {len(out)} bytes, reading the record "
+                             f"needs {self.buffer_bytes(layer)} (new_buffer makes one)")
+        record = self.index.record(layer, expert)
+        span = aligned_length(record.length) if self.io_mode == IO_DIRECT else record.length
+        return record.offset, span, record.length
+
+    def book(self, n_bytes: int, issued_at: float) -> float | None:
+        """Book a read of n_bytes issued now on the emulated device: when it delivers it (None: native)."""
+        return self.device.schedule(n_bytes, issued_at) if self.device else None
+
+    def wait_until(self, due: float) -> None:
+        """Sleep until an emulated read's delivery time (counted as the store's emulated wait)."""
+        slept = self.device.wait_until(due) if self.device else 0.0
+        with self._lock:
+            self.emulated_seconds += slept
+
+    def finish_read(self, layer: int, expert: int, out: np.ndarray, result: int, crc: int, elapsed: float) -> np.ndarray:
+        """The raw record view of a read another engine completed into `out` (result: bytes read or
+        -errno; crc: the crc32 of what was read); a failed, short or damaged read raises its typed error
+        (an O_DIRECT refusal switches the store to buffered reads and reads the record again here)."""
+        record = self.index.record(layer, expert)
+        if result < 0:
+            if result == -errno.EINVAL and self.io_mode == IO_DIRECT:
+                self._fall_back_to_buffered(self.fd)
+                return self.read(layer, expert, out)
+            error = OSError(-result, os.strerror(-result))
+            raise ExpertReadError(f"{self.index.path}: reading layer {layer} expert {expert} ({record.length} bytes "
+                                  f"at offset {record.offset}) failed: {error}; check the disk holding the checkpoint")
+        got = min(result, record.length)
+        if self.io_mode == IO_BUFFERED:
+            os.posix_fadvise(self.fd, record.offset, record.length, os.POSIX_FADV_DONTNEED)
+        with self._lock:
+            self.reads += 1
+            self.read_calls += 1
+            self.bytes_read += got
+            self.read_seconds += elapsed
+        if got != record.length or (self.verify and crc != record.crc32):
+            check_stored_record(self.index, layer, expert, out[:got], self.verify)  # raises the typed error
+        return out[:self.index.layout(layer).raw_length]
+
     def _check_batch(self, requests, records, got: np.ndarray, crcs: np.ndarray) -> tuple[list, int]:
         """read_batch's results record by record: a failed read is read again to report its OS error,
         buffered reads drop their pages, short or damaged records become their typed errors."""

@@ -285,7 +285,7 @@ def test_stale_prefetches_are_cancelled(expert_file, monkeypatch):
     read_records_through_preadv(monkeypatch)
     predictor = ScriptedPredictor({0: {1: [0, 1, 2, 3, 4, 5]}})
     source = _source(expert_file, cache_entries=12, predictor=predictor, depth=1, threads=1, prefetch_width=3.0,
-                     load_batch=1)
+                     load_batch=1, io_engine="threads")  # (io_uring's reads do not go through os.preadv)
     opener = threading.Timer(0.3, gate.set)
     try:
         source.experts(0, np.array([[0, 1]]), np.zeros((1, 64), np.float32))  # queues 6 prefetches of layer 1
@@ -315,7 +315,7 @@ def test_prefetch_error_surfaces_where_the_expert_is_needed(expert_file, monkeyp
     monkeypatch.setattr(store_module.os, "preadv", failing_preadv)
     read_records_through_preadv(monkeypatch)
     predictor = ScriptedPredictor({0: {1: [3, 4]}})
-    source = _source(expert_file, cache_entries=8, predictor=predictor, depth=1)
+    source = _source(expert_file, cache_entries=8, predictor=predictor, depth=1, io_engine="threads")
     try:
         source.experts(0, np.array([[1, 2]]), np.zeros((1, 64), np.float32))  # no error here
         source.prefetcher.wait_idle()

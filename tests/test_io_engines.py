@@ -1,0 +1,138 @@
+"""The two engines that read streamed experts (streaming/prefetch.py): io_uring, driven by the model's
+thread in compiled calls, and the reader threads; the same loads, bytes, errors and emulated timing."""
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import numpy as np
+import pytest
+from streaming_experts import raw_bytes, write_expert_file
+
+from devices.reference import ReferenceBackend
+from edge.core.errors import InvalidArgumentError, ZllmError
+from edge.core.moe import MoeConfig
+from kernels.cpu import uring
+from quant.expert_file import ExpertChecksumError
+from streaming.cache import ENTRY_OVERHEAD
+from streaming.options import StreamingOptions
+from streaming.source import StreamingExperts
+from streaming.store import ExpertStore
+
+LAYERS = {0: 6, 1: 6, 2: 6}
+ROUTES = [(0, [0, 1]), (1, [2, 3]), (2, [0, 1]), (0, [0, 2]), (1, [2, 3]), (2, [4, 5]), (0, [0, 1])]
+
+
+@pytest.fixture(scope="module")
+def expert_file(tmp_path_factory):
+    return write_expert_file(os.fspath(tmp_path_factory.mktemp("experts")), LAYERS)
+
+
+def _uring_refusal(index) -> str | None:
+    with ExpertStore(index) as store:
+        return uring.unavailable_reason(store.fd)
+
+
+@pytest.fixture(params=["io_uring", "threads"])
+def engine(request, expert_file):
+    if request.param == "io_uring" and (reason := _uring_refusal(expert_file)) is not None:
+        pytest.skip(f"io_uring cannot run here: {reason} (the threads engine is tested instead)")
+    return request.param
+
+
+def _source(index, cache_entries, engine, **kwargs):
+    configs = {layer: MoeConfig(num_experts=n, top_k=2, intermediate_size=64) for layer, n in LAYERS.items()}
+    buffer = ExpertStore(index).buffer_bytes(0)
+    return StreamingExperts(index, ReferenceBackend().prepare_weight, configs, cache_entries * (buffer + ENTRY_OVERHEAD),
+                            io_engine=engine, **kwargs)
+
+
+def _weights_bytes(chosen, expert) -> bytes:
+    weights = chosen[expert]
+    return b"".join(w.qweight.tobytes() + w.scales.tobytes() for w in (weights.gate, weights.up, weights.down))
+
+
+def test_both_engines_load_the_same_experts_with_the_same_hits(expert_file, engine):
+    source = _source(expert_file, 4, engine)
+    seen = []
+    try:
+        for layer, ids in ROUTES:
+            chosen = source.experts(layer, np.array([ids]), np.zeros((1, 64), np.float32))
+            seen.append([_weights_bytes(chosen, e) for e in chosen])
+        stats = source.stats()
+    finally:
+        source.close()
+    assert stats["io_engine"] == engine
+    assert (stats["expert_hits"], stats["expert_misses"], stats["expert_reads"]) == (0, 14, 14)  # LRU over 4 entries
+    reference = ReferenceBackend()
+    for (layer, ids), loaded in zip(ROUTES, seen):
+        layout = expert_file.layout(layer)
+        for expert, got in zip(sorted(ids), loaded):
+            record = layout.decode(np.frombuffer(raw_bytes(expert_file, layer, expert), np.uint8).copy())
+            expected = [reference.prepare_weight(record[name]) for name in ("gate_proj", "up_proj", "down_proj")]
+            assert got == b"".join(w.qweight.tobytes() + w.scales.tobytes() for w in expected)
+
+
+def _damaged(index, tmp_path, layer, expert, how):
+    folder = tmp_path / "damaged"
+    folder.mkdir()
+    data = bytearray(open(index.path, "rb").read())
+    record = index.record(layer, expert)
+    if how == "corrupt":
+        data[record.offset + record.length // 2] ^= 0xFF
+    else:  # truncated inside the record
+        data = data[: record.offset + record.length // 3]
+    (folder / "experts.bin").write_bytes(bytes(data))
+    damaged = copy.copy(index)
+    damaged.path = os.fspath(folder / "experts.bin")
+    return damaged
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncate"])
+def test_a_damaged_record_is_reported_where_its_expert_is_needed(expert_file, tmp_path, engine, how):
+    index = _damaged(expert_file, tmp_path, 2, 5, how)
+    source = _source(index, 4, engine)
+    try:
+        chosen = source.experts(2, np.array([[1, 5]]), np.zeros((1, 64), np.float32))
+        assert chosen[1].gate is not None  # an intact expert of the same layer is handed over
+        with pytest.raises(ExpertChecksumError) as error:
+            chosen[5]
+        assert f"layer 2 expert 5 {'fails its crc32 check' if how == 'corrupt' else 'is truncated'}" in str(error.value)
+        # the failed entry is dropped: the next request reads it again, and fails again
+        with pytest.raises(ExpertChecksumError):
+            source.experts(2, np.array([[5, 1]]), np.zeros((1, 64), np.float32))[5]
+    finally:
+        source.close()
+
+
+def test_an_emulated_read_is_not_delivered_before_the_device_would(expert_file, engine):
+    # 10 MB/s and 40 ms a read: two misses of one layer take >= 2 x (record / bandwidth) + the latency
+    record = expert_file.record(1, 0).length
+    source = _source(expert_file, 4, engine, storage="custom:bw=10MB,lat=40ms")
+    try:
+        started = time.monotonic()
+        chosen = source.experts(1, np.array([[0, 3]]), np.zeros((1, 64), np.float32))
+        chosen[0], chosen[3]
+        elapsed = time.monotonic() - started
+    finally:
+        source.close()
+    assert elapsed >= 0.040 + 2 * record / 10e6 - 1e-3
+
+
+def test_io_uring_refused_is_said_and_auto_falls_back_to_threads(expert_file, monkeypatch):
+    monkeypatch.setattr(uring, "unavailable_reason", lambda fd: "the kernel refused io_uring_setup (test)")
+    with pytest.raises(ZllmError, match=r"io_engine 'io_uring' cannot run here: the kernel refused"):
+        _source(expert_file, 4, "io_uring")
+    source = _source(expert_file, 4, "auto")
+    try:
+        stats = source.stats()
+    finally:
+        source.close()
+    assert stats["io_engine"] == "threads"
+    assert stats["io_engine_reason"] == "the kernel refused io_uring_setup (test)"
+
+
+def test_an_unknown_io_engine_is_refused_by_name():
+    with pytest.raises(InvalidArgumentError, match="io_engine 'aio' is not known; choose one of auto, io_uring, threads"):
+        StreamingOptions(io_engine="aio")
