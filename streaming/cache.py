@@ -180,7 +180,11 @@ class NextUsePolicy:
             self._heap = [entry.rank_item for entry in self.cache.entries.values() if entry.rank_item is not None]
             heapq.heapify(self._heap)
 
-    def victim(self, by_layer: dict[int, dict[int, Entry]], for_prefetch: bool, position: int) -> Entry | None:
+    def victim(self, by_layer: dict[int, dict[int, Entry]], for_prefetch: bool, position: int,
+               needed_at: int = -1) -> Entry | None:
+        """The entry expected to be used furthest ahead; for a prefetch for the layer at `needed_at`,
+        only one expected later than that (admission: evicting an expert needed sooner than the one
+        prefetched costs a read before the prefetch saves one), else None and the prefetch is skipped."""
         if self._visited:
             self._rank_visited()
         passed_over = []
@@ -193,6 +197,9 @@ class NextUsePolicy:
                 if not ExpertCache.evictable(entry, for_prefetch, position):
                     passed_over.append(item)
                     continue
+                if for_prefetch and needed_at >= 0 and -item[0] <= needed_at:
+                    passed_over.append(item)  # the furthest evictable one is needed before the prefetch
+                    return None
                 entry.rank_item = None
                 return entry
             return None
@@ -306,8 +313,10 @@ class ExpertCache:
         the ones it pins), so the eviction order is computed once per step, not once per eviction."""
         self._ranking = None
 
-    def _victim(self, for_prefetch: bool, position: int) -> Entry | None:
-        # A policy either finds its victim itself (cycle) or ranks entries, sorted here once per step.
+    def _victim(self, for_prefetch: bool, position: int, needed_at: int = -1) -> Entry | None:
+        # A policy either finds its victim itself (cycle, nextuse) or ranks entries, sorted here once per step.
+        if isinstance(self.policy, NextUsePolicy):
+            return self.policy.victim(self.by_layer, for_prefetch, position, needed_at)
         if hasattr(self.policy, "victim"):
             return self.policy.victim(self.by_layer, for_prefetch, position)
         for rebuilt in (False, True):
@@ -320,7 +329,7 @@ class ExpertCache:
                     return entry
         return None
 
-    def _take_buffer(self, size: int, for_prefetch: bool, position: int) -> np.ndarray | None:
+    def _take_buffer(self, size: int, for_prefetch: bool, position: int, needed_at: int = -1) -> np.ndarray | None:
         """A buffer of `size` bytes charged to the cache, evicting entries if needed; None if impossible now."""
         while True:
             recycled = bool(self._free.get(size))
@@ -330,7 +339,7 @@ class ExpertCache:
                 return self._free[size].pop() if recycled else aligned_empty(size)
             if self._drop_free_buffers(keep_size=size):
                 continue
-            victim = self._victim(for_prefetch, position)
+            victim = self._victim(for_prefetch, position, needed_at)
             if victim is None:
                 return None
             self.unused_prefetches += victim.needed_at >= 0
@@ -346,7 +355,7 @@ class ExpertCache:
             raise ZllmError(f"an expert of layer {key[0]} needs {buffer_bytes + ENTRY_OVERHEAD} bytes, more than the "
                             f"whole expert cache ({self.capacity_bytes} bytes); raise memory_budget")
         while True:
-            buffer = self._take_buffer(buffer_bytes, for_prefetch, position)
+            buffer = self._take_buffer(buffer_bytes, for_prefetch, position, needed_at)
             if buffer is not None:
                 break
             if for_prefetch:

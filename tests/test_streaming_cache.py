@@ -137,6 +137,9 @@ def test_nextuse_evicts_the_expert_needed_furthest_ahead():
         for expert in (5, 4):  # prefetches for layer 1 (position 10): they are not evicted for each other
             cache.mark_ready(cache.reserve((1, expert), BUFFER, for_prefetch=True, position=9, needed_at=10), None)
     assert set(cache.entries) == {(0, 0), (1, 0), (1, 5), (1, 4)}
+    with cache.lock:  # admission: a prefetch for position 11 would evict (1, 0), expected back at 10.75
+        assert cache.reserve((2, 7), BUFFER, for_prefetch=True, position=9, needed_at=11) is None
+    assert set(cache.entries) == {(0, 0), (1, 0), (1, 5), (1, 4)}
     _fill(cache, (2, 3), position=9)  # a demand load: the prefetches are expected at position 10
     assert set(cache.entries) == {(0, 0), (1, 5), (1, 4), (2, 3)}
 
