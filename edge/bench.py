@@ -679,8 +679,9 @@ def add_arguments(parser) -> None:
     moe.add_argument("--io-engine", choices=("auto", "io_uring", "threads"), default="auto",
                      help="how streamed experts are read (edge.load's io_engine)")
     moe.add_argument("--plot", default=None, metavar="FILE.png", help="plot tokens/s and hit rate against the budget")
-    moe.add_argument("--random-moe", action="store_true",
-                     help="benchmark the built-in large random MoE (I/O stress case; built on first use)")
+    moe.add_argument("--random-moe", nargs="?", const="stress", default=None, metavar="SHAPE",
+                     help="benchmark a built-in random MoE (built on first use): stress (the default: the I/O "
+                          "stress case), olmoe-1b-7b or qwen3-30b-a3b (those models' shapes)")
 
 
 def cmd_bench(args) -> int:

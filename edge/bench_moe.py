@@ -430,9 +430,11 @@ def cmd_bench_moe(args) -> int:
     if args.random_moe:
         if args.model:
             raise BenchError("give either a MODEL or --random-moe, not both")
-        from edge.random_moe import random_moe_checkpoint
+        from edge.random_moe import SHAPES, random_moe_checkpoint
 
-        path = random_moe_checkpoint(home_dir(), progress=not args.quiet)
+        if args.random_moe not in SHAPES:
+            raise BenchError(f"--random-moe {args.random_moe!r} is not a shape here; choose one of {', '.join(SHAPES)}")
+        path = random_moe_checkpoint(home_dir(), SHAPES[args.random_moe], progress=not args.quiet)
     else:
         path = args.model or default_moe_checkpoint(progress=not args.quiet)
     progress = None if args.quiet else (lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))

@@ -1,9 +1,19 @@
-"""A large random Mixture-of-Experts model: the I/O stress case of `zllm-edge bench --random-moe`.
+"""Large random Mixture-of-Experts models: `zllm-edge bench --random-moe [SHAPE]`.
 
-A Mixtral-architecture Hugging Face folder (config from transformers' MixtralConfig, f16 weights
+SHAPES names them: "stress" (the default, the I/O stress case) and the shapes of the MoEs people
+run, "olmoe-1b-7b" (OLMoE-1B-7B: 16 layers, hidden 2048, 64 experts of 1024, top-8) and
+"qwen3-30b-a3b" (Qwen3-30B-A3B: 48 layers, hidden 2048, 128 experts of 768, top-8). Each is a
+Mixtral-architecture model with the named model's sizes (layers, hidden, experts, expert width,
+top-k, heads, vocabulary); the named models' own details (OLMoE's q/k norms, Qwen3's q/k norms and
+head_dim 128 with 32 query heads) are not reproduced: the shape decides what streaming reads and
+computes, and that is what these models are for. No tokenizer (the benchmark feeds token ids).
+
+"stress" is written as a Hugging Face folder (config from transformers' MixtralConfig, f16 weights
 drawn from a fixed seed, one safetensors shard per layer so that no more than one layer is in memory
-while it is written), converted with INT8 attention and INT4 experts like any other source. Many
-experts, tens of MB of experts per layer, no tokenizer (the benchmark feeds token ids).
+while it is written) and converted with INT8 attention and INT4 experts like any other source. The
+named shapes hold tens of GB of f16 experts, more than is worth writing to convert: their source
+(RandomMoeSource) hands the converter each expert already in INT4 (random codes, scales giving the
+same weight spread), which it stores as it is, and the rest as float32, which it quantizes to INT8.
 
 Random weights alone make a degenerate model: the layers' outputs swamp the embeddings and greedy
 decoding repeats one token, so every step routes to the same experts. Here the embeddings are of
@@ -38,11 +48,39 @@ class RandomMoeShape:
     kv_heads: int = 2
     vocab: int = 4096
     context: int = 1024
+    label: str = ""  # the model whose shape this is ("" for the stress case)
 
     @property
     def name(self) -> str:
-        return (f"random-moe-{self.layers}x{self.experts}e-top{self.top_k}-h{self.hidden}-i{self.expert_intermediate}"
+        prefix = f"random-{self.label}" if self.label else "random-moe"
+        return (f"{prefix}-{self.layers}x{self.experts}e-top{self.top_k}-h{self.hidden}-i{self.expert_intermediate}"
                 f"-v{self.vocab}")
+
+    @property
+    def expert_int4_bytes(self) -> int:
+        """Bytes of the INT4 experts (codes and g32 f16 scales of gate, up and down)."""
+        values = self.layers * self.experts * 3 * self.hidden * self.expert_intermediate
+        return values // 2 + values // 32 * 2
+
+
+SHAPES = {
+    "stress": RandomMoeShape(),
+    "olmoe-1b-7b": RandomMoeShape(layers=16, experts=64, top_k=8, hidden=2048, expert_intermediate=1024, heads=16,
+                                  kv_heads=16, vocab=50304, context=4096, label="olmoe-1b-7b"),
+    "qwen3-30b-a3b": RandomMoeShape(layers=48, experts=128, top_k=8, hidden=2048, expert_intermediate=768, heads=32,
+                                    kv_heads=4, vocab=151936, context=4096, label="qwen3-30b-a3b"),
+}
+
+
+def mixtral_config(shape: RandomMoeShape) -> dict:
+    """The config.json fields of a Mixtral model of this shape (what transformers' MixtralConfig writes)."""
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": shape.vocab,
+            "hidden_size": shape.hidden, "intermediate_size": shape.expert_intermediate,
+            "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+            "num_key_value_heads": shape.kv_heads, "hidden_act": "silu",
+            "max_position_embeddings": shape.context, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+            "num_local_experts": shape.experts, "num_experts_per_tok": shape.top_k}
 
 
 def write_random_moe_folder(folder: str, shape: RandomMoeShape, seed: int = RANDOM_MOE_SEED) -> str:
@@ -93,19 +131,99 @@ def write_random_moe_folder(folder: str, shape: RandomMoeShape, seed: int = RAND
 
 
 def random_moe_checkpoint(home: str, shape: RandomMoeShape = RandomMoeShape(), progress: bool = True) -> str:
-    """The random MoE's checkpoint under `home`/models, built and converted on first use."""
+    """The random MoE's checkpoint under `home`/models, built and converted on first use (the stress
+    shape through a Hugging Face folder, the named shapes from RandomMoeSource)."""
     from converters.convert import QuantPlan, convert
 
     path = os.path.join(home, "models", shape.name)
     if os.path.isfile(os.path.join(path, "zllm.json")):
         return path
+    plan = QuantPlan(weights="int8", overrides={"experts": "int4"})
+    print(f"building the random MoE {shape.name} into {path} (first use; "
+          f"{shape.expert_int4_bytes / 1e9:.1f} GB of INT4 experts)", file=sys.stderr)
+    if shape.label:
+        from converters.source import SourceTensor
+
+        expert = SourceTensor("model.layers.0.mlp.experts.0.gate_proj.weight",
+                              (shape.expert_intermediate, shape.hidden), "random", 0)
+        summary = convert(RandomMoeSource(shape, plan.scheme_for(expert)), path, plan, force=True, progress=progress)
+        print(summary.format(), file=sys.stderr)
+        return path
     folder = path + ".hf-source"
-    print(f"building the random MoE {shape.name} into {path} (first use)", file=sys.stderr)
     try:
         write_random_moe_folder(folder, shape)
-        plan = QuantPlan(weights="int8", overrides={"experts": "int4"})
         summary = convert(folder, path, plan, force=True, progress=progress)
         print(summary.format(), file=sys.stderr)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return path
+
+
+class RandomMoeSource:
+    """A SourceModel (converters/source.py) of a random Mixtral of `shape` whose tensors are made when
+    the converter asks for them, each from its own seed (the tensor's name and `seed`), so that building
+    the model holds one tensor at a time and gives the same checkpoint every time. Experts come as INT4
+    QuantizedTensors of `expert_scheme` (the converter stores them as they are); the rest as float32,
+    with the stress case's design: unit-scale embeddings, an LM head of permuted embedding rows, and
+    routers of unit-scale rows."""
+
+    def __init__(self, shape: RandomMoeShape, expert_scheme, seed: int = RANDOM_MOE_SEED):
+        from converters.source import SourceTokenizer, SourceTensor
+
+        self.shape, self.scheme, self.seed = shape, expert_scheme, seed
+        self.config = mixtral_config(shape)
+        self.tokenizer = SourceTokenizer(None, {"bos_token_id": 1, "eos_token_id": 2})
+        self.description = f"random {shape.label or 'stress'} MoE shape {shape.name} (seed {seed})"
+        d, inter, head_dim = shape.hidden, shape.expert_intermediate, shape.hidden // shape.heads
+        shapes = {"model.embed_tokens.weight": (shape.vocab, d)}
+        for layer in range(shape.layers):
+            p = f"model.layers.{layer}."
+            shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                           p + "self_attn.q_proj.weight": (shape.heads * head_dim, d),
+                           p + "self_attn.k_proj.weight": (shape.kv_heads * head_dim, d),
+                           p + "self_attn.v_proj.weight": (shape.kv_heads * head_dim, d),
+                           p + "self_attn.o_proj.weight": (d, shape.heads * head_dim),
+                           p + "mlp.gate.weight": (shape.experts, d)})
+            for expert in range(shape.experts):  # (our names: the converter's Mixtral reader maps w1/w3/w2 so)
+                e = f"{p}mlp.experts.{expert}."
+                shapes.update({e + "gate_proj.weight": (inter, d), e + "up_proj.weight": (inter, d),
+                               e + "down_proj.weight": (d, inter)})
+        shapes.update({"model.norm.weight": (d,), "lm_head.weight": (shape.vocab, d)})
+        self._shapes = shapes
+        self._tensors = [SourceTensor(name, dims, "random", 4 * int(np.prod(dims))) for name, dims in shapes.items()]
+
+    def tensors(self):
+        return list(self._tensors)
+
+    def _rng(self, name: str) -> np.random.Generator:
+        import zlib
+
+        return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+
+    def load(self, name: str):
+        from quant import QuantizedTensor
+
+        dims = self._shapes[name]
+        if name == "lm_head.weight":  # the embedding's rows, permuted, at the weights' scale
+            embed = self.load("model.embed_tokens.weight")
+            return embed[self._rng(name).permutation(self.shape.vocab)] * np.float32(WEIGHT_STD)
+        rng = self._rng(name)
+        if len(dims) == 1:
+            return (1.0 + 0.1 * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            return rng.standard_normal(dims, dtype=np.float32)
+        if ".experts." in name:
+            rows, cols = dims
+            group = self.scheme.group_size
+            codes = rng.integers(0, 256, (rows, cols // group, group // 2), dtype=np.uint8)
+            # uniform codes 0..15 about the zero point 8 have a spread of ~4.6: scales giving WEIGHT_STD
+            scales = np.full((rows, cols // group), WEIGHT_STD / 4.6, np.float16)
+            return QuantizedTensor(self.scheme, dims, codes, scales)
+        values = rng.standard_normal(dims, dtype=np.float32) * np.float32(WEIGHT_STD)
+        return values * np.float32(50) if name.endswith("mlp.gate.weight") else values
+
+    def release(self, name: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -457,3 +457,8 @@ def test_kv_capacity_without_a_budget_is_the_default_capacity(dense_path):
         # a generation's session holds at most kv_capacity positions: 10 of prompt, then 7 tokens
         # (the last one chosen at position 16 is not run)
         assert (len(generation.result.tokens), generation.result.finish_reason) == (7, "length")
+
+
+def test_an_unknown_random_moe_shape_is_refused_before_anything_is_built(capsys, no_default_models):
+    assert_cli_error(capsys, ["bench", "--random-moe", "gpt-5", "--memory-budget", "50%"],
+                     "--random-moe 'gpt-5' is not a shape here; choose one of stress, olmoe-1b-7b, qwen3-30b-a3b")

@@ -1,0 +1,47 @@
+"""The random MoE shapes of `zllm-edge bench --random-moe` (edge/random_moe.py): the named shapes'
+source builds a checkpoint that runs, the same bytes every time, with the named model's sizes."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+
+import edge
+from edge.random_moe import SHAPES, RandomMoeShape, random_moe_checkpoint
+from quant.checkpoint import read_manifest
+
+TINY = RandomMoeShape(layers=2, experts=8, top_k=2, hidden=128, expert_intermediate=64, heads=4, kv_heads=2,
+                      vocab=256, context=256, label="tiny")
+
+
+def _digest(path: str) -> str:
+    return hashlib.sha256(open(os.path.join(path, "experts.bin"), "rb").read()).hexdigest()
+
+
+def test_a_named_shape_builds_a_checkpoint_that_streams_as_it_runs_resident(tmp_path):
+    path = random_moe_checkpoint(os.fspath(tmp_path / "a"), TINY, progress=False)
+    manifest = read_manifest(path)
+    model = manifest["model"]
+    assert (model["model_type"], model["num_hidden_layers"], model["num_local_experts"], model["num_experts_per_tok"],
+            model["hidden_size"], model["intermediate_size"]) == ("mixtral", 2, 8, 2, 128, 64)
+    runs = {}
+    for name, options in (("reference", {"device": "reference"}), ("resident", {"device": "cpu"}),
+                          ("streamed", {"device": "cpu", "memory_budget": "50%", "storage": "nvme"})):
+        with edge.load(path, **options) as loaded:
+            session = loaded.session()
+            tokens = [int(np.argmax(session.prefill([1, 2, 3, 4])))]
+            for _ in range(8):
+                tokens.append(int(np.argmax(session.decode(tokens[-1]))))
+            runs[name] = tokens
+    assert runs["reference"] == runs["resident"] == runs["streamed"]
+    assert len(set(runs["resident"])) > 2  # the routes change from token to token
+    again = random_moe_checkpoint(os.fspath(tmp_path / "b"), TINY, progress=False)
+    assert _digest(again) == _digest(path)  # seeded per tensor: the same model every time
+
+
+def test_the_named_shapes_have_their_models_sizes():
+    olmoe, qwen = SHAPES["olmoe-1b-7b"], SHAPES["qwen3-30b-a3b"]
+    assert (olmoe.layers, olmoe.hidden, olmoe.experts, olmoe.expert_intermediate, olmoe.top_k) == (16, 2048, 64, 1024, 8)
+    assert (qwen.layers, qwen.hidden, qwen.experts, qwen.expert_intermediate, qwen.top_k) == (48, 2048, 128, 768, 8)
+    assert 3.4e9 < olmoe.expert_int4_bytes < 3.8e9 and 15e9 < qwen.expert_int4_bytes < 17e9
