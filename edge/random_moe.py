@@ -35,6 +35,11 @@ import numpy as np
 
 RANDOM_MOE_SEED = 0
 WEIGHT_STD = 0.02
+# RandomMoeSource: the output projections (attention's o_proj, the experts' down_proj) are drawn at
+# OUTPUT_GAIN / sqrt(fan_in * layers), so that all layers together add about OUTPUT_GAIN to the
+# unit-scale embedding in the residual stream, whatever the width and depth; at WEIGHT_STD a deep,
+# wide shape's layers swamp the embedding and greedy decoding repeats one token
+OUTPUT_GAIN = 0.5
 
 
 @dataclass(frozen=True)
@@ -164,8 +169,8 @@ class RandomMoeSource:
     the converter asks for them, each from its own seed (the tensor's name and `seed`), so that building
     the model holds one tensor at a time and gives the same checkpoint every time. Experts come as INT4
     QuantizedTensors of `expert_scheme` (the converter stores them as they are); the rest as float32,
-    with the stress case's design: unit-scale embeddings, an LM head of permuted embedding rows, and
-    routers of unit-scale rows."""
+    with the stress case's design (unit-scale embeddings, an LM head of permuted embedding rows,
+    routers of unit-scale rows) and output projections scaled to the depth (OUTPUT_GAIN)."""
 
     def __init__(self, shape: RandomMoeShape, expert_scheme, seed: int = RANDOM_MOE_SEED):
         from converters.source import SourceTokenizer, SourceTensor
@@ -212,14 +217,20 @@ class RandomMoeSource:
             return (1.0 + 0.1 * rng.standard_normal(dims, dtype=np.float32)).astype(np.float32)
         if name == "model.embed_tokens.weight":
             return rng.standard_normal(dims, dtype=np.float32)
+        std = WEIGHT_STD
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std = OUTPUT_GAIN / np.sqrt(dims[1] * self.shape.layers)
         if ".experts." in name:
             rows, cols = dims
             group = self.scheme.group_size
-            codes = rng.integers(0, 256, (rows, cols // group, group // 2), dtype=np.uint8)
-            # uniform codes 0..15 about the zero point 8 have a spread of ~4.6: scales giving WEIGHT_STD
-            scales = np.full((rows, cols // group), WEIGHT_STD / 4.6, np.float16)
+            # codes 1..15 about the zero point 8: values -7..7, zero mean (codes 0..15 would have a mean of
+            # -0.5, which every layer turns into a push along one direction that ends in one repeated
+            # token), spread sqrt((15^2 - 1) / 12) = 4.32: scales giving `std`
+            nibbles = rng.integers(1, 16, (rows, cols // group, group), dtype=np.uint8)
+            codes = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+            scales = np.full((rows, cols // group), std / 4.32, np.float16)
             return QuantizedTensor(self.scheme, dims, codes, scales)
-        values = rng.standard_normal(dims, dtype=np.float32) * np.float32(WEIGHT_STD)
+        values = rng.standard_normal(dims, dtype=np.float32) * np.float32(std)
         return values * np.float32(50) if name.endswith("mlp.gate.weight") else values
 
     def release(self, name: str) -> None:
