@@ -230,7 +230,8 @@ class ExpertStore:
         with self._lock:
             self.emulated_seconds += slept
 
-    def finish_read(self, layer: int, expert: int, out: np.ndarray, result: int, crc: int, elapsed: float) -> np.ndarray:
+    def finish_read(self, layer: int, expert: int, out: np.ndarray, result: int, crc: int,
+                    elapsed: float) -> np.ndarray:
         """The raw record view of a read another engine completed into `out` (result: bytes read or
         -errno; crc: the crc32 of what was read); a failed, short or damaged read raises its typed error
         (an O_DIRECT refusal switches the store to buffered reads and reads the record again here)."""

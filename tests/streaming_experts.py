@@ -68,3 +68,22 @@ def read_records_through_preadv(monkeypatch) -> None:
         return len(offsets)  # one read call per record
 
     monkeypatch.setattr(store_module, "read_records", read_records)
+
+
+def damaged_copy(index: ExpertIndex, tmp_path, layer: int, expert: int, how: str) -> ExpertIndex:
+    """`index` (changed in place: pass a copy) pointed at a copy of its expert file under tmp_path/damaged
+    in which the record of (layer, expert) is damaged: "corrupt" (one byte flipped), "unreadable" (a zstd
+    frame's magic number gone) or "truncate" (the file cut inside the record)."""
+    folder = tmp_path / "damaged"
+    folder.mkdir()
+    data = bytearray(open(index.path, "rb").read())
+    record = index.record(layer, expert)
+    if how == "corrupt":
+        data[record.offset + record.length // 2] ^= 0xFF
+    elif how == "unreadable":  # a record whose first bytes (a zstd frame's magic number) are gone
+        data[record.offset: record.offset + 4] = bytes(4)
+    else:  # truncate inside the record
+        data = data[: record.offset + record.length // 3]
+    (folder / "experts.bin").write_bytes(bytes(data))
+    index.path = os.fspath(folder / "experts.bin")
+    return index

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from streaming_experts import raw_bytes, write_expert_file
+from streaming_experts import damaged_copy, raw_bytes, write_expert_file
 
 from devices.reference import ReferenceBackend
 from edge.core.errors import InvalidArgumentError, ZllmError
@@ -74,24 +74,9 @@ def test_both_engines_load_the_same_experts_with_the_same_hits(expert_file, engi
             assert got == b"".join(w.qweight.tobytes() + w.scales.tobytes() for w in expected)
 
 
-def _damaged(index, tmp_path, layer, expert, how):
-    folder = tmp_path / "damaged"
-    folder.mkdir()
-    data = bytearray(open(index.path, "rb").read())
-    record = index.record(layer, expert)
-    if how == "corrupt":
-        data[record.offset + record.length // 2] ^= 0xFF
-    else:  # truncated inside the record
-        data = data[: record.offset + record.length // 3]
-    (folder / "experts.bin").write_bytes(bytes(data))
-    damaged = copy.copy(index)
-    damaged.path = os.fspath(folder / "experts.bin")
-    return damaged
-
-
 @pytest.mark.parametrize("how", ["corrupt", "truncate"])
 def test_a_damaged_record_is_reported_where_its_expert_is_needed(expert_file, tmp_path, engine, how):
-    index = _damaged(expert_file, tmp_path, 2, 5, how)
+    index = damaged_copy(copy.copy(expert_file), tmp_path, 2, 5, how)
     source = _source(index, 4, engine)
     try:
         chosen = source.experts(2, np.array([[1, 5]]), np.zeros((1, 64), np.float32))
@@ -134,5 +119,6 @@ def test_io_uring_refused_is_said_and_auto_falls_back_to_threads(expert_file, mo
 
 
 def test_an_unknown_io_engine_is_refused_by_name():
-    with pytest.raises(InvalidArgumentError, match="io_engine 'aio' is not known; choose one of auto, io_uring, threads"):
+    message = "io_engine 'aio' is not known; choose one of auto, io_uring, threads"
+    with pytest.raises(InvalidArgumentError, match=message):
         StreamingOptions(io_engine="aio")

@@ -42,6 +42,7 @@ def test_a_named_shape_builds_a_checkpoint_that_streams_as_it_runs_resident(tmp_
 
 def test_the_named_shapes_have_their_models_sizes():
     olmoe, qwen = SHAPES["olmoe-1b-7b"], SHAPES["qwen3-30b-a3b"]
-    assert (olmoe.layers, olmoe.hidden, olmoe.experts, olmoe.expert_intermediate, olmoe.top_k) == (16, 2048, 64, 1024, 8)
-    assert (qwen.layers, qwen.hidden, qwen.experts, qwen.expert_intermediate, qwen.top_k) == (48, 2048, 128, 768, 8)
+    sizes = lambda shape: (shape.layers, shape.hidden, shape.experts, shape.expert_intermediate, shape.top_k)  # noqa: E731
+    assert sizes(olmoe) == (16, 2048, 64, 1024, 8)
+    assert sizes(qwen) == (48, 2048, 128, 768, 8)
     assert 3.4e9 < olmoe.expert_int4_bytes < 3.8e9 and 15e9 < qwen.expert_int4_bytes < 17e9

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from streaming_experts import raw_bytes, write_expert_file
+from streaming_experts import damaged_copy, raw_bytes, write_expert_file
 
 from edge.core.errors import ZllmError
 from quant.expert_file import ExpertChecksumError
@@ -67,26 +67,10 @@ def test_o_direct_refused_at_read_falls_back(expert_file, monkeypatch):
         assert store.io_mode == IO_BUFFERED
 
 
-def _damaged_copy(index, tmp_path, layer, expert, how):
-    folder = tmp_path / "damaged"
-    folder.mkdir()
-    data = bytearray(open(index.path, "rb").read())
-    record = index.record(layer, expert)
-    if how == "corrupt":
-        data[record.offset + record.length // 2] ^= 0xFF
-    elif how == "unreadable":  # a record whose first bytes (a zstd frame's magic number) are gone
-        data[record.offset: record.offset + 4] = bytes(4)
-    else:  # truncate inside the record
-        data = data[: record.offset + record.length // 3]
-    (folder / "experts.bin").write_bytes(bytes(data))
-    index.path = os.fspath(folder / "experts.bin")
-    return index
-
-
 def test_corrupted_expert_names_layer_and_expert(expert_file, tmp_path):
     import copy
 
-    index = _damaged_copy(copy.copy(expert_file), tmp_path, 2, 3, "corrupt")
+    index = damaged_copy(copy.copy(expert_file), tmp_path, 2, 3, "corrupt")
     with ExpertStore(index) as store:
         assert store.read(2, 2, store.new_buffer(2)).tobytes() == raw_bytes(index, 2, 2)
         with pytest.raises(ExpertChecksumError) as error:
@@ -97,7 +81,7 @@ def test_corrupted_expert_names_layer_and_expert(expert_file, tmp_path):
 
 def test_undecompressable_expert_names_layer_and_expert_without_verify(tmp_path):
     compressed = write_expert_file(os.fspath(tmp_path / "zstd"), {0: 3, 2: 5}, compression="zstd")
-    index = _damaged_copy(compressed, tmp_path, 2, 3, "unreadable")
+    index = damaged_copy(compressed, tmp_path, 2, 3, "unreadable")
     with ExpertStore(index, verify=False) as store:
         with pytest.raises(ExpertChecksumError) as error:
             store.read(2, 3, store.new_buffer(2))
@@ -108,7 +92,7 @@ def test_undecompressable_expert_names_layer_and_expert_without_verify(tmp_path)
 def test_truncated_expert_names_layer_and_expert(expert_file, tmp_path):
     import copy
 
-    index = _damaged_copy(copy.copy(expert_file), tmp_path, 2, 4, "truncate")
+    index = damaged_copy(copy.copy(expert_file), tmp_path, 2, 4, "truncate")
     record = index.record(2, 4)
     with ExpertStore(index) as store:
         with pytest.raises(ExpertChecksumError) as error:
@@ -254,7 +238,7 @@ def test_records_back_to_back_are_read_by_one_call(expert_file, direct_io):
 def test_a_truncated_record_inside_a_run_is_named(expert_file, tmp_path):
     import copy
 
-    index = _damaged_copy(copy.copy(expert_file), tmp_path, 2, 3, "truncate")
+    index = damaged_copy(copy.copy(expert_file), tmp_path, 2, 3, "truncate")
     with ExpertStore(index) as store:
         results = store.read_batch([(2, e, store.new_buffer(2)) for e in (1, 2, 3, 4)])
     assert [r.tobytes() for r in results[:2]] == [raw_bytes(index, 2, 1), raw_bytes(index, 2, 2)]
