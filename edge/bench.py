@@ -208,6 +208,7 @@ def _device_worker(connection, checkpoint_path: str, device: str, threads: int |
     A run command with "stats" also returns `model.stats()` after the prefill and after the run."""
     import edge
 
+    rss_after_import = psutil.Process().memory_info().rss  # the interpreter and the package's imports
     if load_options is not None:
         _import_runtime(device)
     try:
@@ -222,6 +223,7 @@ def _device_worker(connection, checkpoint_path: str, device: str, threads: int |
         _verify_device(device, model)
         connection.send({"event": "loaded", "load_seconds": load_seconds, "device_info": model.device_info(),
                          "weight_bytes": model.weight_bytes, "rss_before_load_bytes": rss_before_load,
+                         "rss_after_import_bytes": rss_after_import,
                          "rss_after_load_bytes": psutil.Process().memory_info().rss,
                          "memory_plan": model.memory.to_dict()})
         while True:
