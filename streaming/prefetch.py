@@ -340,6 +340,8 @@ class RingLoader(LoadQueue):
     # --- submitting (the lock is held) -------------------------------------------------------------
     def _submit(self) -> None:
         """Submit the queue's head (demand loads, then prefetches) while tags are free."""
+        if not self._queue:
+            return
         batch: list[tuple[Entry, bool]] = []
         while len(batch) < len(self._free_tags) and not self._closed:
             demanded = self._pop_demand()
