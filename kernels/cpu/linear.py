@@ -41,7 +41,7 @@ TILE_M = 6  # weight rows per micro-kernel call
 TILE_T = 32  # tokens per micro-kernel call (two vectors of 16)
 TILE_ROWS = 48  # weight rows dequantized per tile: TILE_M * 8
 BLOCK_FLOATS = TILE_ROWS * TILE_T  # one thread's results of a tile's rows for TILE_T tokens
-K_SLICE = 128  # k per micro-kernel call: TILE_T tokens of x over K_SLICE k (16 KB) stay in L1
+K_SLICE = 256  # k per micro-kernel call: TILE_T tokens of x over K_SLICE k (32 KB) stay in L1
 MATVEC_BLOCK = 4  # decode row ranges are cut at multiples of this (a multiple of every row-dot block)
 
 K_F32, K_F16 = wf.F32, wf.F16
