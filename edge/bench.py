@@ -41,6 +41,7 @@ import psutil
 
 from devices.base import DeviceUnavailableError, split_device_list
 from edge.core.errors import InvalidArgumentError, ZllmError
+from streaming.options import IO_ENGINES
 from streaming.stats import peak_rss_bytes
 
 PROMPT_TOPIC = "execmodel"  # pydoc_data.topics entry the text prompt is cut from: plain English prose
@@ -678,7 +679,7 @@ def add_arguments(parser) -> None:
     moe.add_argument("--strategies", default="resident,mmap,ondemand,predictive",
                      help="expert strategies to compare (resident runs once, at 100%%)")
     moe.add_argument("--prefetch-depth", type=int, default=2, help="MoE layers ahead the predictor prefetches")
-    moe.add_argument("--io-engine", choices=("auto", "io_uring", "threads"), default="auto",
+    moe.add_argument("--io-engine", choices=IO_ENGINES, default="auto",
                      help="how streamed experts are read (edge.load's io_engine)")
     moe.add_argument("--plot", default=None, metavar="FILE.png", help="plot tokens/s and hit rate against the budget")
     moe.add_argument("--random-moe", nargs="?", const="stress", default=None, metavar="SHAPE",

@@ -11,6 +11,7 @@ import sys
 import threading
 
 from edge.core.errors import ZllmError
+from streaming.options import IO_ENGINES
 
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
@@ -261,7 +262,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-depth", type=int, default=2, help="MoE: layers ahead the predictor prefetches")
     p.add_argument("--prefetch-threads", type=int, default=4,
                    help="MoE, io engine 'threads': expert loading threads (each keeps one read in flight)")
-    p.add_argument("--io-engine", choices=("auto", "io_uring", "threads"), default="auto",
+    p.add_argument("--io-engine", choices=IO_ENGINES, default="auto",
                    help="MoE: how streamed experts are read: io_uring (no reader threads), threads, or auto "
                         "(io_uring where the kernel allows it)")
     p.add_argument("--gpu-expert-cache", default=None,

@@ -8,7 +8,7 @@ top-k, heads, vocabulary); the named models' own details (OLMoE's q/k norms, Qwe
 head_dim 128 with 32 query heads) are not reproduced: the shape decides what streaming reads and
 computes, and that is what these models are for. No tokenizer (the benchmark feeds token ids).
 
-"stress" is written as a Hugging Face folder (config from transformers' MixtralConfig, f16 weights
+"stress" is written as a Hugging Face folder (config.json as transformers' MixtralConfig has it, f16 weights
 drawn from a fixed seed, one safetensors shard per layer so that no more than one layer is in memory
 while it is written) and converted with INT8 attention and INT4 experts like any other source. The
 named shapes hold tens of GB of f16 experts, more than is worth writing to convert: their source
@@ -91,15 +91,10 @@ def mixtral_config(shape: RandomMoeShape) -> dict:
 def write_random_moe_folder(folder: str, shape: RandomMoeShape, seed: int = RANDOM_MOE_SEED) -> str:
     """Write the Hugging Face folder (config.json + one safetensors shard per layer) and return it."""
     from safetensors.numpy import save_file
-    from transformers import MixtralConfig
 
-    config = MixtralConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.expert_intermediate,
-                           num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                           num_key_value_heads=shape.kv_heads, num_local_experts=shape.experts,
-                           num_experts_per_tok=shape.top_k, max_position_embeddings=shape.context,
-                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     os.makedirs(folder, exist_ok=True)
-    config.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(mixtral_config(shape), f, indent=1)
     rng = np.random.default_rng(seed)
 
     def matrix(rows: int, cols: int) -> np.ndarray:
@@ -209,8 +204,8 @@ class RandomMoeSource:
         from quant import QuantizedTensor
 
         dims = self._shapes[name]
-        if name == "lm_head.weight":  # the embedding's rows, permuted, at the weights' scale
-            embed = self.load("model.embed_tokens.weight")
+        if name == "lm_head.weight":  # the embedding's rows, permuted, at the weights' scale (drawn again,
+            embed = self.load("model.embed_tokens.weight")  # not held through the whole conversion)
             return embed[self._rng(name).permutation(self.shape.vocab)] * np.float32(WEIGHT_STD)
         rng = self._rng(name)
         if len(dims) == 1:

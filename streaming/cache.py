@@ -93,7 +93,10 @@ class CyclePolicy:
         self._order: list[int] = []
         self._order_state: tuple | None = None
 
-    def victim(self, by_layer: dict[int, dict[int, Entry]], for_prefetch: bool, position: int) -> Entry | None:
+    def victim(self, by_layer: dict[int, dict[int, Entry]], for_prefetch: bool, position: int,
+               needed_at: int = -1) -> Entry | None:
+        """The evictable entry of the layer reached last (`needed_at`, a prefetch's target, is not
+        compared: the cycle order knows layers, not when an entry is next used)."""
         if not by_layer:
             return None
         # the order changes only when the model moves to another layer (or a layer joins the cache)
@@ -315,10 +318,8 @@ class ExpertCache:
 
     def _victim(self, for_prefetch: bool, position: int, needed_at: int = -1) -> Entry | None:
         # A policy either finds its victim itself (cycle, nextuse) or ranks entries, sorted here once per step.
-        if isinstance(self.policy, NextUsePolicy):
-            return self.policy.victim(self.by_layer, for_prefetch, position, needed_at)
         if hasattr(self.policy, "victim"):
-            return self.policy.victim(self.by_layer, for_prefetch, position)
+            return self.policy.victim(self.by_layer, for_prefetch, position, needed_at)
         for rebuilt in (False, True):
             if self._ranking is None or rebuilt:  # rebuilt: entries loaded since may be evictable now
                 candidates = [e for e in self.entries.values() if not e.pins and e.state != LOADING]

@@ -9,6 +9,12 @@ from edge.core.errors import InvalidArgumentError
 IO_ENGINES = ("auto", "io_uring", "threads")  # auto: io_uring where the kernel allows it, else threads
 
 
+def check_io_engine(name: str) -> str:
+    if name not in IO_ENGINES:
+        raise InvalidArgumentError(f"io_engine {name!r} is not known; choose one of {', '.join(IO_ENGINES)}")
+    return name
+
+
 @dataclass(frozen=True)
 class StreamingOptions:
     """How a MoE model's routed experts are held and streamed (streaming/).
@@ -34,8 +40,6 @@ class StreamingOptions:
     io_engine: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.io_engine not in IO_ENGINES:
-            raise InvalidArgumentError(f"io_engine {self.io_engine!r} is not known; choose one of "
-                                       f"{', '.join(IO_ENGINES)}")
+        check_io_engine(self.io_engine)
         object.__setattr__(self, "prefetch_threads", integer("prefetch_threads", self.prefetch_threads, minimum=1))
         object.__setattr__(self, "prefetch_depth", integer("prefetch_depth", self.prefetch_depth, minimum=1))

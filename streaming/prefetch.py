@@ -4,9 +4,10 @@ Order: demand loads first (a miss: an expert the layer being computed needs and 
 then prefetches by (layer distance, -predictor score).
 
     RingLoader    io_uring (kernels/cpu/uring.py): the model's thread submits the queue's head in one
-                  compiled call, up to RING_DEPTH reads in flight, and collects completions between
-                  layers, crc32 included; no thread of ours reads, so none takes the GIL or a core
-                  from the model's thread. The default where the kernel allows io_uring.
+                  compiled call, up to RING_DEPTH reads in flight, and takes completed ones between
+                  layers; one completion thread in a compiled loop that never returns to Python checks
+                  their crc32, so no Python runs per read off the model's thread. The default where
+                  the kernel allows io_uring.
     ThreadLoader  a small pool of threads, each reading a batch per call without the GIL; the model's
                   thread, which waits for its misses, reads queued demand loads too, beside the pool
                   threads, so a layer's misses are read in parallel and none waits for a pool thread
@@ -292,6 +293,9 @@ class ThreadLoader(LoadQueue):
 # Reads the ring keeps in flight. Demand loads beyond it wait in the queue, ahead of every prefetch,
 # and go out as soon as a read completes.
 RING_DEPTH = 16
+# Sleeps (kernels/cpu/uring.py WAIT_MICROSECONDS each) a wait for a read lasts before it looks again
+# whether the completion thread is still there.
+WAIT_SLEEPS = 5000
 
 
 class RingLoader(LoadQueue):
@@ -354,6 +358,11 @@ class RingLoader(LoadQueue):
             batch.append((entry, True))
         if not batch:
             return
+        if self._completion_error:  # nobody would collect them: they fail where they are needed
+            self._in_flight -= len(batch)
+            for entry, prefetched in batch:
+                self._arrived.append((0.0, entry, None, self._read_error(entry, self._completion_error), prefetched))
+            return
         offsets, spans, tags = (np.empty(len(batch), np.int64) for _ in range(3))
         addresses = np.empty(len(batch), np.uint64)
         now = time.monotonic()
@@ -367,27 +376,32 @@ class RingLoader(LoadQueue):
         queued = self._uring.ring_submit(self._ring.ctypes.data, self.store.fd, offsets, spans, addresses, tags,
                                          self._done)
         if queued != len(batch):  # the ring holds twice the tags: only an OS error leaves reads out
-            error = OSError(-queued if queued < 0 else errno.EAGAIN, "io_uring submission failed")
             for tag in tags[max(queued, 0):].tolist():
                 entry, prefetched, _, _ = self._flight.pop(tag)
                 self._free_tags.append(tag)
                 self._in_flight -= 1
+                error = self._read_error(entry, queued if queued < 0 else -errno.EAGAIN)
                 self._arrived.append((0.0, entry, None, error, prefetched))
+
+    def _read_error(self, entry: Entry, negative_errno: int) -> BaseException:
+        """The typed error (naming layer and expert) of entry's read that failed with -negative_errno."""
+        layer, expert = entry.key
+        error = OSError(-negative_errno, os.strerror(-negative_errno))
+        return self.store.read_error(layer, expert, self.store.index.record(layer, expert), error)
 
     # --- completing (the lock is held) -------------------------------------------------------------
     def _take_finished(self) -> None:
         """Take the reads the completion thread has published: check, prepare, and hold them until due."""
         if not self._flight:
             return
-        if self._completion_error:
-            raise OSError(-self._completion_error, f"io_uring completion failed: "
-                                                   f"{os.strerror(-self._completion_error)}")
-        flight = np.fromiter(self._flight, np.int64, len(self._flight))
-        n = self._uring.ring_finished(self._done, flight, self._finished)
-        if n == 0:
-            return
+        if self._completion_error:  # the completion thread has stopped: what is in flight fails with its error
+            finished = list(self._flight)
+            self._results[finished] = self._completion_error
+        else:
+            flight = np.fromiter(self._flight, np.int64, len(self._flight))
+            finished = self._finished[:self._uring.ring_finished(self._done, flight, self._finished)].tolist()
         now = time.monotonic()
-        for tag in self._finished[:n].tolist():
+        for tag in finished:
             entry, prefetched, started, due = self._flight.pop(tag)
             result, crc = int(self._results[tag]), int(self._crcs[tag])
             self._free_tags.append(tag)
@@ -436,21 +450,22 @@ class RingLoader(LoadQueue):
                                     "queued or in flight")
                 # its read, or (while it waits in the queue for a tag) the oldest read in flight
                 tag = next((t for t, flight in self._flight.items() if flight[0] is entry), next(iter(self._flight)))
-                self._uring.ring_wait(self._done, tag)
+                self._uring.ring_wait(self._done, tag, WAIT_SLEEPS)
 
     def wait_idle(self) -> None:
         with self.lock:
             while (self._queued or self._flight or self._arrived) and not self._closed:
                 self._step()
                 if self._flight:
-                    self._uring.ring_wait(self._done, next(iter(self._flight)))
+                    self._uring.ring_wait(self._done, next(iter(self._flight)), WAIT_SLEEPS)
                 elif self._arrived:
                     self.store.wait_until(min(item[0] for item in self._arrived))
 
     def close(self) -> None:
         with self.lock:
-            for tag in list(self._flight) if self._completer.is_alive() else []:  # the kernel may still
-                self._uring.ring_wait(self._done, tag)                            # write into their buffers
+            for tag in list(self._flight):  # the kernel may still write into their buffers
+                while not self._uring.ring_wait(self._done, tag, WAIT_SLEEPS) and self._completer.is_alive():
+                    pass
             self._flight.clear()
             if self._completer.is_alive() and self._uring.ring_stop(self._ring.ctypes.data) == 0:
                 self._completer.join()

@@ -35,7 +35,7 @@ from edge.core.errors import ZllmError
 from edge.core.moe import ChosenExperts, ExpertWeights, MoeConfig, distinct_experts
 from quant.expert_file import ExpertIndex
 from streaming.cache import FAILED, LOADING, READY, Entry, ExpertCache, make_policy
-from streaming.options import IO_ENGINES
+from streaming.options import check_io_engine
 from streaming.prefetch import LOAD_BATCH, RingLoader, ThreadLoader
 from streaming.stats import StreamingCounters
 from streaming.store import ExpertStore
@@ -92,16 +92,14 @@ class StreamingExperts:
 
     def _engine_refusal(self, io_engine: str) -> str | None:
         """None when the loads go through io_uring, else why they go through reader threads."""
-        if io_engine not in IO_ENGINES:
-            raise ZllmError(f"io_engine {io_engine!r} is not known; choose one of {', '.join(IO_ENGINES)}")
-        if io_engine == "threads":
+        if check_io_engine(io_engine) == "threads":
             return "io_engine 'threads' asked for"
         if self.index.compression is not None:
             reason = "compressed records are decompressed by the reader threads"
         else:
             from kernels.cpu.uring import unavailable_reason
 
-            reason = unavailable_reason(self.store.fd)
+            reason = unavailable_reason()
         if reason is not None and io_engine == "io_uring":
             raise ZllmError(f"io_engine 'io_uring' cannot run here: {reason}; use io_engine 'auto' or 'threads'")
         return reason

@@ -240,9 +240,7 @@ class ExpertStore:
             if result == -errno.EINVAL and self.io_mode == IO_DIRECT:
                 self._fall_back_to_buffered(self.fd)
                 return self.read(layer, expert, out)
-            error = OSError(-result, os.strerror(-result))
-            raise ExpertReadError(f"{self.index.path}: reading layer {layer} expert {expert} ({record.length} bytes "
-                                  f"at offset {record.offset}) failed: {error}; check the disk holding the checkpoint")
+            raise self.read_error(layer, expert, record, OSError(-result, os.strerror(-result)))
         got = min(result, record.length)
         if self.io_mode == IO_BUFFERED:
             os.posix_fadvise(self.fd, record.offset, record.length, os.POSIX_FADV_DONTNEED)
@@ -280,9 +278,12 @@ class ExpertStore:
         try:
             return self._pread(out, record.length, record.offset)
         except OSError as exc:
-            raise ExpertReadError(f"{self.index.path}: reading layer {layer} expert {expert} ({record.length} bytes at "
-                                  f"offset {record.offset}) failed: {exc}; check the disk holding the checkpoint"
-                                  ) from exc
+            raise self.read_error(layer, expert, record, exc) from exc
+
+    def read_error(self, layer: int, expert: int, record, error: OSError) -> ExpertReadError:
+        """The typed error of a failed read of (layer, expert)'s record, naming both and the OS error."""
+        return ExpertReadError(f"{self.index.path}: reading layer {layer} expert {expert} ({record.length} bytes at "
+                               f"offset {record.offset}) failed: {error}; check the disk holding the checkpoint")
 
     def stats(self) -> dict:
         with self._lock:

@@ -3,6 +3,7 @@ thread in compiled calls, and the reader threads; the same loads, bytes, errors 
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import time
 
@@ -18,7 +19,7 @@ from quant.expert_file import ExpertChecksumError
 from streaming.cache import ENTRY_OVERHEAD
 from streaming.options import StreamingOptions
 from streaming.source import StreamingExperts
-from streaming.store import ExpertStore
+from streaming.store import ExpertReadError, ExpertStore
 
 LAYERS = {0: 6, 1: 6, 2: 6}
 ROUTES = [(0, [0, 1]), (1, [2, 3]), (2, [0, 1]), (0, [0, 2]), (1, [2, 3]), (2, [4, 5]), (0, [0, 1])]
@@ -29,14 +30,9 @@ def expert_file(tmp_path_factory):
     return write_expert_file(os.fspath(tmp_path_factory.mktemp("experts")), LAYERS)
 
 
-def _uring_refusal(index) -> str | None:
-    with ExpertStore(index) as store:
-        return uring.unavailable_reason(store.fd)
-
-
 @pytest.fixture(params=["io_uring", "threads"])
-def engine(request, expert_file):
-    if request.param == "io_uring" and (reason := _uring_refusal(expert_file)) is not None:
+def engine(request):
+    if request.param == "io_uring" and (reason := uring.unavailable_reason()) is not None:
         pytest.skip(f"io_uring cannot run here: {reason} (the threads engine is tested instead)")
     return request.param
 
@@ -106,7 +102,7 @@ def test_an_emulated_read_is_not_delivered_before_the_device_would(expert_file, 
 
 
 def test_io_uring_refused_is_said_and_auto_falls_back_to_threads(expert_file, monkeypatch):
-    monkeypatch.setattr(uring, "unavailable_reason", lambda fd: "the kernel refused io_uring_setup (test)")
+    monkeypatch.setattr(uring, "unavailable_reason", lambda: "the kernel refused io_uring_setup (test)")
     with pytest.raises(ZllmError, match=r"io_engine 'io_uring' cannot run here: the kernel refused"):
         _source(expert_file, 4, "io_uring")
     source = _source(expert_file, 4, "auto")
@@ -122,3 +118,16 @@ def test_an_unknown_io_engine_is_refused_by_name():
     message = "io_engine 'aio' is not known; choose one of auto, io_uring, threads"
     with pytest.raises(InvalidArgumentError, match=message):
         StreamingOptions(io_engine="aio")
+
+
+def test_reads_after_the_completion_thread_stopped_fail_where_their_experts_are_needed(expert_file):
+    if (reason := uring.unavailable_reason()) is not None:
+        pytest.skip(f"io_uring cannot run here: {reason}")
+    source = _source(expert_file, 4, "io_uring")
+    try:
+        source.prefetcher._completion_error = -errno.EIO  # as if io_uring_wait_cqe had failed
+        chosen = source.experts(0, np.array([[2, 4]]), np.zeros((1, 64), np.float32))
+        with pytest.raises(ExpertReadError, match=r"reading layer 0 expert 2 .* failed: \[Errno 5\] Input/output"):
+            chosen[2]
+    finally:
+        source.close()

@@ -9,12 +9,12 @@ Prefill (T tokens): `gemm` dequantizes TILE_ROWS weight rows once into a small f
 and multiplies that tile by every token through a register-blocked micro-kernel (TILE_M rows x
 TILE_T tokens), so dequantization is paid once per row, not once per token, and the loop is
 bound by multiply-adds. The depth is walked in slices of K_SLICE that every micro-block of a tile
-reads in turn, so that x stays in L1 whatever the length of the prompt (one call over the whole depth
-read each token block's x from L2 or, past a few hundred tokens, from memory). Its bf16 variant (quantized weights, where the CPU runs AVX-512 BF16)
-dequantizes into bf16 tiles and multiplies them by x rounded to bf16 pairs, sums in f32. Tokens
-are read from xt, the input transposed (tokens minor) and zero-padded; each block of results is
-scattered into the output. Full f32 weight matrices are
-never materialised: the largest dequantized piece is one tile.
+reads in turn, so that a token block's x stays in cache however long the prompt (xt's rows are a
+prompt's length apart: over the whole depth, a long prompt's x came from memory). Its bf16 variant
+(quantized weights, where the CPU runs AVX-512 BF16) dequantizes into bf16 tiles and multiplies
+them by x rounded to bf16 pairs, sums in f32. Tokens are read from xt, the input transposed (tokens
+minor) and zero-padded; each block of results is scattered into the output. Full f32 weight
+matrices are never materialised: the largest dequantized piece is one tile.
 
 Each kind's three kernels (matvec, gemm, dequantize) are compiled separately as C callbacks,
 only when a loaded model has a weight of that kind, and cached on disk; a weight's descriptor
@@ -41,7 +41,7 @@ TILE_M = 6  # weight rows per micro-kernel call
 TILE_T = 32  # tokens per micro-kernel call (two vectors of 16)
 TILE_ROWS = 48  # weight rows dequantized per tile: TILE_M * 8
 BLOCK_FLOATS = TILE_ROWS * TILE_T  # one thread's results of a tile's rows for TILE_T tokens
-K_SLICE = 256  # k per micro-kernel call: TILE_T tokens of x over K_SLICE k (32 KB) stay in L1
+K_SLICE = 256  # k per micro-kernel call: TILE_T tokens of x over K_SLICE k are 32 KB
 MATVEC_BLOCK = 4  # decode row ranges are cut at multiples of this (a multiple of every row-dot block)
 
 K_F32, K_F16 = wf.F32, wf.F16

@@ -154,21 +154,25 @@ def ring_finished(done, tags, finished):
     return n
 
 
-@kernel(types.void(readonly(I64, 1), I64))
-def ring_wait(done, tag):
+@kernel(types.boolean(readonly(I64, 1), I64, I64))
+def ring_wait(done, tag, sleeps):
     """Block (without the GIL) until ring_complete has published the read tagged `tag`: a short spin,
-    then sleeps of WAIT_MICROSECONDS that give the core away."""
+    then up to `sleeps` sleeps of WAIT_MICROSECONDS that give the core away. -> whether it was published
+    (False: the caller looks again, after checking that the completion thread is still there)."""
     spins = 0
     while atomic_load(done.ctypes.data + 8 * tag) == 0:
         spins += 1
         if spins < 200:
             spin_pause()
-        else:
+        elif spins - 200 < sleeps:
             sleep_microseconds(WAIT_MICROSECONDS)
+        else:
+            return False
+    return True
 
 
-def unavailable_reason(fd: int) -> str | None:
-    """None when io_uring reads of fd can run here, else why not (package missing, kernel refusal)."""
+def unavailable_reason() -> str | None:
+    """None when io_uring can run here, else why not (the package missing, the kernel refusing it)."""
     if _unavailable is not None:
         return _unavailable
     ring = np.zeros(RING_BYTES, np.uint8)
