@@ -1,11 +1,15 @@
 """`edge.load` and the Model it returns."""
 from __future__ import annotations
 
+from edge.core.process_memory import peak_rss_bytes, release_free_heap, resident_bytes, runtime_memory
+
+# What the imports below add (numpy, numba, llvmlite and the modules of the runtime) is the runtime's
+# memory, which the budget counts (edge/core/process_memory.py): so they come after this measure.
+_IMPORTS_BEGAN = resident_bytes()
+
 import logging
 import os
 import weakref
-
-import psutil
 
 from devices.base import DeviceUnavailableError, create_backend
 from edge.core.arguments import integer
@@ -26,7 +30,8 @@ from edge.tokenizer import Tokenizer, TokenizerError
 from quant import QuantizedTensor
 from quant.checkpoint import open_checkpoint
 from streaming.budget import SCRATCH_TOKENS, parse_budget, plan_memory
-from streaming.stats import peak_rss_bytes, release_free_heap
+
+runtime_memory.record("imports edge.api", resident_bytes() - _IMPORTS_BEGAN)
 
 DEFAULT_SESSION_CAPACITY = 4096
 log = logging.getLogger("zllm.edge")
@@ -47,10 +52,9 @@ def load_tokenizer(path: str | None, config: dict) -> tuple[Tokenizer | None, in
     if key in _TOKENIZER_BYTES:
         return Tokenizer(path, config), _TOKENIZER_BYTES[key]
     release_free_heap()  # so that the tokenizer's allocations grow the resident set, not reuse freed memory
-    process = psutil.Process()
-    before = process.memory_info().rss
+    before = resident_bytes()
     tokenizer = Tokenizer(path, config)
-    _TOKENIZER_BYTES[key] = max(0, process.memory_info().rss - before)
+    _TOKENIZER_BYTES[key] = max(0, resident_bytes() - before)
     return tokenizer, _TOKENIZER_BYTES[key]
 
 
@@ -87,24 +91,22 @@ class Model:
                             f"{self.path} is a dense {self.spec.model_type} model")
         self.expert_strategy = streaming.expert_strategy or (
             "predictive" if options.memory_budget is not None else "resident")
-        self.tokenizer, tokenizer_bytes = load_tokenizer(self.checkpoint.tokenizer_path, self.checkpoint.tokenizer_config)
+        self.tokenizer, self._tokenizer_bytes = load_tokenizer(self.checkpoint.tokenizer_path,
+                                                               self.checkpoint.tokenizer_config)
         try:
-            self.backend = create_backend(options.device, threads=options.threads)
+            with runtime_memory.measure(f"backend {options.device}"):
+                self.backend = create_backend(options.device, threads=options.threads)
         except (ValueError, DeviceUnavailableError) as exc:
             raise ZllmError(str(exc)) from None
         self.compute_threads = self.backend.compute_threads(self.spec, SCRATCH_TOKENS)  # each with its own scratch
-        # one budget: dense weights + tokenizer + KV reservation + scratch + expert cache (streaming/budget.py)
-        self.memory = plan_memory(self.spec, self.weight_bytes, experts, options.memory_budget, self.expert_strategy,
-                                  streaming.prefetch_threads, options.kv_capacity, options.kv_cache, tokenizer_bytes,
-                                  streaming.prefetch_depth, self.compute_threads)
+        # one budget: runtime + dense weights + tokenizer + KV reservation + scratch + expert cache
+        # (streaming/budget.py), first with the runtime loaded so far
+        self.memory = self._plan_memory(options, self.expert_strategy)
         if (streaming.expert_strategy is None and experts is not None and self.memory.expert_cache_bytes is not None
                 and self.memory.expert_cache_bytes >= self.memory.expert_bytes):
             # the budget holds every expert: nothing to stream or predict, so none of their per-layer cost
             self.expert_strategy = "resident"
-            self.memory = plan_memory(self.spec, self.weight_bytes, experts, self.memory.budget_bytes, "resident",
-                                      streaming.prefetch_threads, options.kv_capacity, options.kv_cache,
-                                      tokenizer_bytes, compute_threads=self.compute_threads)
-        self.memory_budget = self.memory.budget_bytes
+            self.memory = self._plan_memory(options, "resident")
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         self.device = options.device
         try:
@@ -119,11 +121,24 @@ class Model:
             raise CheckpointError(f"{self.path}: tensor {exc.args[0]} is missing; convert the model again") from None
         except DeviceUnavailableError as exc:  # e.g. the device has no kernel for a tensor's scheme
             raise ZllmError(f"{self.path}: {exc}") from None
+        # The kernels the model runs loaded as its forward was built, after the expert cache was sized: the
+        # plan is made again with them, and the cache takes what is left (or the budget is refused).
+        self.memory = self._plan_memory(options, self.expert_strategy)
+        self.memory_budget = self.memory.budget_bytes
+        if self.experts is not None and self.memory.expert_cache_bytes is not None:
+            self.experts.resize_cache(self.memory.expert_cache_bytes)
         # End-of-generation ids live in the manifest, so generation from ids stops without a tokenizer too.
         tok_config = self.checkpoint.tokenizer_config
         self.eog_token_ids = set(tok_config.get("eog_token_ids") or [])
         if tok_config.get("eos_token_id") is not None:
             self.eog_token_ids.add(tok_config["eos_token_id"])
+
+    def _plan_memory(self, options: LoadOptions, strategy: str):
+        """The memory plan of this model under `strategy`, counting the runtime as loaded now."""
+        streaming = options.streaming
+        return plan_memory(self.spec, self.weight_bytes, self.checkpoint.experts, options.memory_budget, strategy,
+                           streaming.prefetch_threads, options.kv_capacity, options.kv_cache, self._tokenizer_bytes,
+                           streaming.prefetch_depth, self.compute_threads, runtime_memory.total())
 
     def _expert_source(self, options: LoadOptions):
         """Where MoE layers get their routed experts: all of them in memory (None for a dense model)."""
@@ -289,7 +304,7 @@ class Model:
 
     def stats(self) -> dict:
         self.require_open()
-        rss, peak = psutil.Process().memory_info().rss, peak_rss_bytes()
+        rss, peak = resident_bytes(), peak_rss_bytes()
         return {
             "weight_bytes": self.weight_bytes,
             "quantized_tensors": sum(isinstance(t, QuantizedTensor) for t in self.checkpoint.tensors.values()),
@@ -297,6 +312,7 @@ class Model:
             "peak_rss_bytes": rss if peak is None else peak,  # no high-water mark kept: the RSS now
             "budget_bytes": self.memory_budget,
             "memory_plan": self.memory.to_dict(),
+            "runtime_bytes_by_kind": runtime_memory.by_kind(),  # what the plan's runtime_bytes counted, now
             **(self.experts.stats() if self.experts is not None else {}),
             **(self.backend.expert_stats() if self.backend.capabilities.expert_cache else {}),
         }

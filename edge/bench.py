@@ -42,7 +42,7 @@ import psutil
 from devices.base import DeviceUnavailableError, split_device_list
 from edge.core.errors import InvalidArgumentError, ZllmError
 from streaming.options import IO_ENGINES
-from streaming.stats import peak_rss_bytes
+from edge.core.process_memory import peak_rss_bytes
 
 PROMPT_TOPIC = "execmodel"  # pydoc_data.topics entry the text prompt is cut from: plain English prose
 PROMPT_SEED = 0
@@ -209,9 +209,9 @@ def _device_worker(connection, checkpoint_path: str, device: str, threads: int |
     A run command with "stats" also returns `model.stats()` after the prefill and after the run."""
     import edge
 
-    rss_after_import = psutil.Process().memory_info().rss  # the interpreter and the package's imports
-    if load_options is not None:
-        _import_runtime(device)
+    # the interpreter and the package's import: what a memory budget is compared above (the runtime's
+    # own modules, imported by the first load, are counted in the budget: edge/core/process_memory.py)
+    rss_after_import = psutil.Process().memory_info().rss
     try:
         if load_options is not None and _reset_peak_rss():
             _warm_up_runtime(checkpoint_path, device, threads, load_options)
@@ -280,7 +280,7 @@ def _warm_up_runtime(checkpoint_path: str, device: str, threads: int | None, loa
     import gc
 
     import edge
-    from streaming.stats import release_free_heap
+    from edge.core.process_memory import release_free_heap
 
     # short enough for the KV positions the run reserves (the MoE benchmark reserves prompt + new tokens)
     capacity = load_options.get("kv_capacity") or WARMUP_PROMPT_TOKENS + WARMUP_NEW_TOKENS
@@ -292,22 +292,6 @@ def _warm_up_runtime(checkpoint_path: str, device: str, threads: int | None, loa
     gc.collect()
     release_free_heap()
     _reset_peak_rss()
-
-
-def _import_runtime(device: str) -> None:
-    """Import the device's backend and the expert streaming code, so that the RSS measured before
-    loading (the baseline a memory budget is compared above) includes the code, not just the interpreter."""
-    import importlib
-
-    import streaming.budget  # noqa: F401
-    import streaming.paging  # noqa: F401
-    import streaming.predictor  # noqa: F401
-    import streaming.source  # noqa: F401
-    from devices.base import BACKENDS
-
-    kind = device.partition(":")[0]
-    if kind in BACKENDS:
-        importlib.import_module(BACKENDS[kind].split(":")[0])
 
 
 @contextmanager

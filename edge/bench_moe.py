@@ -8,10 +8,11 @@ Strategies (edge.load's expert_strategy):
     predictive  ours: the predictor's prefetches, and the product's default eviction ("nextuse")
 
 Every (strategy, budget) runs in its own spawned worker (edge/bench.py's DeviceWorker), so each peak
-RSS is its own. Before the measured load a worker loads the model once, runs a few tokens and closes
-it (on Linux, then restarts the kernel's peak-RSS count): what stays is the runtime (interpreter,
-numpy, numba, the compiled kernels), reported apart as the baseline; the budget is compared with
-peak RSS minus that baseline. Each worker
+RSS is its own. A budget means the whole process less the interpreter and the package's import
+(streaming/budget.py counts the runtime in it): the budget is compared with peak RSS minus the RSS
+the worker had after importing the package. Before the measured load a worker loads the model once,
+runs a few tokens and closes it (on Linux, then restarts the kernel's peak-RSS count), as a
+long-running process would have. Each worker
 loads, runs one short warm-up on a prompt of its own (JIT compilation, the predictor's first routes),
 then `repeats` timed runs, each on a different prompt (a predictor must not be scored on a sequence
 it has already seen). Counters (hits, misses, bytes, stall) are taken over the decode steps only,
@@ -153,11 +154,10 @@ def summarize(strategy: str, budget: str, loaded: dict, runs: list[dict], peak_r
         "predictor_recall_by_distance": {d: _ratio(totals[f"predictor_hits_{d}"], totals[f"predictor_actual_{d}"])
                                          for d in distances},
         "storage": final.get("storage"), "io_mode": final.get("io_mode"), "io_engine": final.get("io_engine"),
+        # the RSS before the measured load, after the warm-up load (the runtime as a long-running process has it)
         "peak_rss_bytes": peak_rss, "baseline_rss_bytes": baseline, "peak_rss_over_baseline_bytes": over_baseline,
-        "rss_within_budget": (None if budget_bytes is None or over_baseline is None
-                              else over_baseline <= budget_bytes * (1 + RSS_TOLERANCE)),
         # the whole process against the budget: peak RSS over what importing the package took (the
-        # runtime's own memory, compiled kernels included, counts here)
+        # runtime's own memory, compiled kernels included, counts here as the budget counts it)
         "import_baseline_rss_bytes": loaded.get("rss_after_import_bytes"),
         "peak_rss_over_import_bytes": over_import,
         "process_within_budget": (None if budget_bytes is None or over_import is None
@@ -346,8 +346,8 @@ def _num(value, fmt: str = ".1f") -> str:
 
 def format_moe_table(report: dict) -> str:
     header = ["strategy", "budget", "cache MB", "decode tok/s", "vs resident", "vs mmap", "floor reads", "bound t/s",
-              "of bound", "hit rate", "recall@k", "stall", "peak RSS-base MB", "budget MB", "in budget",
-              "process MB", "process in budget", "tokens = resident"]
+              "of bound", "hit rate", "recall@k", "stall", "budget MB",
+              "process MB", "in budget", "tokens = resident"]
     rows = [header]
     for r in report["configs"]:
         if "error" in r:
@@ -358,17 +358,14 @@ def format_moe_table(report: dict) -> str:
                      _num((r.get("bound") or {}).get("floor_reads_per_token")),
                      _num((r.get("bound") or {}).get("tokens_per_second")), _num(r.get("fraction_of_bound"), ".2f"),
                      _pct(r["hit_rate"]), _pct(r["predictor_recall"]), _pct(r["stall_fraction"]),
-                     _mb(r["peak_rss_over_baseline_bytes"]), _mb(r["budget_bytes"]),
-                     {None: "-", True: "yes", False: "NO"}[r["rss_within_budget"]],
-                     _mb(r.get("peak_rss_over_import_bytes")),
+                     _mb(r["budget_bytes"]), _mb(r.get("peak_rss_over_import_bytes")),
                      {None: "-", True: "yes", False: "NO"}[r.get("process_within_budget")],
                      {None: "-", True: "yes", False: "NO"}[r.get("tokens_match_resident")]])
     widths = [max(len(row[i]) for row in rows if i < len(row) and len(row) == len(header)) for i in range(len(header))]
     lines = [f"zllm-edge bench {report['model']} ({report['model_type']}) on {report['device']}, storage "
              f"{report['storage']}, prefetch depth {report['prefetch_depth']}",
              f"prompt: {report['prompt_tokens']} tokens ({report['prompt_source']}); {report['new_tokens']} greedy "
-             f"tokens; {report['repeats']} timed run(s) per config, each in its own process; interpreter baseline "
-             f"RSS {_mb(report['interpreter_baseline_rss_bytes'])} MB (subtracted before comparing with the budget)",
+             f"tokens; {report['repeats']} timed run(s) per config, each in its own process",
              "floor reads: expert reads per token an omniscient (Belady) cache of that size needs, replaying the "
              "resident run's routes; bound t/s: 1 / max(resident token time, the floor's reads on the disk); "
              "process MB: peak RSS over the RSS after importing the package (the runtime's own memory counted)"]

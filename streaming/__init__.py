@@ -9,8 +9,18 @@
 """
 from __future__ import annotations
 
+import importlib
+
 from edge.core.errors import ZllmError
+from edge.core.process_memory import runtime_memory
 from streaming.options import StreamingOptions
+
+
+def _imported(module: str):
+    """A module of the expert streaming, imported on first use; what importing it adds (its kernels'
+    libraries among it) is the runtime's memory, which the memory budget counts."""
+    with runtime_memory.measure(f"imports {module}"):
+        return importlib.import_module(module)
 
 
 def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: int | None,
@@ -22,19 +32,16 @@ def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: in
     index = checkpoint.experts
     layers = {layer: spec.moe_for_layer(layer) for layer in sorted(index.layers)}
     if strategy == "resident":
-        from streaming.resident import ResidentExperts
-
+        ResidentExperts = _imported("streaming.resident").ResidentExperts
         # held for the model's lifetime, like its dense weights (a backend may place them: load_weight)
         return ResidentExperts(index, backend.load_weight, verify=verify)
     if strategy == "mmap":
-        from streaming.paging import MappedExperts
-
+        MappedExperts = _imported("streaming.paging").MappedExperts
         return MappedExperts(index, backend.prepare_weight, cache_bytes, storage=storage)
     if strategy not in ("predictive", "ondemand"):
         raise ZllmError(f"expert_strategy {strategy!r} is not known; choose one of predictive, ondemand, mmap, "
                         "resident")
-    from streaming.source import StreamingExperts
-
+    StreamingExperts = _imported("streaming.source").StreamingExperts
     if cache_bytes is None:  # no budget: a cache that can hold every expert
         from streaming.budget import entry_bytes
         cache_bytes = sum(len(index.layers[layer].records) * entry_bytes(index, layer) for layer in layers)
@@ -42,9 +49,9 @@ def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: in
         policy = "nextuse" if strategy == "predictive" else "lru"
     predictor = None
     if strategy == "predictive":
-        from streaming.predictor import ExpertPredictor, SignalWeights, predictor_inputs
-
-        _, routers = predictor_inputs(spec, checkpoint.tensors)
+        predictor_module = _imported("streaming.predictor")
+        ExpertPredictor, SignalWeights = predictor_module.ExpertPredictor, predictor_module.SignalWeights
+        _, routers = predictor_module.predictor_inputs(spec, checkpoint.tensors)
         predictor = ExpertPredictor(layers, routers, depth=depth,
                                     weights=SignalWeights.for_checkpoint(checkpoint.path),
                                     rms_norm_eps=spec.rms_norm_eps)

@@ -1,7 +1,12 @@
 """One memory budget: how a byte budget splits into dense weights, KV cache, scratch and expert cache.
 
-    budget = dense + tokenizer + kv + scratch + staging + predictor + expert cache
+    budget = runtime + dense + tokenizer + kv + scratch + staging + predictor + expert cache
 
+A budget means the whole process, less the interpreter and the package's import.
+
+runtime  the runtime's own memory: the modules a load imports (numpy, numba, llvmlite, the device's
+         backend), Numba and the kernels it compiled or loaded, thread pools (edge/core/process_memory.py
+         measures each part the first time the process loads it)
 dense    every tensor that is not a routed expert (the safetensors file; mmap-backed, counted whole)
 tokenizer  what loading the tokenizer added to the process's resident set (edge/api.py measures it:
          the tokenizers library does not report its memory; SmolLM2's takes ~34 MB, more than its
@@ -115,6 +120,7 @@ def entry_bytes(index: ExpertIndex, layer: int) -> int:
 @dataclass(frozen=True)
 class MemoryPlan:
     budget_bytes: int | None
+    runtime_bytes: int
     dense_bytes: int
     tokenizer_bytes: int
     kv_bytes: int
@@ -137,7 +143,7 @@ def _mb(n: int) -> str:
 def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int | str | None", strategy: str,
                 loading_threads: int, kv_capacity: int | None = None, kv_format: str = "f32",
                 tokenizer_bytes: int = 0, prefetch_depth: int = 2,
-                compute_threads: ComputeThreads | int = 1) -> MemoryPlan:
+                compute_threads: ComputeThreads | int = 1, runtime_bytes: int = 0) -> MemoryPlan:
     """Split `budget` for a model; refuses a budget below the minimum working set (ZllmError)."""
     parsed = parse_budget(budget)
     context = spec.max_position_embeddings
@@ -153,10 +159,11 @@ def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int 
         if parsed is not None and parsed.expert_percent is not None:
             raise ZllmError(f"memory budget {parsed}: a share of the expert bytes needs a Mixture-of-Experts model; "
                             "give this dense model a budget in bytes such as 512MB")
-        minimum = dense_bytes + tokenizer_bytes + kv + scratch
-        plan = MemoryPlan(None if parsed is None else parsed.bytes, dense_bytes, tokenizer_bytes, kv, kv_capacity,
-                          scratch, 0, 0, 0, None, minimum)
-        _refuse_below_minimum(plan, f"{dense_bytes} bytes of weights, {tokenizer_bytes} bytes of tokenizer, {kv} "
+        minimum = runtime_bytes + dense_bytes + tokenizer_bytes + kv + scratch
+        plan = MemoryPlan(None if parsed is None else parsed.bytes, runtime_bytes, dense_bytes, tokenizer_bytes, kv,
+                          kv_capacity, scratch, 0, 0, 0, None, minimum)
+        _refuse_below_minimum(plan, f"{runtime_bytes} bytes of runtime, {dense_bytes} bytes of weights, "
+                                    f"{tokenizer_bytes} bytes of tokenizer, {kv} "
                                     f"bytes of KV cache ({kv_capacity} positions) and {scratch} bytes of scratch")
         return plan
     if strategy not in STRATEGIES:
@@ -181,7 +188,7 @@ def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int 
         working = in_flight * entry_bytes(index, largest)
         what = (f"{in_flight} experts of layer {largest} at once (top_k {top_k} + {loading_threads} loading threads)"
                 + (f" and {staging} bytes of decompression staging" if staging else ""))
-    fixed = dense_bytes + tokenizer_bytes + kv + scratch + staging + predictor
+    fixed = runtime_bytes + dense_bytes + tokenizer_bytes + kv + scratch + staging + predictor
     minimum = fixed + working
     if parsed is None:
         cache = None
@@ -192,9 +199,10 @@ def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int 
     else:
         budget_bytes = parsed.bytes
         cache = budget_bytes - fixed
-    plan = MemoryPlan(budget_bytes, dense_bytes, tokenizer_bytes, kv, kv_capacity, scratch, staging, predictor,
-                      all_experts, None if cache is None else min(cache, all_experts), minimum)
-    _refuse_below_minimum(plan, f"{dense_bytes} bytes of non-expert weights, {tokenizer_bytes} bytes of tokenizer, "
+    plan = MemoryPlan(budget_bytes, runtime_bytes, dense_bytes, tokenizer_bytes, kv, kv_capacity, scratch, staging,
+                      predictor, all_experts, None if cache is None else min(cache, all_experts), minimum)
+    _refuse_below_minimum(plan, f"{runtime_bytes} bytes of runtime, {dense_bytes} bytes of non-expert weights, "
+                                f"{tokenizer_bytes} bytes of tokenizer, "
                                 f"{kv} bytes of KV cache ({kv_capacity} positions), {scratch} bytes of scratch"
                                 + (f", {predictor} bytes of expert predictor" if predictor else "")
                                 + f" and {working} bytes for {what}")

@@ -146,6 +146,10 @@ class MappedExperts:
     def begin_request(self) -> None:
         pass  # the page cache's recency carries over requests
 
+    def resize_cache(self, cache_bytes: int) -> None:
+        """Experts past the new bound are dropped as the next ones are mapped."""
+        self.cache_bytes = int(cache_bytes)
+
     def stats(self) -> dict:
         stats = self.counters.to_dict(io_seconds=self.counters.stall_seconds)
         stats.update({"expert_source": "mmap", "bytes_read": self.bytes_read, "io_mode": "mmap",

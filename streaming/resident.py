@@ -57,5 +57,8 @@ class ResidentExperts:
                 "hit_rate": 1.0 if self._hits else 0.0, "bytes_read": self._bytes_read,
                 "io_stall_seconds": 0.0, "expert_cache_bytes": self.resident_bytes}
 
+    def resize_cache(self, cache_bytes: int) -> None:
+        """Every expert is held for the model's lifetime (the plan counts them all)."""
+
     def close(self) -> None:
         self._experts = {}

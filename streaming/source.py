@@ -223,6 +223,11 @@ class StreamingExperts:
             stats.update({"predictor_precision": None, "predictor_recall": None})
         return stats
 
+    def resize_cache(self, cache_bytes: int) -> None:
+        """Experts past the new bound are evicted as the next ones are loaded."""
+        with self.cache.lock:
+            self.cache.capacity_bytes = int(cache_bytes)
+
     def close(self) -> None:
         if self._current is not None:
             self._current.release()

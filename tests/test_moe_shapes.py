@@ -35,8 +35,6 @@ from converters.convert import QuantPlan, convert
 from edge.core.errors import UnsupportedModelError
 from edge.core.moe import MoeConfig, route
 from edge.core.spec import spec_from_dict
-from streaming.budget import plan_memory
-from streaming.prefetch import DEFAULT_THREADS
 
 REL_TOL = 1e-4  # as tests/test_moe_parity.py: f32 against f32
 F32 = QuantPlan(weights="f32")
@@ -174,8 +172,8 @@ def test_minimum_budget_streams_bit_identically(tiny_zoo, name, device):
     prompt = random_prompt(17, seed=3)
     with edge.load(path, device=device) as model:
         resident = greedy_decode(model, prompt, N_DECODE, capacity=32)
-        minimum = plan_memory(model.spec, model.weight_bytes, model.checkpoint.experts, None, "predictive",
-                              DEFAULT_THREADS, compute_threads=model.compute_threads).minimum_bytes
+    with edge.load(path, device=device, expert_strategy="predictive", memory_budget="100%") as model:
+        minimum = model.memory.minimum_bytes  # with the runtime a streamed load of it brings in
     with edge.load(path, device=device, memory_budget=minimum) as model:
         streamed = greedy_decode(model, prompt, N_DECODE, capacity=32)
         assert model.stats()["expert_misses"] > 0

@@ -14,7 +14,7 @@ import edge
 from converters.convert import QuantPlan
 from edge.core.errors import SessionError, ZllmError
 from quant.expert_file import EXPERTS_FILE, ExpertChecksumError
-from streaming.budget import SCRATCH_TOKENS, Budget, parse_budget, plan_memory
+from streaming.budget import SCRATCH_TOKENS, Budget, parse_budget
 from streaming.prefetch import DEFAULT_THREADS
 
 PROMPT = random_prompt(9, seed=5)
@@ -39,9 +39,12 @@ def resident_run(path: str, device: str):
 
 
 def minimum_budget(path: str, strategy: str = "predictive", threads: int = DEFAULT_THREADS, device: str = "reference") -> int:
-    with edge.load(path, device=device) as model:  # the device's compute threads each have their own scratch
-        return plan_memory(model.spec, model.weight_bytes, model.checkpoint.experts, None, strategy, threads,
-                           compute_threads=model.compute_threads).minimum_bytes
+    """The smallest budget a load of `path` under `strategy` accepts. The budget counts the runtime the
+    process has loaded (its kernels among it): a load like the budgeted one brings in the same kernels
+    first, so the figure is the one the budgeted load will plan with."""
+    with edge.load(path, device=device, expert_strategy=strategy, memory_budget="100%",
+                   prefetch_threads=threads) as model:
+        return model.memory.minimum_bytes
 
 
 STREAMED = [
@@ -124,7 +127,7 @@ def test_stats_report_the_streaming_figures(tiny_zoo):
     assert stats["io_mode"] == "direct" and stats["expert_source"] == "predictive"
     assert stats["expert_policy"] == "nextuse"  # the predictive strategy's default
     plan = stats["memory_plan"]
-    assert stats["budget_bytes"] == (plan["dense_bytes"] + plan["tokenizer_bytes"] + plan["kv_bytes"]
+    assert stats["budget_bytes"] == (plan["runtime_bytes"] + plan["dense_bytes"] + plan["tokenizer_bytes"] + plan["kv_bytes"]
                                      + plan["scratch_bytes"] + plan["staging_bytes"] + plan["predictor_bytes"]
                                      + plan["expert_cache_bytes"])
     assert plan["predictor_bytes"] > 0
@@ -135,14 +138,15 @@ def test_budget_below_minimum_is_refused(tiny_zoo):
     path = tiny_zoo.converted("qwen3_moe_norm", MIXED)
     minimum = minimum_budget(path)
     edge.load(path, memory_budget=minimum).close()
-    with edge.load(path) as model:
-        plan = plan_memory(model.spec, model.weight_bytes, model.checkpoint.experts, None, "predictive", 2)
+    with edge.load(path, memory_budget=minimum) as model:
+        plan = model.memory
         entry = plan.expert_bytes // 16  # 2 MoE layers of 8 experts, all the same size
     with pytest.raises(ZllmError) as error:
         edge.load(path, memory_budget=minimum - 1)
     assert str(error.value) == (
         f"memory budget {minimum - 1} bytes ({(minimum - 1) / 1e6:.1f} MB) is below this model's minimum working set "
-        f"of {minimum} bytes ({minimum / 1e6:.1f} MB): {plan.dense_bytes} bytes of non-expert weights, "
+        f"of {minimum} bytes ({minimum / 1e6:.1f} MB): {plan.runtime_bytes} bytes of runtime, "
+        f"{plan.dense_bytes} bytes of non-expert weights, "
         f"0 bytes of tokenizer, {plan.kv_bytes} bytes of KV cache ({plan.kv_capacity} positions), "
         f"{plan.scratch_bytes} bytes of scratch, {plan.predictor_bytes} bytes of expert predictor and "
         f"{(2 + DEFAULT_THREADS) * entry} bytes for {2 + DEFAULT_THREADS} experts of layer 0 at once "
@@ -204,14 +208,14 @@ def test_sessions_beyond_the_kv_reservation_are_refused(tiny_zoo):
 def test_dense_model_budget_counts_weights_kv_and_scratch(tiny_zoo):
     path = tiny_zoo.converted("llama_mha", QuantPlan(weights="int8"))
     with edge.load(path) as model:
-        plan = plan_memory(model.spec, model.weight_bytes, None, None, "resident", 2)
+        plan = model.memory
     with pytest.raises(ZllmError) as error:
         edge.load(path, memory_budget=plan.minimum_bytes - 1)
     assert str(error.value) == (
         f"memory budget {plan.minimum_bytes - 1} bytes ({(plan.minimum_bytes - 1) / 1e6:.1f} MB) is below this "
         f"model's minimum working set of {plan.minimum_bytes} bytes ({plan.minimum_bytes / 1e6:.1f} MB): "
-        f"{plan.dense_bytes} bytes of weights, 0 bytes of tokenizer, {plan.kv_bytes} bytes of KV cache "
-        f"({plan.kv_capacity} positions) "
+        f"{plan.runtime_bytes} bytes of runtime, {plan.dense_bytes} bytes of weights, 0 bytes of tokenizer, "
+        f"{plan.kv_bytes} bytes of KV cache ({plan.kv_capacity} positions) "
         f"and {plan.scratch_bytes} bytes of scratch; raise memory_budget to at least {plan.minimum_bytes} bytes")
     with pytest.raises(ZllmError) as error:
         edge.load(path, memory_budget="50%")
@@ -264,7 +268,8 @@ def test_budget_counts_the_tokenizer(smollm2_checkpoint):
             plans.append(model.memory)
     first = plans[0]
     assert first.tokenizer_bytes > 1_000_000 and plans[1] == first
-    assert first.minimum_bytes == first.dense_bytes + first.tokenizer_bytes + first.kv_bytes + first.scratch_bytes
+    assert first.minimum_bytes == (first.runtime_bytes + first.dense_bytes + first.tokenizer_bytes + first.kv_bytes
+                                   + first.scratch_bytes)
 
 
 def test_budget_counts_the_expert_predictor(tiny_zoo):

@@ -128,6 +128,10 @@ class ExpertSource(Protocol):
     def begin_request(self) -> None:
         """A new request starts: per-request statistics restart (the cache and what was learned stay)."""
 
+    def resize_cache(self, cache_bytes: int) -> None:
+        """Hold at most `cache_bytes` of experts from now on (the memory plan's share, made again once the
+        model's kernels have loaded); a source that holds every expert has nothing to resize."""
+
     def stats(self) -> dict: ...
 
     def close(self) -> None: ...

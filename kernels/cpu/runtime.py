@@ -20,6 +20,7 @@ from numba import types
 from numba.core.codegen import JITCodeLibrary
 from numba.core.registry import CPUDispatcher
 
+from edge.core.process_memory import runtime_memory
 from kernels.cache_home import zllm_home
 from kernels.cpu.isa import configure_codegen
 
@@ -199,7 +200,9 @@ class Kernel:
                     use_cache_dir()
                     options = dict(JIT_OPTIONS, nogil=not self.keep_gil)
                     dispatcher = numba.njit(cache=True, parallel=self.parallel, **options)(self.function)
-                    with self_contained_compilation():
+                    # the machine code and LLVM's tables stay in the process: the memory budget counts them
+                    with runtime_memory.measure(f"kernel {self.function.__module__}.{self.__name__}"), \
+                            self_contained_compilation():
                         for signature in self.signatures:
                             dispatcher.compile(signature)
                     dispatcher.disable_compile()
@@ -229,9 +232,11 @@ def kernel(*signatures, parallel: bool = False, keep_gil: bool = False):
 
 
 def cfunc(signature, function):
-    """A cached C callback of `function` (kernels/cpu/linear.py calls them through descriptors)."""
+    """A cached C callback of `function` (kernels/cpu/linear.py calls them through descriptors; it makes
+    each one once per process)."""
     use_cache_dir()
-    with self_contained_compilation():
+    with runtime_memory.measure(f"kernel {function.__module__}.{function.__qualname__} {signature} "
+                                f"{id(function)}"), self_contained_compilation():
         return numba.cfunc(signature, cache=True, **JIT_OPTIONS)(function)
 
 
