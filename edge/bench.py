@@ -143,6 +143,7 @@ class RunTimes:
     prompt_tokens: int
     decode_steps: int
     tokens: list[int]  # the greedy tokens, the first one from the prefill
+    decode_thread_seconds: float = 0.0  # CPU time of the calling thread in the decode calls
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -168,13 +169,15 @@ def greedy_run(model, prompt_ids: list[int], new_tokens: int, after_prefill=None
         prefill_seconds = time_to_first_token = time.perf_counter() - started
         if after_prefill is not None:
             after_prefill()
-        tokens, decode_seconds = [token], 0.0
+        tokens, decode_seconds, decode_thread_seconds = [token], 0.0, 0.0
         for _ in range(new_tokens - 1):
-            step_started = time.perf_counter()
+            step_started, step_cpu_started = time.perf_counter(), time.thread_time()
             token = session.next_token([token])
             decode_seconds += time.perf_counter() - step_started
+            decode_thread_seconds += time.thread_time() - step_cpu_started
             tokens.append(token)
-    return RunTimes(prefill_seconds, decode_seconds, time_to_first_token, len(prompt_ids), new_tokens - 1, tokens)
+    return RunTimes(prefill_seconds, decode_seconds, time_to_first_token, len(prompt_ids), new_tokens - 1, tokens,
+                    decode_thread_seconds)
 
 
 class PeakRSSSampler:

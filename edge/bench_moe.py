@@ -128,6 +128,7 @@ def summarize(strategy: str, budget: str, loaded: dict, runs: list[dict], peak_r
         for key, value in _decode_counters(run).items():
             totals[key] = totals.get(key, 0) + value
     decode_seconds = sum(run["decode_seconds"] for run in runs)
+    decode_steps = sum(run["decode_steps"] for run in runs)
     requests = totals["expert_hits"] + totals["expert_misses"]
     plan = loaded.get("memory_plan") or {}
     baseline = loaded["rss_before_load_bytes"]
@@ -148,6 +149,9 @@ def summarize(strategy: str, budget: str, loaded: dict, runs: list[dict], peak_r
         "expert_hits": int(totals["expert_hits"]), "expert_misses": int(totals["expert_misses"]),
         "bytes_read": int(totals["bytes_read"]), "io_stall_seconds": totals["io_stall_seconds"],
         "stall_fraction": totals["io_stall_seconds"] / decode_seconds if decode_seconds else None,
+        # CPU time of the model's thread (its share of the compute, and all the streaming's Python)
+        "model_thread_cpu_seconds_per_token": (sum(run["decode_thread_seconds"] for run in runs) / decode_steps
+                                               if decode_steps else None),
         "io_hidden_fraction": final.get("io_hidden_fraction"),
         "predictor_precision": _ratio(totals.get("predictor_hits_1"), totals.get("predictor_predicted_1")),
         "predictor_recall": _ratio(totals.get("predictor_hits_1"), totals.get("predictor_actual_1")),
@@ -234,6 +238,10 @@ def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str
             row["greedy_tokens_agreeing_with_resident"] = sum(
                 _agreeing_prefix(a, b) for a, b in zip(row["tokens"], resident["tokens"]))
             row["decode_vs_resident"] = _ratio(row["decode_tokens_per_second"], resident["decode_tokens_per_second"])
+            # the model thread's extra CPU per streamed token, as a share of a resident token's time
+            row["extra_model_cpu_vs_resident_token"] = _ratio(
+                row["model_thread_cpu_seconds_per_token"] - resident["model_thread_cpu_seconds_per_token"],
+                1.0 / resident["decode_tokens_per_second"])
     for row in rows:
         mmap = next((r for r in rows if r["strategy"] == "mmap" and r["budget"] == row["budget"] and "error" not in r),
                     None)
@@ -346,7 +354,8 @@ def _num(value, fmt: str = ".1f") -> str:
 
 def format_moe_table(report: dict) -> str:
     header = ["strategy", "budget", "cache MB", "decode tok/s", "vs resident", "vs mmap", "floor reads", "bound t/s",
-              "of bound", "hit rate", "recall@k", "stall", "budget MB",
+              "of bound", "hit rate", "recall@k", "stall", "model CPU +",
+              "budget MB",
               "process MB", "in budget", "tokens = resident"]
     rows = [header]
     for r in report["configs"]:
@@ -358,6 +367,7 @@ def format_moe_table(report: dict) -> str:
                      _num((r.get("bound") or {}).get("floor_reads_per_token")),
                      _num((r.get("bound") or {}).get("tokens_per_second")), _num(r.get("fraction_of_bound"), ".2f"),
                      _pct(r["hit_rate"]), _pct(r["predictor_recall"]), _pct(r["stall_fraction"]),
+                     _pct(r.get("extra_model_cpu_vs_resident_token")),
                      _mb(r["budget_bytes"]), _mb(r.get("peak_rss_over_import_bytes")),
                      {None: "-", True: "yes", False: "NO"}[r.get("process_within_budget")],
                      {None: "-", True: "yes", False: "NO"}[r.get("tokens_match_resident")]])
@@ -368,7 +378,9 @@ def format_moe_table(report: dict) -> str:
              f"tokens; {report['repeats']} timed run(s) per config, each in its own process",
              "floor reads: expert reads per token an omniscient (Belady) cache of that size needs, replaying the "
              "resident run's routes; bound t/s: 1 / max(resident token time, the floor's reads on the disk); "
-             "process MB: peak RSS over the RSS after importing the package (the runtime's own memory counted)"]
+             "model CPU +: the model thread's CPU per token over the resident run's, as a share of a resident token's "
+             "time; process MB: peak RSS over the RSS after importing the package (the runtime's own memory "
+             "counted)"]
     for i, row in enumerate(rows):
         if len(row) != len(header):
             lines.append("  ".join(row))

@@ -27,6 +27,7 @@ DEVICE_KEYS = {
     "device_upload_seconds", "device_memory_bytes", "device_memory",  # None where the device has no memory of its own
 }
 RUN_KEYS = {"prefill_seconds", "decode_seconds", "time_to_first_token_seconds", "prompt_tokens", "decode_steps",
+            "decode_thread_seconds",
             "tokens", "text", "prefill_tokens_per_second", "decode_tokens_per_second"}
 
 
