@@ -43,12 +43,14 @@ from edge.bench import text_prompt  # noqa: E402
 TIMED_METHODS = ("streaming.source:StreamingExperts.experts", "streaming.source:StreamedLayer.__init__",
                  "streaming.source:StreamingExperts._schedule", "streaming.predictor:ExpertPredictor.observe",
                  "streaming.predictor:ExpertPredictor.forecast", "devices.cpu.backend:CpuBackend.expert_mixture",
-                 "streaming.source:StreamedLayer._wait", "streaming.prefetch:Prefetcher.load_demanded")
+                 "streaming.source:StreamedLayer._wait", "streaming.prefetch:RingLoader.wait_loaded",
+                 "streaming.prefetch:RingLoader.poll")
 METHOD_LABELS = {"StreamingExperts.experts": "expert source, all", "StreamedLayer.__init__": "  pin a layer's experts",
                  "StreamingExperts._schedule": "  schedule prefetches", "ExpertPredictor.observe": "  predictor observe",
                  "ExpertPredictor.forecast": "  predictor forecast",
                  "CpuBackend.expert_mixture": "expert mixture, all", "StreamedLayer._wait": "  wait for loads",
-                 "Prefetcher.load_demanded": "    read its own misses"}
+                 "RingLoader.wait_loaded": "    wait for a read (io_uring)",
+                 "RingLoader.poll": "  submit and take reads (io_uring)"}
 
 
 @contextlib.contextmanager

@@ -68,11 +68,13 @@ class Engine:
 
 
 class ZllmEngine(Engine):
-    def __init__(self, model: str, threads: int, context: int, device: str = "reference"):
+    def __init__(self, model: str, threads: int, context: int, device: str = "reference",
+                 load_options: dict | None = None):
         import edge
         from edge.bench import load_threads  # reference and gpu take no count; the pools are capped instead
 
-        self.model = edge.load(model, device=device, threads=load_threads(device, threads))
+        # load_options: further edge.load settings (a MoE benchmark's memory budget and expert strategy)
+        self.model = edge.load(model, device=device, threads=load_threads(device, threads), **(load_options or {}))
         self.info = {"device_info": self.model.device_info()}
         # tied embeddings: the LM head reads the whole table each token, so every stored byte counts
         self.weight_bytes_per_token = self.model.weight_bytes
@@ -87,9 +89,21 @@ class ZllmEngine(Engine):
 
 
 class LlamaCppEngine(Engine):
-    def __init__(self, model: str, threads: int, context: int):
+    def __init__(self, model: str, threads: int, context: int, repack: bool = True):
+        """`repack` False: no extra buffer types, so that llama.cpp leaves every weight in its mmap of the
+        file instead of repacking Q4_0 (and others) into interleaved copies in anonymous memory."""
         import llama_cpp
+        import llama_cpp.llama_cpp as bindings
 
+        if not repack:
+            default_params = bindings.llama_model_default_params
+
+            def without_extra_buffer_types():
+                params = default_params()
+                params.use_extra_bufts = False
+                return params
+
+            bindings.llama_model_default_params = without_extra_buffer_types
         self.llama_cpp = llama_cpp
         self.llm = llama_cpp.Llama(model_path=model, n_ctx=context, n_batch=512, n_ubatch=512, n_threads=threads,
                                    n_threads_batch=threads, logits_all=False, verbose=False)
