@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge.core.errors import CheckpointError, ConversionError
+from quant import gguf_blocks
 
 FLOAT_DTYPES = ("f32", "f16")
 QUANTIZED_DTYPES = ("int8", "int4")
@@ -217,12 +218,10 @@ ALL_SCHEMES: tuple[Scheme, ...] = (
     ),
 )
 
-# GGUF block types that import without requantization (gguf_import.py unpacks them).
-_GGUF_SOURCE_FORMATS = (
-    FormatInfo("Q4_0", 32, 18, 4, "GGUF: f16 d, 16 bytes of nibbles (element i low, i+16 high); w = d * (q - 8)"),
-    FormatInfo("Q4_1", 32, 20, 4, "GGUF: f16 d, f16 m, 16 bytes of nibbles (element i low, i+16 high); w = d * q + m"),
-    FormatInfo("Q8_0", 32, 34, 8, "GGUF: f16 d, 32 int8 q; w = d * q"),
-)
+# GGUF block types that import without requantization (gguf_import.py unpacks them; their layouts:
+# gguf_blocks.py).
+_GGUF_SOURCE_FORMATS = tuple(FormatInfo(f.name, f.block_size, f.block_bytes, f.bits, f"GGUF: {f.description}")
+                             for f in (gguf_blocks.Q4_0, gguf_blocks.Q4_1, gguf_blocks.Q8_0))
 
 FORMATS: dict[str, FormatInfo] = {
     info.name: info for info in (*map(_scheme_format, ALL_SCHEMES), *_GGUF_SOURCE_FORMATS)
