@@ -26,7 +26,6 @@ last bits of two engines' sums).
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import subprocess

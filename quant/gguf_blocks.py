@@ -85,6 +85,13 @@ def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
+def _k_scales_offsets(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 8 sub-block scales d * sc and offsets -dmin * m, flat: float32 [..., n_blocks * 8]."""
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    scales, mins = _k_scales_mins(blocks[..., 4:16])
+    return _flat(d * scales.astype(np.float32)), _flat(-(dmin * mins.astype(np.float32)))
+
+
 def _flat(array: np.ndarray) -> np.ndarray:
     """[..., n_blocks, k] -> [..., n_blocks * k]."""
     return array.reshape(array.shape[:-2] + (-1,))
@@ -208,11 +215,8 @@ class Q4_K(BlockFormat):
 
     @classmethod
     def unpack(cls, blocks):
-        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-        scales, mins = _k_scales_mins(blocks[..., 4:16])
         values = _nibbles(blocks[..., 16:], 32).astype(np.int16)
-        return Unpacked(_flat(values), _flat(d * scales.astype(np.float32)),
-                        _flat(-(dmin * mins.astype(np.float32))), 32)
+        return Unpacked(_flat(values), *_k_scales_offsets(blocks), 32)
 
 
 class Q5_K(BlockFormat):
@@ -222,13 +226,10 @@ class Q5_K(BlockFormat):
 
     @classmethod
     def unpack(cls, blocks):
-        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-        scales, mins = _k_scales_mins(blocks[..., 4:16])
         low = _nibbles(blocks[..., 48:], 32)
         high = _bits(blocks[..., 16:48], 32, 1)
         values = (low | (high << 4)).astype(np.int16)
-        return Unpacked(_flat(values), _flat(d * scales.astype(np.float32)),
-                        _flat(-(dmin * mins.astype(np.float32))), 32)
+        return Unpacked(_flat(values), *_k_scales_offsets(blocks), 32)
 
 
 class Q6_K(BlockFormat):
