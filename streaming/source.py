@@ -47,6 +47,41 @@ from streaming.store import ExpertStore
 PREFETCH_WIDTH = 1.0
 
 
+class Lookahead:
+    """How many MoE layers ahead prefetches reach: between 1 and `most` (the predictor's depth), set
+    again every WINDOW decode passes from the share of their time the model waited for experts.
+    Looking further ahead hides slow reads (large experts, a slow disk), and it reads experts the model
+    may not use, which costs cache room and the model thread's CPU: when little time is lost waiting,
+    one layer less. (No one depth suits every model: small experts that arrive in time do best one
+    layer ahead, large ones that do not, further; compare `zllm-edge bench --prefetch-depth N`.)"""
+
+    RAISE_STALL = 0.10  # waiting more than this share of a window: one layer further
+    LOWER_STALL = 0.05  # less: one layer nearer
+    WINDOW = 4          # decode passes
+
+    def __init__(self, most: int):
+        self.most = most
+        self.depth = most
+        self.changes = 0
+        self._passes, self._seconds, self._stall = 0, 0.0, 0.0
+
+    def pass_done(self, seconds: float, stall_seconds: float) -> None:
+        """A decode pass took `seconds`, `stall_seconds` of them waiting for experts."""
+        self._passes += 1
+        self._seconds += seconds
+        self._stall += stall_seconds
+        if self._passes < self.WINDOW:
+            return
+        share = self._stall / self._seconds if self._seconds > 0 else 0.0
+        if share > self.RAISE_STALL and self.depth < self.most:
+            self.depth += 1
+            self.changes += 1
+        elif share < self.LOWER_STALL and self.depth > 1:
+            self.depth -= 1
+            self.changes += 1
+        self._passes, self._seconds, self._stall = 0, 0.0, 0.0
+
+
 def expert_label(layer: int, expert: int) -> str:
     return f"model.layers.{layer}.mlp.experts.{expert}"
 
@@ -68,7 +103,7 @@ class StreamingExperts:
         self.layers = dict(sorted(layers.items()))
         self._ordinal = {layer: i for i, layer in enumerate(self.layers)}
         self.predictor = predictor
-        self.depth = depth if predictor is not None else 0
+        self.lookahead = Lookahead(depth) if predictor is not None else None
         self.prefetch_width = prefetch_width
         self.store = store or ExpertStore(index, storage, verify=verify, direct_io=direct_io)
         self.cache = ExpertCache(cache_bytes, make_policy(policy, predictor.need_vector if predictor else None,
@@ -88,6 +123,7 @@ class StreamingExperts:
         self.policy = policy
         self.counters = StreamingCounters()
         self._pass, self._last_ordinal = 0, None
+        self._pass_started, self._pass_stall, self._pass_tokens = time.monotonic(), 0.0, 0
         self._current: StreamedLayer | None = None
 
     def _engine_refusal(self, io_engine: str) -> str | None:
@@ -117,6 +153,11 @@ class StreamingExperts:
         self._prepared.pop(buffer.ctypes.data, None)
 
     @property
+    def depth(self) -> int:
+        """MoE layers ahead the prefetches reach now (0 without a predictor)."""
+        return self.lookahead.depth if self.lookahead is not None else 0
+
+    @property
     def strategy(self) -> str:
         return "predictive" if self.predictor is not None else "ondemand"
 
@@ -125,18 +166,27 @@ class StreamingExperts:
         here = self._last_ordinal if self._last_ordinal is not None else -1
         return (self._ordinal[layer] - here) % len(self.layers) or len(self.layers)
 
-    def _position(self, layer: int) -> int:
+    def _position(self, layer: int, n_tokens: int) -> int:
         if layer not in self._ordinal:
             raise ZllmError(f"layer {layer} is not a MoE layer of this model; MoE layers: {list(self.layers)}")
         ordinal = self._ordinal[layer]
         if self._last_ordinal is not None and ordinal <= self._last_ordinal:
             self._pass += 1  # a new forward pass started
+            self._pass_done()
         self._last_ordinal = ordinal
+        self._pass_tokens = max(self._pass_tokens, n_tokens)
         return self._pass * len(self.layers) + ordinal
+
+    def _pass_done(self) -> None:
+        """A forward pass ended: a decode pass (one token) tells the lookahead how long it waited."""
+        now = time.monotonic()
+        if self.lookahead is not None and self._pass_tokens == 1:
+            self.lookahead.pass_done(now - self._pass_started, self.counters.stall_seconds - self._pass_stall)
+        self._pass_started, self._pass_stall, self._pass_tokens = now, self.counters.stall_seconds, 0
 
     def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
                 router_logits: np.ndarray | None = None) -> Mapping[int, ExpertWeights]:
-        position = self._position(layer)
+        position = self._position(layer, len(expert_ids))
         finished = self._current
         if finished is not None:
             finished.release()
@@ -214,7 +264,10 @@ class StreamingExperts:
                       "expert_cache_bytes": self.cache.capacity_bytes,
                       "expert_cache_peak_bytes": self.cache.peak_charged, "expert_evictions": self.cache.evictions,
                       "prefetches_evicted_unused": self.cache.unused_prefetches,
-                      "prefetch_depth": self.depth, **prefetch, "expert_reads": store["reads"],
+                      "prefetch_depth": self.lookahead.most if self.lookahead is not None else 0,
+                      "prefetch_lookahead": self.depth,
+                      "prefetch_lookahead_changes": self.lookahead.changes if self.lookahead is not None else 0,
+                      **prefetch, "expert_reads": store["reads"],
                       "expert_read_calls": store["read_calls"],
                       "emulated_wait_seconds": store["emulated_wait_seconds"]})
         if self.predictor is not None:

@@ -375,3 +375,25 @@ def test_mmap_pages_experts_within_the_share(expert_file, monkeypatch):
     # each dropped expert's file range leaves the page cache, so its next use reads the disk again
     assert dropped == [(expert_file.record(*key).offset, os.POSIX_FADV_DONTNEED) for key in ((0, 0), (1, 2), (1, 3))]
     assert stats["expert_cache_peak_bytes"] <= 3 * buffer and stats["io_hidden_fraction"] == 0.0
+
+
+def test_lookahead_adapts_to_the_time_waited_for_experts():
+    """Every WINDOW decode passes: one layer further when the model waited more than RAISE_STALL of
+    the window's time, one nearer under LOWER_STALL, within 1..most."""
+    from streaming.source import Lookahead
+
+    lookahead = Lookahead(3)
+    window = Lookahead.WINDOW
+
+    def passes(stall_share: float, n: int = window) -> int:
+        for _ in range(n):
+            lookahead.pass_done(0.01, 0.01 * stall_share)
+        return lookahead.depth
+
+    assert lookahead.depth == 3
+    assert passes(0.01, window - 1) == 3  # a window not yet complete decides nothing
+    assert passes(0.01, 1) == 2 and passes(0.0) == 1 and passes(0.0) == 1  # never below one layer
+    assert passes(0.07) == 1  # between the thresholds: kept
+    assert passes(0.5) == 2 and passes(0.5) == 3 and passes(0.5) == 3  # never beyond the predictor's depth
+    assert lookahead.changes == 4
+    assert Lookahead(1).depth == 1
