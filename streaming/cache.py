@@ -348,10 +348,11 @@ class ExpertCache:
             self.evictions += 1
 
     def reserve(self, key: Key, buffer_bytes: int, for_prefetch: bool, position: int,
-                needed_at: int = -1) -> Entry | None:
+                needed_at: int = -1, wait_for_loads: Callable[[], None] | None = None) -> Entry | None:
         """A new LOADING entry for key. A prefetch gets None when no room can be made now; a demand
-        load waits (on `lock`) until loads in flight finish and make their entries evictable.
-        `needed_at`: a prefetch's position of the layer it is loaded for."""
+        load waits until loads in flight finish and make their entries evictable: `wait_for_loads()`
+        (an engine whose loads the caller itself completes), else on `lock`, which loading threads
+        notify. `needed_at`: a prefetch's position of the layer it is loaded for."""
         if buffer_bytes + ENTRY_OVERHEAD > self.capacity_bytes:
             raise ZllmError(f"an expert of layer {key[0]} needs {buffer_bytes + ENTRY_OVERHEAD} bytes, more than the "
                             f"whole expert cache ({self.capacity_bytes} bytes); raise memory_budget")
@@ -365,7 +366,7 @@ class ExpertCache:
                 pinned = sum(e.nbytes for e in self.entries.values() if e.pins)
                 raise ZllmError(f"the expert cache ({self.capacity_bytes} bytes) cannot hold layer {key[0]} expert "
                                 f"{key[1]}: {pinned} bytes are pinned by the layer being computed; raise memory_budget")
-            self.lock.wait()
+            (wait_for_loads or self.lock.wait)()
         entry = Entry(key, buffer)
         entry.needed_at = needed_at
         self.entries[key] = entry

@@ -125,7 +125,8 @@ class LoadQueue:
         queued = self._queued.get(key)
         if queued is not None:  # predicted, but its read has not started: it becomes a demand load
             self._cancel(queued)
-        entry = self.cache.reserve(key, self.store.buffer_bytes(key[0]), for_prefetch=False, position=self.position)
+        entry = self.cache.reserve(key, self.store.buffer_bytes(key[0]), for_prefetch=False, position=self.position,
+                                   wait_for_loads=self._wait_for_loads)
         entry.pins += 1  # pinned before anyone can evict it
         self._push(Task(DEMAND, next(self._sequence), key, self.position, entry))
         self.demand_loads += 1
@@ -187,6 +188,8 @@ class LoadQueue:
             return entry, None, exc
 
     # --- what an engine provides -----------------------------------------------------------------
+    _wait_for_loads = None  # how a demand load that finds the cache full of loads waits (None: on `lock`)
+
     def poll(self) -> None:
         """Start queued loads and publish finished ones, without waiting (the model's thread, between
         layers and before it looks at which experts are ready)."""
@@ -434,6 +437,19 @@ class RingLoader(LoadQueue):
     def poll(self) -> None:
         with self.lock:
             self._step()
+
+    def _wait_for_loads(self) -> None:
+        """A demand load found the cache full of entries being loaded (the lock is held): publish what
+        has completed, else wait for a read, since no other thread publishes them. (No new prefetch is
+        submitted first: it would take the room the demand load waits for.)"""
+        self._take_finished()
+        self._deliver()
+        if self._arrived:  # read, waiting out the emulated device
+            self.store.wait_until(min(item[0] for item in self._arrived))
+        elif self._flight:
+            self._uring.ring_wait(self._done, next(iter(self._flight)), WAIT_SLEEPS)
+        else:  # loads reserved but not submitted yet (every tag was in flight): send them
+            self._submit()
 
     def wait_loaded(self, entry: Entry) -> None:
         with self.lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
+import threading
 import time
 
 import numpy as np
@@ -129,5 +130,37 @@ def test_reads_after_the_completion_thread_stopped_fail_where_their_experts_are_
         chosen = source.experts(0, np.array([[2, 4]]), np.zeros((1, 64), np.float32))
         with pytest.raises(ExpertReadError, match=r"reading layer 0 expert 2 .* failed: \[Errno 5\] Input/output"):
             chosen[2]
+    finally:
+        source.close()
+
+
+def test_a_demand_load_waits_out_a_cache_full_of_loads_in_flight(expert_file, engine):
+    """Every entry of the cache is a prefetch still being read when a layer misses an expert: the demand
+    load waits until one is published and evicts it (with io_uring no other thread publishes reads, so
+    the waiting caller must take them itself) instead of waiting for ever."""
+    source = _source(expert_file, 2, engine, storage="custom:bw=50MB,lat=30ms")
+    loader, result = source.prefetcher, {}
+
+    def demand():
+        with source.cache.lock:
+            entry, missed = loader.demand((2, 5))
+        loader.wait_loaded(entry)
+        result.update(state=entry.state, missed=missed)
+
+    try:
+        with source.cache.lock:
+            for expert in (0, 1):
+                assert loader.prefetch((1, expert), 10, 1, 1.0)
+        deadline = time.monotonic() + 5
+        while len(source.cache.entries) < 2 and time.monotonic() < deadline:
+            loader.poll()  # io_uring: submitted here; threads: taken by the loading threads
+            time.sleep(0.001)
+        assert [e.state for e in source.cache.entries.values()] == ["loading", "loading"]
+        thread = threading.Thread(target=demand, daemon=True)
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the demand load waited for ever"
+        assert result == {"state": "ready", "missed": True}
+        assert (2, 5) in source.cache.entries and len(source.cache.entries) == 2
     finally:
         source.close()
