@@ -55,8 +55,8 @@ class Lookahead:
     one layer less. (No one depth suits every model: small experts that arrive in time do best one
     layer ahead, large ones that do not, further; compare `zllm-edge bench --prefetch-depth N`.)"""
 
-    RAISE_STALL = 0.10  # waiting more than this share of a window: one layer further
-    LOWER_STALL = 0.05  # less: one layer nearer
+    RAISE_STALL = 0.20  # waiting more than this share of a window: one layer further
+    LOWER_STALL = 0.10  # less than this: one layer nearer
     WINDOW = 4          # decode passes
 
     def __init__(self, most: int):

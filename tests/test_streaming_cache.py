@@ -393,7 +393,7 @@ def test_lookahead_adapts_to_the_time_waited_for_experts():
     assert lookahead.depth == 3
     assert passes(0.01, window - 1) == 3  # a window not yet complete decides nothing
     assert passes(0.01, 1) == 2 and passes(0.0) == 1 and passes(0.0) == 1  # never below one layer
-    assert passes(0.07) == 1  # between the thresholds: kept
+    assert passes(0.15) == 1  # between the thresholds: kept
     assert passes(0.5) == 2 and passes(0.5) == 3 and passes(0.5) == 3  # never beyond the predictor's depth
     assert lookahead.changes == 4
     assert Lookahead(1).depth == 1
