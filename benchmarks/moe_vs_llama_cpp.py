@@ -95,12 +95,12 @@ def write_gguf(shape, path: str) -> None:
     # (gguf name, how to make its data, byte shape, raw type or None for F32), in file order
     plan: list[tuple[str, object, tuple, object]] = []
 
-    def q8(name: str, rows: int, cols: int) -> None:
-        plan.append((name, lambda: gguf.quants.quantize(source.load(name_of[name]), Q8_0),
+    def q8(name: str, source_name: str, rows: int, cols: int) -> None:
+        plan.append((name, lambda: gguf.quants.quantize(source.load(source_name), Q8_0),
                      (rows, cols // 32 * Q8_0_BLOCK), Q8_0))
 
-    def f32(name: str, dims: tuple) -> None:
-        plan.append((name, lambda: source.load(name_of[name]).astype(np.float32), dims, None))
+    def f32(name: str, source_name: str, dims: tuple) -> None:
+        plan.append((name, lambda: source.load(source_name).astype(np.float32), dims, None))
 
     def stacked(name: str, projection: str, layer: int, rows: int, cols: int) -> None:
         def make():
@@ -108,30 +108,21 @@ def write_gguf(shape, path: str) -> None:
                              for e in range(experts)])
         plan.append((name, make, (experts, rows, cols // 32 * Q4_0_BLOCK), Q4_0))
 
-    name_of = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-               "output.weight": "lm_head.weight"}
-    q8("token_embd.weight", shape.vocab, d)
+    q8("token_embd.weight", "model.embed_tokens.weight", shape.vocab, d)
     for layer in range(layers):
         hf, blk = f"model.layers.{layer}.", f"blk.{layer}."
-        name_of.update({blk + "attn_norm.weight": hf + "input_layernorm.weight",
-                        blk + "ffn_norm.weight": hf + "post_attention_layernorm.weight",
-                        blk + "attn_q.weight": hf + "self_attn.q_proj.weight",
-                        blk + "attn_k.weight": hf + "self_attn.k_proj.weight",
-                        blk + "attn_v.weight": hf + "self_attn.v_proj.weight",
-                        blk + "attn_output.weight": hf + "self_attn.o_proj.weight",
-                        blk + "ffn_gate_inp.weight": hf + "mlp.gate.weight"})
-        f32(blk + "attn_norm.weight", (d,))
-        q8(blk + "attn_q.weight", shape.heads * head_dim, d)
-        q8(blk + "attn_k.weight", shape.kv_heads * head_dim, d)
-        q8(blk + "attn_v.weight", shape.kv_heads * head_dim, d)
-        q8(blk + "attn_output.weight", d, shape.heads * head_dim)
-        f32(blk + "ffn_norm.weight", (d,))
-        f32(blk + "ffn_gate_inp.weight", (experts, d))
+        f32(blk + "attn_norm.weight", hf + "input_layernorm.weight", (d,))
+        q8(blk + "attn_q.weight", hf + "self_attn.q_proj.weight", shape.heads * head_dim, d)
+        q8(blk + "attn_k.weight", hf + "self_attn.k_proj.weight", shape.kv_heads * head_dim, d)
+        q8(blk + "attn_v.weight", hf + "self_attn.v_proj.weight", shape.kv_heads * head_dim, d)
+        q8(blk + "attn_output.weight", hf + "self_attn.o_proj.weight", d, shape.heads * head_dim)
+        f32(blk + "ffn_norm.weight", hf + "post_attention_layernorm.weight", (d,))
+        f32(blk + "ffn_gate_inp.weight", hf + "mlp.gate.weight", (experts, d))
         stacked(blk + "ffn_gate_exps.weight", "gate_proj", layer, inter, d)
         stacked(blk + "ffn_up_exps.weight", "up_proj", layer, inter, d)
         stacked(blk + "ffn_down_exps.weight", "down_proj", layer, d, inter)
-    f32("output_norm.weight", (d,))
-    q8("output.weight", shape.vocab, d)
+    f32("output_norm.weight", "model.norm.weight", (d,))
+    q8("output.weight", "lm_head.weight", shape.vocab, d)
 
     for name, _, dims, raw in plan:
         dtype = np.uint8 if raw is not None else np.float32
@@ -306,12 +297,14 @@ def main(argv=None) -> int:
             (i for i, (a, b) in enumerate(zip(ours["tokens"], result["tokens"])) if a != b),
             min(len(ours["tokens"]), len(result["tokens"])))
     held = [r for r in results[:-1] if r["limit_held"]]
-    report = {"shape": args.shape, "gguf": gguf_path, "checkpoint": checkpoint, "gguf_bytes": os.path.getsize(gguf_path),
+    report = {"shape": args.shape, "gguf": gguf_path, "checkpoint": checkpoint,
+              "gguf_bytes": os.path.getsize(gguf_path),
               "budget": args.budget, "budget_bytes": budget_bytes, "import_rss_bytes": imported,
               "limit_bytes": limit_bytes, "threads": args.threads, "prompt_tokens": args.prompt_tokens,
               "new_tokens": args.new_tokens, "llama_cpp_build": build.cmake_args, "engines": results,
               "decode_vs_fastest_llama_cpp_within_the_limit": (
-                  ours["decode_tokens_per_second"] / max(r["decode_tokens_per_second"] for r in held) if held else None)}
+                  ours["decode_tokens_per_second"] / max(r["decode_tokens_per_second"] for r in held)
+                  if held else None)}
     print(f"random {args.shape} ({report['gguf_bytes'] / 1e9:.2f} GB GGUF), limit {limit_bytes / 1e9:.2f} GB "
           f"(budget {args.budget} = {budget_bytes / 1e9:.2f} GB + {imported / 1e6:.0f} MB interpreter), "
           f"{args.threads} threads, {args.prompt_tokens}-token prompt, {args.new_tokens} tokens")

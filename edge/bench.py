@@ -41,8 +41,8 @@ import psutil
 
 from devices.base import DeviceUnavailableError, split_device_list
 from edge.core.errors import InvalidArgumentError, ZllmError
+from edge.core.process_memory import peak_rss_bytes, resident_bytes
 from streaming.options import IO_ENGINES
-from edge.core.process_memory import peak_rss_bytes
 
 PROMPT_TOPIC = "execmodel"  # pydoc_data.topics entry the text prompt is cut from: plain English prose
 PROMPT_SEED = 0
@@ -214,12 +214,12 @@ def _device_worker(connection, checkpoint_path: str, device: str, threads: int |
 
     # the interpreter and the package's import: what a memory budget is compared above (the runtime's
     # own modules, imported by the first load, are counted in the budget: edge/core/process_memory.py)
-    rss_after_import = psutil.Process().memory_info().rss
+    rss_after_import = resident_bytes()
     try:
         if load_options is not None and _reset_peak_rss():
             _warm_up_runtime(checkpoint_path, device, threads, load_options)
         sampler = PeakRSSSampler() if peak_rss_bytes() is None else None
-        rss_before_load = psutil.Process().memory_info().rss
+        rss_before_load = resident_bytes()
         started = time.perf_counter()
         model = edge.load(checkpoint_path, device=device, threads=load_threads(device, threads),
                           **(load_options or {}))
@@ -228,7 +228,7 @@ def _device_worker(connection, checkpoint_path: str, device: str, threads: int |
         connection.send({"event": "loaded", "load_seconds": load_seconds, "device_info": model.device_info(),
                          "weight_bytes": model.weight_bytes, "rss_before_load_bytes": rss_before_load,
                          "rss_after_import_bytes": rss_after_import,
-                         "rss_after_load_bytes": psutil.Process().memory_info().rss,
+                         "rss_after_load_bytes": resident_bytes(),
                          "memory_plan": model.memory.to_dict()})
         while True:
             try:
@@ -277,9 +277,10 @@ def _warm_up_runtime(checkpoint_path: str, device: str, threads: int | None, loa
     restart the peak-RSS count.
 
     What stays resident afterwards is the runtime itself: the interpreter, libraries and the
-    device's compiled kernels (LLVM code generation and JIT caches take tens of MB at the first
-    call). The baseline measured after this counts them, so that peak RSS minus the baseline is
-    the memory the model's data takes, which is what a memory budget bounds."""
+    device's compiled kernels, as a long-running process has them. The measured load's plan counts
+    that runtime (edge/core/process_memory.py measured it during this load), and the budget is
+    compared with the peak RSS over the RSS after importing the package; the RSS measured after
+    this (the row's baseline_rss_bytes) is reported beside it."""
     import gc
 
     import edge

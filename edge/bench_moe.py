@@ -262,6 +262,7 @@ def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str
         "strategies": strategies, "prefetch_depth": prefetch_depth, "io_engine": io_engine,
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens, "decode_steps": new_tokens - 1, "repeats": repeats, "prompt_source": prompt_source,
+        # (the RSS after the warm-up load, before the measured one: interpreter and warm runtime)
         "interpreter_baseline_rss_bytes": statistics.median(baselines) if baselines else None,
         "rss_tolerance": RSS_TOLERANCE, "configs": rows, "machine": machine_info(),
     }

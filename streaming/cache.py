@@ -350,9 +350,9 @@ class ExpertCache:
     def reserve(self, key: Key, buffer_bytes: int, for_prefetch: bool, position: int,
                 needed_at: int = -1, wait_for_loads: Callable[[], None] | None = None) -> Entry | None:
         """A new LOADING entry for key. A prefetch gets None when no room can be made now; a demand
-        load waits until loads in flight finish and make their entries evictable: `wait_for_loads()`
-        (an engine whose loads the caller itself completes), else on `lock`, which loading threads
-        notify. `needed_at`: a prefetch's position of the layer it is loaded for."""
+        load waits until loads in flight finish and make their entries evictable, by calling
+        `wait_for_loads()` (the loading engine's way; by default waiting on `lock`, which whoever
+        publishes a load notifies). `needed_at`: a prefetch's position of the layer it is loaded for."""
         if buffer_bytes + ENTRY_OVERHEAD > self.capacity_bytes:
             raise ZllmError(f"an expert of layer {key[0]} needs {buffer_bytes + ENTRY_OVERHEAD} bytes, more than the "
                             f"whole expert cache ({self.capacity_bytes} bytes); raise memory_budget")

@@ -188,7 +188,10 @@ class LoadQueue:
             return entry, None, exc
 
     # --- what an engine provides -----------------------------------------------------------------
-    _wait_for_loads = None  # how a demand load that finds the cache full of loads waits (None: on `lock`)
+    def _wait_for_loads(self) -> None:
+        """A demand load found the cache full of entries being loaded (the lock is held): wait until
+        one is published. Loading threads publish and notify `lock`."""
+        self.lock.wait()
 
     def poll(self) -> None:
         """Start queued loads and publish finished ones, without waiting (the model's thread, between
@@ -444,12 +447,17 @@ class RingLoader(LoadQueue):
         submitted first: it would take the room the demand load waits for.)"""
         self._take_finished()
         self._deliver()
-        if self._arrived:  # read, waiting out the emulated device
+        if self._arrived or self._flight:
+            self._wait_for_a_read()
+        else:  # loads reserved but not submitted yet (every tag was in flight): send them
+            self._submit()
+
+    def _wait_for_a_read(self) -> None:
+        """Wait out the emulated device for a read that arrived, else wait for the oldest read in flight."""
+        if self._arrived:
             self.store.wait_until(min(item[0] for item in self._arrived))
         elif self._flight:
             self._uring.ring_wait(self._done, next(iter(self._flight)), WAIT_SLEEPS)
-        else:  # loads reserved but not submitted yet (every tag was in flight): send them
-            self._submit()
 
     def wait_loaded(self, entry: Entry) -> None:
         with self.lock:
@@ -472,10 +480,7 @@ class RingLoader(LoadQueue):
         with self.lock:
             while (self._queued or self._flight or self._arrived) and not self._closed:
                 self._step()
-                if self._flight:
-                    self._uring.ring_wait(self._done, next(iter(self._flight)), WAIT_SLEEPS)
-                elif self._arrived:
-                    self.store.wait_until(min(item[0] for item in self._arrived))
+                self._wait_for_a_read()
 
     def close(self) -> None:
         with self.lock:

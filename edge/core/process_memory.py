@@ -20,12 +20,13 @@ import psutil
 
 
 def resident_bytes() -> int:
-    return _process().memory_info().rss
+    return _process(os.getpid()).memory_info().rss
 
 
 @functools.lru_cache(maxsize=None)
-def _process() -> psutil.Process:
-    return psutil.Process()
+def _process(pid: int) -> psutil.Process:
+    """(keyed by pid: a forked child must not read its parent's figures)"""
+    return psutil.Process(pid)
 
 
 def peak_rss_bytes() -> int | None:
@@ -38,7 +39,7 @@ def peak_rss_bytes() -> int | None:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    peak = getattr(psutil.Process().memory_info(), "peak_wset", None)
+    peak = getattr(_process(os.getpid()).memory_info(), "peak_wset", None)
     return int(peak) if peak is not None else None
 
 
