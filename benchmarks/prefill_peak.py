@@ -10,8 +10,10 @@ Three figures, in GMAC/s (billions of multiply-adds per second) at the kernels' 
                 tile and inputs that stay in L1
   gemm          kernels/cpu/linear.py `linear` on INT4 and INT8 weights of SmolLM2's projection shapes
                 (1536 x 576 and 576 x 1536), dequantization, depth slices and scatter included, per
-                prompt length
-Each is the best of a few repeats; the gemm rows give their fraction of the peak.
+                prompt length: on f32 tiles (cpu:f32), and on integer panels (int8 activations, the
+                default variant's prefill where kernels/cpu/llvm_prefill.py integer_prefill_runs)
+Each is the best of a few repeats; the gemm rows give their fraction of the f32 peak (integer panels
+can pass it: a byte dot product does 4 multiply-adds per 32-bit lane).
 """
 from __future__ import annotations
 
@@ -112,9 +114,12 @@ def micro_kernel_rate() -> float:
 
 def gemm_rates(token_counts: list[int]) -> list[dict]:
     from kernels.cpu import formats as wf
+    from kernels.cpu.cpu_probe import best_int8_dot
     from kernels.cpu.linear import attach_kernels, linear
-    from kernels.cpu.llvm_ir import ACT_F32
+    from kernels.cpu.llvm_ir import ACT_F32, INT8_DOTS
+    from kernels.cpu.llvm_prefill import integer_prefill_runs
 
+    int8_style = best_int8_dot()
     rng = np.random.default_rng(0)
     rows = []
     for kind, (n, k) in [(wf.INT4_SYM, (1536, 576)), (wf.INT4_SYM, (576, 1536)),
@@ -122,13 +127,17 @@ def gemm_rates(token_counts: list[int]) -> list[dict]:
         group = 32
         codes = rng.integers(0, 256, (n, k // group, group // 2 if kind == wf.INT4_SYM else group), dtype=np.uint8)
         scales = (rng.random((n, k // group)) * 0.01).astype(np.float16).view(np.uint16)
-        descriptor = attach_kernels(wf.describe_quantized(kind, (n, k), group, codes, scales, None), ACT_F32)
-        for tokens in token_counts:
-            x = rng.standard_normal((tokens, k)).astype(np.float32)
-            linear(descriptor, x, None, 1)
-            seconds = _best(lambda: linear(descriptor, x, None, 1), 7)
-            rows.append({"kind": wf.KIND_NAMES[kind], "rows": n, "cols": k, "tokens": tokens,
-                         "gmac_per_second": n * k * tokens / seconds / 1e9})
+        paths = {"f32 tiles": ACT_F32}
+        if integer_prefill_runs(wf.IR_FORMATS[kind].bits, int8_style):
+            paths[f"integer ({INT8_DOTS[int8_style].name})"] = int8_style
+        for path, style in paths.items():
+            descriptor = attach_kernels(wf.describe_quantized(kind, (n, k), group, codes, scales, None), style)
+            for tokens in token_counts:
+                x = rng.standard_normal((tokens, k)).astype(np.float32)
+                linear(descriptor, x, None, 1)
+                seconds = _best(lambda: linear(descriptor, x, None, 1), 7)
+                rows.append({"kind": wf.KIND_NAMES[kind], "path": path, "rows": n, "cols": k, "tokens": tokens,
+                             "gmac_per_second": n * k * tokens / seconds / 1e9})
     return rows
 
 
@@ -148,9 +157,9 @@ def main() -> None:
     print(f"level {isa.target_level()}: {count} vector registers of {bits} bits, one thread")
     print(f"f32 FMA peak     {peak:6.1f} GMAC/s")
     print(f"micro-kernel L1  {micro:6.1f} GMAC/s ({micro / peak:.2f} of the peak)")
-    print("kind       rows x cols   tokens  GMAC/s  of peak")
+    print("kind       path                            rows x cols   tokens  GMAC/s  of peak")
     for row in gemms:
-        print(f"{row['kind']:<10} {row['rows']:>4} x {row['cols']:<4}  {row['tokens']:>6}  "
+        print(f"{row['kind']:<10} {row['path']:<31} {row['rows']:>4} x {row['cols']:<4}  {row['tokens']:>6}  "
               f"{row['gmac_per_second']:6.1f}  {row['fraction_of_peak']:7.2f}")
     publish({"level": isa.target_level(), "vector_bits": bits, "fma_peak_gmac_per_second": peak,
              "micro_kernel_gmac_per_second": micro, "gemm": gemms}, args.json)

@@ -189,12 +189,15 @@ def bf16_rounded(values: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("n_tokens", [3, 17, 40])  # one short block, one block of 32, two blocks
 @pytest.mark.parametrize("scheme", QUANTIZED, ids=str)
 def test_int8_variant_prefill_multiplies_bf16_tiles(backend, scheme, n_tokens):
-    """The default variant's prefill on a CPU that runs AVX-512 BF16: the weight's tile and the
-    input rounded to bf16, products summed in f32 (kernels/cpu/linear.py gemm); elsewhere the
-    f32 tiles of cpu:f32, bit for bit. One token (decode) takes the int8 path either way."""
+    """The default variant's prefill of a weight that integer panels do not take (below), on a CPU
+    that runs AVX-512 BF16: the weight's tile and the input rounded to bf16, products summed in f32
+    (kernels/cpu/linear.py gemm); elsewhere the f32 tiles of cpu:f32, bit for bit. One token
+    (decode) takes the int8 path either way."""
     from devices.cpu import CpuBackend
 
     int8_backend = CpuBackend(threads=2, variant="int8")
+    if scheme.bits in int8_backend.integer_prefill_bits:
+        pytest.skip(f"{scheme} prefills on integer panels here")
     weight = make_weight(scheme, (100, 70), seed=5)  # 100 rows: three tiles of 48
     x = np.random.default_rng(6).standard_normal((n_tokens, 70)).astype(np.float32)
     prefill = int8_backend.linear(x, int8_backend.prepare_weight(weight))
@@ -207,6 +210,45 @@ def test_int8_variant_prefill_multiplies_bf16_tiles(backend, scheme, n_tokens):
     else:
         np.testing.assert_array_equal(prefill, f32_prefill)
     assert not np.array_equal(int8_backend.linear(x[:1], int8_backend.prepare_weight(weight)), prefill[:1])
+
+
+INTEGER_PREFILL_SHAPES = [(100, 70), (16, 32), (33, 576), (7, 1536)]  # panels of 16 with and without a tail
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED, ids=str)
+@pytest.mark.parametrize("style", int8_styles(), ids=lambda style: int8_dot_probe(style) or "generic")
+def test_integer_prefill_multiplies_the_quantized_tokens(scheme, style):
+    """Prefill on integer panels (kernels/cpu/llvm_prefill.py) computes x^ W^T, x^ each token rounded
+    to int8 per block of 32 as decode rounds its vector: up to f32 rounding of the per-block terms
+    (the integer sums are exact, then one f32 multiply-add per block and row: (K / 32 + 2) * eps of
+    the terms' magnitudes), and with the same bits by every instruction that runs here (the sums are
+    exact and the f32 steps run in one order)."""
+    from devices.cpu.weights import prepare_weight
+    from kernels.cpu import linear as linear_kernels
+    from kernels.cpu.cpu_probe import runs
+    from kernels.cpu.llvm_ir import INT8_DOTS
+    from kernels.cpu.llvm_prefill import integer_prefill_runs
+
+    probe = INT8_DOTS[style].probe
+    if probe is not None and not runs(probe):
+        pytest.skip(f"the kernels' target here does not run {INT8_DOTS[style].name}")
+    if not integer_prefill_runs(scheme.bits, style):
+        pytest.skip(f"{scheme} keeps float tiles with {INT8_DOTS[style].name}")
+    runs_here = [s for s in INT8_DOTS if (INT8_DOTS[s].probe is None or runs(INT8_DOTS[s].probe))
+                 and integer_prefill_runs(scheme.bits, s)]
+    for index, (n, k) in enumerate(INTEGER_PREFILL_SHAPES):
+        weight = make_weight(scheme, (n, k), seed=index)
+        rng = np.random.default_rng(400 + index)
+        for n_tokens in (2, 5, 37):
+            x = (rng.standard_normal((n_tokens, k)) * rng.uniform(0.01, 10.0, k)).astype(np.float32)
+            ours = linear_kernels.linear(prepare_weight(weight, style).descriptor, x, None, 2)
+            x_hat = quantized_input(x).astype(np.float64)
+            expected = x_hat @ weight.dequantize().astype(np.float64).T
+            magnitudes = np.abs(x_hat) @ term_magnitudes(weight).T.astype(np.float64)
+            assert np.all(np.abs(ours - expected) <= (k / 32 + 2) * EPS * magnitudes), f"{scheme} N={n} K={k}"
+            for other in runs_here:
+                np.testing.assert_array_equal(
+                    linear_kernels.linear(prepare_weight(weight, other).descriptor, x, None, 1), ours)
 
 
 @pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=str)

@@ -33,6 +33,7 @@ try:
     from kernels.cpu.cpu_probe import best_int8_dot, bf16_prefill_is_faster, runs_bf16
     from kernels.cpu.formats import padded_cols
     from kernels.cpu.llvm_ir import ACT_F32, ACT_INT8, INT8_DOTS
+    from kernels.cpu.llvm_prefill import integer_prefill_runs
     from kernels.cpu.runtime import threading_info
 except ImportError as exc:  # pragma: no cover - numba is a declared dependency
     raise DeviceUnavailableError(f"device 'cpu' needs numba and llvmlite ({exc}); pip install numba") from None
@@ -109,6 +110,14 @@ class CpuBackend:
             self.prefill_reason = "f32 (bf16 tiles measured slower on this CPU)"
         else:
             self.prefill_reason = "f32"
+        # int4 weights (and int8 ones where the dot product takes unsigned bytes) prefill on integer
+        # panels: the tokens quantized as decode quantizes its vector, the weight's codes as stored
+        self.integer_prefill_bits = tuple(bits for bits in (4, 8) if integer_prefill_runs(bits, self.activation_style))
+        if self.integer_prefill_bits:
+            weights = " and ".join(f"int{bits}" for bits in self.integer_prefill_bits)
+            others = "" if len(self.integer_prefill_bits) == 2 else f"; other weights {self.prefill_reason}"
+            self.prefill_reason = (f"int8 activations times {weights} codes ({INT8_DOTS[self.activation_style].name})"
+                                   + others)
         self.threads = _thread_count(threads)
         # sliding layers may keep only their window (run op by op); f16 and int8 K/V read as stored
         self.capabilities = Capabilities(kv_formats=KV_FORMATS, cache_buffers=True, ring_buffers=True, stored_attention=True,
@@ -326,13 +335,16 @@ class CpuBackend:
             "activations": self.activations,
             "variant_reason": self.variant_reason,
             "int8_dot": None if self.activation_style == ACT_F32 else INT8_DOTS[self.activation_style].name,
-            # for `zllm-edge diff`: f32 sums; the inputs of decode's quantized matmuls rounded to int8
-            # per block of 32 (half a step of 127) or kept; prefill's quantized matmuls in bf16 (inputs
-            # within int8's budget, the dequantized weights rounded by up to 2^-8) or in f32
+            # for `zllm-edge diff`: f32 sums; the inputs of decode's quantized matmuls (and of prefill's on
+            # integer panels) rounded to int8 per block of 32 (half a step of 127) or kept; prefill's other
+            # quantized matmuls in bf16 (inputs within int8's budget, the dequantized weights rounded by
+            # up to 2^-8) or in f32
             "arithmetic": {"accumulation": 2.0 ** -24,
                            "activations": {"f32": 0.0, "f16": 0.0,
                                            "quantized": 0.0 if self.activation_style == ACT_F32 else 1.0 / 254.0},
-                           "weights": {"f32": 0.0, "f16": 0.0, "quantized": 2.0 ** -8 if self.bf16_prefill else 0.0}},
+                           "weights": {"f32": 0.0, "f16": 0.0,
+                                       "quantized": 2.0 ** -8 if self.bf16_prefill and len(self.integer_prefill_bits) < 2
+                                       else 0.0}},
             "prefill_tiles": self.prefill_reason,
             "numba": numba.__version__,
             "llvm": ".".join(map(str, llvm.llvm_version_info)),

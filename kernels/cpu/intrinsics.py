@@ -39,6 +39,7 @@ float32_pointer = _pointer_intrinsic(types.float32, F32, "views of scratch and K
 int64_pointer = _pointer_intrinsic(types.int64, I64, "a weight descriptor row, read by a kind's kernels")
 uint16_pointer = _pointer_intrinsic(types.uint16, ir.IntType(16), "f16 KV buffers and bf16 tiles (their bit patterns)")
 uint32_pointer = _pointer_intrinsic(types.uint32, I32, "f32 values as bit patterns, and pairs of bf16")
+int32_pointer = _pointer_intrinsic(types.int32, I32, "sums of quantized inputs")
 
 
 def _indirect_call(n_args: int):

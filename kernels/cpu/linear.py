@@ -30,11 +30,12 @@ import numpy as np
 from numba import prange, types
 
 from kernels.cpu import formats as wf
-from kernels.cpu.intrinsics import (call_dequantize, call_gemm, call_matvec, float32_pointer, int64_pointer,
-                                    prefetch_bytes, uint16_pointer, uint32_pointer)
+from kernels.cpu.intrinsics import (call_dequantize, call_gemm, call_matvec, float32_pointer, int32_pointer,
+                                    int64_pointer, prefetch_bytes, uint16_pointer, uint32_pointer)
 from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, PREFETCH_BLOCKS, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS,
                                  make_dot_rows, quantize_chunk)
-from kernels.cpu.llvm_prefill import make_dequantize_rows, make_tile_times_tokens
+from kernels.cpu.llvm_prefill import (PANEL_ROWS, QUADS_PER_CHUNK, integer_prefill_runs, make_dequantize_rows,
+                                      make_panel_times_tokens, make_tile_times_tokens, pack_panel)
 from kernels.cpu.runtime import cfunc, helper, kernel, mutable, readonly
 
 TILE_M = 6  # weight rows per micro-kernel call
@@ -84,6 +85,8 @@ tile_times_tokens = make_tile_times_tokens(TILE_M, TILE_T // LANES)
 tile_times_16_tokens = make_tile_times_tokens(TILE_M, 1)
 bf16_tile_times_tokens = make_tile_times_tokens(TILE_M, TILE_T // LANES, bf16=True)
 bf16_tile_times_16_tokens = make_tile_times_tokens(TILE_M, 1, bf16=True)
+PANEL_TOKENS = 4  # tokens per integer micro-kernel call (a divisor of TILE_T, the tokens' padding)
+panel_times_tokens = make_panel_times_tokens(PANEL_TOKENS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,6 +271,96 @@ def _gemm_for(bf16: bool):
     return gemm
 
 
+@helper
+def quantize_tokens(xt, xt_stride, depth, columns, xq, xd, xs, peaks):
+    """The first `columns` tokens of xt (f32 [depth, xt_stride], tokens minor) quantized per token
+    and chunk of 32 as decode's int8 activations are (d = max|x| / 127, q = rint(x * 127 / max|x|),
+    0 for an all-zero chunk) into the integer prefill's xq, xd and xs ([., columns] each; layouts in
+    kernels/cpu/llvm_prefill.py). peaks: f32 scratch [2, columns]."""
+    values = numba.carray(float32_pointer(xt), (depth, xt_stride))
+    words = numba.carray(uint32_pointer(xq), (depth // 4, columns))
+    scales = numba.carray(float32_pointer(xd), (depth // CHUNK, columns))
+    sums = numba.carray(int32_pointer(xs), (depth // CHUNK, columns))
+    peak = numba.carray(float32_pointer(peaks), (columns,))
+    inverse = numba.carray(float32_pointer(peaks + 4 * columns), (columns,))
+    for c in range(depth // CHUNK):
+        for t in range(columns):
+            peak[t] = 0.0
+            sums[c, t] = 0
+        for i in range(CHUNK):
+            for t in range(columns):
+                peak[t] = max(peak[t], abs(values[CHUNK * c + i, t]))
+        for t in range(columns):
+            inverse[t] = np.float32(127.0) / peak[t] if peak[t] > 0 else np.float32(0.0)
+            scales[c, t] = peak[t] / np.float32(127.0)
+        for j in range(QUADS_PER_CHUNK):
+            quad = QUADS_PER_CHUNK * c + j
+            for t in range(columns):
+                word = np.uint32(0)
+                for b in range(4):
+                    q = np.int32(np.rint(values[4 * quad + b, t] * inverse[t]))
+                    sums[c, t] += q
+                    word |= np.uint32(q & 0xFF) << np.uint32(8 * b)
+                words[quad, t] = word
+
+
+def _integer_gemm_for(kind: int, style: int):
+    """The gemm callback of a quantized kind prefilled on integer panels (llvm_prefill.py): the
+    tokens quantized as decode quantizes its vector, each panel of 16 rows multiplied by
+    PANEL_TOKENS tokens at a time with the style's byte dot products. Arguments and scratch as
+    _gemm_for's gemm; the tile scratch holds the quantized tokens and one panel."""
+    bits = wf.IR_FORMATS[kind].bits
+    affine = 1 if wf.IR_FORMATS[kind].affine else 0
+    zero_point = 0 if affine else wf.IR_FORMATS[kind].zero_point
+
+    def gemm(descriptor, row_begin, row_end, xt, xt_stride, n_tokens, tile, tile_stride, block, out, out_stride,
+             out_col, accumulate, transposed):
+        w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
+        depth, n_groups, chunks_per_group = w[W_COLS_PADDED], w[W_GROUPS], w[W_CHUNKS_PER_GROUP]
+        n_chunks = depth // CHUNK
+        columns = -(-n_tokens // TILE_T) * TILE_T  # xt's padding of the tokens
+        xq = tile  # the scratch, carved: quantized tokens, then the panel
+        xd = xq + depth * columns
+        xs = xd + 4 * n_chunks * columns
+        peaks = xs + 4 * n_chunks * columns
+        panel = peaks + 8 * columns
+        factors = panel + PANEL_ROWS * depth
+        panel_offsets = factors + 4 * PANEL_ROWS * n_chunks
+        quantize_tokens(xt, xt_stride, depth, columns, xq, xd, xs, peaks)
+        panel_words = numba.carray(uint32_pointer(panel), (n_chunks * QUADS_PER_CHUNK, PANEL_ROWS))
+        panel_scales = numba.carray(float32_pointer(factors), (2 * n_chunks, PANEL_ROWS))  # factors, then offsets
+        results = numba.carray(float32_pointer(block), (BLOCK_FLOATS,))
+        out_rows = out_col + row_end - row_begin if transposed else n_tokens
+        outputs = numba.carray(float32_pointer(out), (out_rows, out_stride))
+        for panel_begin in range(row_begin, row_end, PANEL_ROWS):
+            n_rows = min(PANEL_ROWS, row_end - panel_begin)
+            for r in range(n_rows, PANEL_ROWS):  # rows the weight does not have: codes and scales 0
+                for quad in range(n_chunks * QUADS_PER_CHUNK):
+                    panel_words[quad, r] = 0
+                for c in range(2 * n_chunks):
+                    panel_scales[c, r] = 0.0
+            pack_panel(bits, w[W_DATA], w[W_ROW_BYTES], w[W_SCALES], w[W_OFFSETS], n_groups, chunks_per_group,
+                       panel_begin, n_rows, panel, factors, panel_offsets)
+            first_col = out_col + panel_begin - row_begin
+            for t_begin in range(0, n_tokens, PANEL_TOKENS):
+                panel_times_tokens(style, affine, panel, factors, panel_offsets, xq + 4 * t_begin, xd + 4 * t_begin,
+                                   xs + 4 * t_begin, columns, n_chunks, zero_point, block)
+                for t in range(min(PANEL_TOKENS, n_tokens - t_begin)):
+                    for m in range(n_rows):
+                        value = results[t * PANEL_ROWS + m]
+                        if transposed:
+                            if accumulate:
+                                outputs[first_col + m, t_begin + t] += value
+                            else:
+                                outputs[first_col + m, t_begin + t] = value
+                        elif accumulate:
+                            outputs[t_begin + t, first_col + m] += value
+                        else:
+                            outputs[t_begin + t, first_col + m] = value
+
+    return gemm
+
+
 class _KindKernels:
     """The compiled callbacks of each kind, built (or loaded from Numba's cache) on first request."""
 
@@ -276,6 +369,7 @@ class _KindKernels:
         self._matvecs: dict[tuple[int, int], object] = {}  # (kind, activation style) -> cfunc
         self._dequantizers: dict[tuple[int, bool], object] = {}  # (kind, bf16) -> cfunc
         self._gemms: dict[bool, object] = {}  # bf16 -> cfunc
+        self._integer_gemms: dict[tuple[int, int], object] = {}  # (kind, activation style) -> cfunc
 
     def addresses(self, kind: int, style: int, bf16_prefill: bool = False) -> tuple[int, int, int, int]:
         """(matvec, gemm, dequantize, bf16 dequantize or 0) addresses for a kind whose decode input is
@@ -288,9 +382,15 @@ class _KindKernels:
             for key in wanted:
                 if key not in self._dequantizers:
                     self._dequantizers[key] = cfunc(_DEQUANTIZE_SIGNATURE, _dequantize_for(*key))
-            if bf16_prefill not in self._gemms:
-                self._gemms[bf16_prefill] = cfunc(_GEMM_SIGNATURE, _gemm_for(bf16_prefill))
-            return (self._matvecs[kind, style].address, self._gemms[bf16_prefill].address,
+            if kind in wf.QUANTIZED_KINDS.values() and integer_prefill_runs(wf.IR_FORMATS[kind].bits, style):
+                if (kind, style) not in self._integer_gemms:
+                    self._integer_gemms[kind, style] = cfunc(_GEMM_SIGNATURE, _integer_gemm_for(kind, style))
+                gemm = self._integer_gemms[kind, style]
+            else:
+                if bf16_prefill not in self._gemms:
+                    self._gemms[bf16_prefill] = cfunc(_GEMM_SIGNATURE, _gemm_for(bf16_prefill))
+                gemm = self._gemms[bf16_prefill]
+            return (self._matvecs[kind, style].address, gemm.address,
                     self._dequantizers[kind, False].address,
                     self._dequantizers[kind, True].address if bf16_prefill else 0)
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
+from numba.core import errors
 from numba.extending import intrinsic
 
-from kernels.cpu.llvm_ir import (CHUNK, F32, I32, INT64_ARGS, LANES, V16F, V16I8, V16I32, V32I8, Emitter, IrFormat,
-                                load_float_weight, load_float_weights)
+from kernels.cpu.llvm_ir import (_MADD, ACT_F32, ACT_INT8, CHUNK, F32, I32, INT8_DOTS, INT64_ARGS, LANES, V16F, V16I8,
+                                V16I32, V32I8, V64I8, Emitter, IrFormat, _joined, _pair_sums, _pieces, _widen_pairs,
+                                byte_dot, load_float_weight, load_float_weights)
 
 
 class _BFloat(ir.types.Type):
@@ -204,3 +206,159 @@ def micro_kernel_pass(rows: int, token_vectors: int) -> tuple[int, int]:
     vectors = token_vectors if rows * token_vectors * per_vector <= budget else 1
     fitting = [r for r in range(rows, 0, -1) if rows % r == 0 and r * vectors * per_vector <= budget]
     return (fitting[0] if fitting else 1), vectors
+
+
+# --------------------------------------------------------------------------------------------
+# Integer prefill: int8 activations times the weight's own codes, the decode's int8 arithmetic
+# applied to a block of tokens
+#
+# A panel holds PANEL_ROWS weight rows as codes, four consecutive k of every row side by side:
+# quad j (k = 4j .. 4j + 3) is 64 bytes, row r's four codes at bytes 4r .. 4r + 3. One <64 x i8>
+# load of a quad then meets a token's four quantized inputs broadcast to every row, and one
+# byte_dot (vpdpbusd, pmaddubsw + pmaddwd, sdot...) adds each row's four products into its own
+# 32-bit lane: the lanes are rows, so a chunk of 32 k needs no horizontal sum, only one scale per
+# row and token. Inputs come quantized per token and chunk of 32 (the decode's rounding):
+#     xq  u32 [K / 4, stride]    token t's codes of k = 4j .. 4j + 3, the lowest k in the low byte
+#     xd  f32 [K / 32, stride]   d = max|x| / 127 of the chunk
+#     xs  i32 [K / 32, stride]   the sum of the chunk's codes
+# Symmetric codes start their lanes at -z * sum(q), so that the lanes sum (code - z) * q; affine
+# ones add o * d * sum(q) per chunk: w = s (code - z) or s code + o, and x^ = d q.
+
+PANEL_ROWS = 16
+QUADS_PER_CHUNK = CHUNK // 4
+
+
+def integer_prefill_runs(bits: int, style: int) -> bool:
+    """Whether a weight of `bits`-bit codes prefills on integer panels in activation style `style`:
+    int4 codes with every int8 instruction; int8 codes where the instruction takes unsigned bytes
+    (VNNI, i8mm): pmaddubsw and sdot would have to sign every product, which costs more than f32
+    tiles. Generic IR keeps f32 tiles: nothing here has measured it faster."""
+    return style not in (ACT_F32, ACT_INT8) and (bits == 4 or not INT8_DOTS[style].signed_codes)
+
+
+def _int16_pairs_fit(style: int) -> bool:
+    """pmaddubsw's int16 pair sums of a whole chunk (8 quads of int4 codes <= 15 times |q| <= 127:
+    at most 8 * 2 * 15 * 127 = 30480) are added in int16 and widened once per chunk."""
+    return style in _MADD
+
+
+@intrinsic
+def pack_panel(typingctx, bits, data, row_bytes, scales, offsets, n_groups, chunks_per_group, row0, n_rows, panel,
+               factors, panel_offsets):
+    """Rows row0 .. row0 + n_rows of a quantized weight into a panel (layout above): their codes
+    (int4 unpacked to bytes), and per chunk and row the f32 scale (factors [K / 32, 16]) and, for
+    affine weights (offsets != 0), the f32 offset (panel_offsets [K / 32, 16]). `bits` (4 or 8) is
+    a compile-time constant; the rest are int64. Rows past n_rows are left as they are."""
+    if not isinstance(bits, types.IntegerLiteral):
+        raise errors.TypingError(f"pack_panel: bits must be a compile-time integer constant, got {bits}")
+    code_bits = bits.literal_value
+    signature = types.void(bits, *([INT64_ARGS] * 11))
+
+    def codegen(context, builder, sig, args):
+        (_, data, row_bytes, scales, offsets, n_groups, chunks_per_group, row0, n_rows, panel, factors,
+         panel_offsets) = args
+        e = Emitter(builder)
+        n_chunks = e.b.mul(n_groups, chunks_per_group)
+        affine = e.b.icmp_unsigned("!=", offsets, e.i64(0))
+        natural_order = ir.Constant(ir.VectorType(I32, 32), [i // 2 + (16 if i % 2 else 0) for i in range(32)])
+        with e.loop(n_rows) as row_loop:
+            r = row_loop.index
+            row = e.b.add(row0, r)
+            row_data = e.address(data, (row, row_bytes))
+            row_scales = e.address(scales, (row, e.b.mul(n_groups, e.i64(2))))
+            row_offsets = e.address(offsets, (row, e.b.mul(n_groups, e.i64(2))))
+            with e.loop(n_chunks) as chunk_loop:
+                c = chunk_loop.index
+                if code_bits == 4:
+                    low, high = e.unpack_int4(e.load(V16I8, e.address(row_data, (c, 16)), 1))
+                    codes = e.b.shuffle_vector(low, high, natural_order)
+                else:
+                    codes = e.load(V32I8, e.address(row_data, (c, 32)), 1)
+                words = e.b.bitcast(codes, ir.VectorType(I32, QUADS_PER_CHUNK))
+                for j in range(QUADS_PER_CHUNK):
+                    quad = e.b.add(e.b.mul(c, e.i64(QUADS_PER_CHUNK)), e.i64(j))
+                    e.store(e.b.extract_element(words, ir.Constant(I32, j)),
+                            e.address(panel, (quad, 4 * PANEL_ROWS), (r, 4)), 4)
+                group = e.b.udiv(c, chunks_per_group)
+                at = e.address(e.i64(0), (c, 4 * PANEL_ROWS), (r, 4))
+                e.store(e.half(e.address(row_scales, (group, 2))), e.b.add(factors, at), 4)
+                with e.b.if_then(affine):
+                    e.store(e.half(e.address(row_offsets, (group, 2))), e.b.add(panel_offsets, at), 4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+def make_panel_times_tokens(n_tokens: int):
+    """Intrinsic: block[t, r] = sum_k w[r, k] * x^[t, k] for the panel's 16 rows r and n_tokens
+    tokens t, w the panel's weights and x^ the quantized inputs (layouts above).
+
+    Arguments: style (an int8 activation style, llvm_ir.ACT_INT8_*) and affine (0 or 1), both
+    compile-time constants, then the int64 panel, factors, panel_offsets, xq, xd, xs (each at the
+    block's first token), stride (tokens between rows of xq, xd and xs), n_chunks, zero (the
+    symmetric codes' zero point, 0 for affine ones) and block (f32 [n_tokens, 16], written).
+    Per chunk the integer sums are exact; each row and token adds sum * s * d (+ o * d * sum(q)) in
+    f32, chunk after chunk, so the bits depend on the inputs alone."""
+
+    @intrinsic
+    def panel_times_tokens(typingctx, style, affine, panel, factors, panel_offsets, xq, xd, xs, stride, n_chunks,
+                           zero, block):
+        for name, literal in (("style", style), ("affine", affine)):
+            if not isinstance(literal, types.IntegerLiteral):
+                raise errors.TypingError(f"panel_times_tokens: {name} must be a compile-time integer constant")
+        activation_style, has_offsets = style.literal_value, bool(affine.literal_value)
+        signature = types.void(style, affine, *([INT64_ARGS] * 10))
+
+        def codegen(context, builder, sig, args):
+            _, _, panel, factors, panel_offsets, xq, xd, xs, stride, n_chunks, zero, block = args
+            e = Emitter(builder)
+            tokens = range(n_tokens)
+            totals = [e.variable(ir.Constant(V16F, [0.0] * LANES)) for _ in tokens]
+            minus_zero = e.b.trunc(e.b.sub(e.i64(0), zero), I32)
+            with e.loop(n_chunks) as chunk_loop:
+                c = chunk_loop.index
+                chunk_row = e.b.mul(c, stride)
+                code_sums = [e.load(I32, e.address(xs, (chunk_row, 4), e.i64(4 * t)), 4) for t in tokens]
+                starts = [e.splat(e.b.mul(minus_zero, total)) for total in code_sums]
+
+                def quad_data(j):
+                    quad = e.b.add(e.b.mul(c, e.i64(QUADS_PER_CHUNK)), e.i64(j))
+                    codes = e.load(V64I8, e.address(panel, (quad, 4 * PANEL_ROWS)), 4)
+                    x_row = e.address(xq, (e.b.mul(quad, stride), 4))
+                    inputs = [e.b.bitcast(e.splat(e.load(I32, e.address(x_row, e.i64(4 * t)), 4)), V64I8)
+                              for t in tokens]
+                    return codes, inputs
+
+                if _int16_pairs_fit(activation_style):
+                    width = _MADD[activation_style][0]
+                    pairs = [None] * n_tokens
+                    for j in range(QUADS_PER_CHUNK):
+                        codes, inputs = quad_data(j)
+                        code_pieces = _pieces(e, codes, width)
+                        for t in tokens:
+                            sums = [_pair_sums(e, activation_style, a, b)
+                                    for a, b in zip(code_pieces, _pieces(e, inputs[t], width))]
+                            pairs[t] = sums if j == 0 else [e.b.add(p, s) for p, s in zip(pairs[t], sums)]
+                    lanes = [e.b.add(starts[t], _joined(e, [_widen_pairs(e, activation_style, p) for p in pairs[t]]))
+                             for t in tokens]
+                else:
+                    lanes = list(starts)
+                    for j in range(QUADS_PER_CHUNK):
+                        codes, inputs = quad_data(j)
+                        lanes = [byte_dot(e, lanes[t], codes, inputs[t], activation_style) for t in tokens]
+                scale = e.load(V16F, e.address(factors, (c, 4 * PANEL_ROWS)), 4)
+                offset = e.load(V16F, e.address(panel_offsets, (c, 4 * PANEL_ROWS)), 4) if has_offsets else None
+                for t in tokens:
+                    d = e.load(F32, e.address(xd, (chunk_row, 4), e.i64(4 * t)), 4)
+                    total = e.fma(e.b.sitofp(lanes[t], V16F), e.fmul(scale, e.splat(d)), builder.load(totals[t]))
+                    if has_offsets:
+                        total = e.fma(offset, e.splat(e.fmul(d, e.b.sitofp(code_sums[t], F32))), total)
+                    builder.store(total, totals[t])
+            for t in tokens:
+                e.store(builder.load(totals[t]), e.address(block, e.i64(4 * LANES * t)), 4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    panel_times_tokens.__name__ = f"panel_times_{n_tokens}_tokens"
+    return panel_times_tokens
