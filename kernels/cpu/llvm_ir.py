@@ -469,9 +469,13 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
     def step_codes(address, mask=None):
         if mask is None:
             return e.load(V64I8, address, 1)
-        return e.intrinsic("llvm.masked.load.v64i8.p0", V64I8, [e.b.inttoptr(address, I8.as_pointer()),
-                                                                  ir.Constant(I32, 1), mask,
-                                                                  ir.Constant(V64I8, [0] * 64)])
+        # masked by 4-byte words (a chunk's codes are whole words): AVX2's vpmaskmovd and AVX-512's
+        # vmovdqu32 load them in one instruction, where a byte mask has no AVX2 form and LLVM would
+        # load the 64 bytes one by one
+        words = e.intrinsic("llvm.masked.load.v16i32.p0", V16I32, [e.b.inttoptr(address, I32.as_pointer()),
+                                                                   ir.Constant(I32, 1), mask,
+                                                                   ir.Constant(V16I32, [0] * LANES)])
+        return e.b.bitcast(words, V64I8)
 
     def accumulate_step(first_chunk, step_index, row_factors, mask=None):
         """Every row's integer sums over the step's 64 bytes of codes, scaled into its accumulator."""
@@ -521,8 +525,8 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
     first_tail = e.b.mul(n_steps, e.i64(step))
     n_tail = e.b.sub(n_chunks, first_tail)
     with e.b.if_then(e.b.icmp_unsigned(">", n_tail, e.i64(0))):
-        valid_bytes = e.b.trunc(e.b.mul(n_tail, e.i64(64 // step)), I8)
-        mask = e.b.icmp_unsigned("<", ir.Constant(V64I8, list(range(64))), e.splat(valid_bytes, 64))
+        valid_words = e.b.trunc(e.b.mul(n_tail, e.i64(16 // step)), I32)
+        mask = e.b.icmp_unsigned("<", ir.Constant(V16I32, list(range(LANES))), e.splat(valid_words, LANES))
 
         def tail_factors(r, block, place):
             factors = ir.Constant(ir.VectorType(F32, step), [0.0] * step)
