@@ -22,7 +22,8 @@ from devices.cpu.weights import CpuWeight, MissingKernelError, as_vector
 from kernels.cpu import formats as wf
 from kernels.cpu import forward as fk
 from kernels.cpu.attention import MAX_DECODE_SPLITS, scratch_floats
-from kernels.cpu.linear import BLOCK_FLOATS, padded_tokens, pairs_length, sums_length, tile_scratch_rows
+from kernels.cpu.linear import (BLOCK_FLOATS, padded_tokens, pairs_length, quantized_tokens_shape, sums_length,
+                                tile_scratch_rows)
 
 KV_DTYPES = {"f32": np.float32, "f16": np.float16}  # the K/V storage the fused kernel reads
 
@@ -145,6 +146,9 @@ class _Scratch:
             self.up_t = np.zeros_like(self.gate_t)
             self.logits = np.zeros((t, spec.vocab_size), np.float32)
             self.xt = np.zeros((self.tables.max_cols_padded, padded_tokens(t)), np.float32)
+            # xt (or gate_t) quantized for the weights prefilled on integer panels (linear.quantize_tokens)
+            self.xq = np.zeros(quantized_tokens_shape(self.tables.max_cols_padded, t) if t > 1 else (1, 1),
+                               np.float32)
             # prefill tiles only when a call has more than one token
             tile_rows = tile_scratch_rows(t) if t > 1 else 1
             self.tiles = np.zeros((n, tile_rows, self.tables.max_cols_padded), np.float32)
@@ -263,7 +267,7 @@ class FusedForward:
         fk.forward_kernel(
             t.descriptors, t.layers, t.params, t.dims, self.eps, self.scale, kv, ids, start, cos, sin,
             first, last, run_embedding, run_head, all_logits, self.backend.threads,
-            s.hidden, s.normed, s.qkv, s.attn, s.gate, s.up, s.gate_t, s.up_t, s.xt, s.x_natural, s.x_pairs,
+            s.hidden, s.normed, s.qkv, s.attn, s.gate, s.up, s.gate_t, s.up_t, s.xt, s.xq, s.x_natural, s.x_pairs,
             s.x_sums, s.tiles, s.blocks, s.row_scratch, s.embed_scratch, s.scores, s.peaks, s.totals, s.accs,
             s.key_positions, s.sync, s.clock, s.router_logits, s.logits, s.replicas)
         self._last_call = (first, last, run_embedding)

@@ -45,7 +45,8 @@ W_GEMM_FN = 11
 W_DEQUANTIZE_FN = 12
 W_ACTIVATIONS = 13  # how decode prepares this weight's input: llvm_ir.ACT_F32, ACT_INT8 or ACT_INT8_VNNI
 W_DEQUANTIZE_BF16_FN = 14  # the kind's dequantize into bf16 tiles, where prefill runs bf16 (else 0)
-W_FIELDS = 15
+W_PREFILL_INT8 = 15  # 1 when prefill multiplies int8-quantized tokens (integer panels), else 0 (tiles)
+W_FIELDS = 16
 
 
 def padded_cols(cols: int) -> int:

@@ -37,11 +37,12 @@ from numba import prange, types
 
 from kernels.cpu.attention import attention_item, decode_attention_item, decode_query, decode_splits, merge_partials
 from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_times
-from kernels.cpu.formats import W_ACTIVATIONS, W_COLS_PADDED, W_ROWS
+from kernels.cpu.formats import W_ACTIVATIONS, W_COLS_PADDED, W_PREFILL_INT8, W_ROWS
 from kernels.cpu.intrinsics import (atomic_add, atomic_load, float32_pointer, half_bits, monotonic_seconds,
                                     sleep_microseconds, spin_pause, uint16_pointer)
-from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_ROWS, gemm_rows, matvec_rows, prefetch_matvec_head,
-                                prepare_vector, transpose_tokens)
+from kernels.cpu.linear import (CHUNK, MATVEC_BLOCK, TILE_ROWS, gemm_rows, matvec_rows, padded_tokens_in_kernel,
+                                prefetch_matvec_head, prepare_vector, quantize_tokens, quantized_capacity,
+                                transpose_tokens)
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
 # Columns of the layer table. Weights are row indices into the descriptor table; norms and biases
@@ -155,8 +156,12 @@ def plan(step, spec, weights, dims, start, n_tokens, n_out, n_threads, run_head)
         return SERIAL, 1 if prefill else 0
     if step == S_INPUT_NORM or step == S_MERGE or step == S_POST_NORM:
         return (SERIAL if prefill else REPLICATED), 1
-    if step == S_DOWN_INPUT:
-        return REPLICATED, 0 if prefill or is_moe(spec) else 1  # decode prepares the down projection's input vector
+    if step == S_DOWN_INPUT:  # decode prepares the down projection's input vector; prefill quantizes it for
+        if is_moe(spec):      # integer panels (gate/up left it transposed)
+            return REPLICATED, 0
+        if prefill:
+            return TRANSPOSE, n_threads if reads_int8_tokens(step, spec, weights, dims) else 0
+        return REPLICATED, 1
     if step == S_FINAL_NORM:  # a one-row LM head (decode, or prefill's last token) reads a prepared vector
         return (SERIAL if n_out > 1 else REPLICATED), 1 if run_head else 0
     if step == S_INPUT_T or step == S_ATTN_T or step == S_POST_T:
@@ -227,7 +232,8 @@ def request_projection_head(step, spec, weights, dims, n_threads, thread):
 
 @helper
 def transpose_input(step, spec, weights, dims):
-    """Input code and K_padded (rows of xt to fill) of the projection after a TRANSPOSE step."""
+    """Input (0: normed, 1: attn, 2: gate_t, transposed already) and K_padded (rows of xt to fill) of
+    the projection after a TRANSPOSE step."""
     if step == S_INPUT_T:
         k = max(weights[spec[L_Q], W_COLS_PADDED], weights[spec[L_K], W_COLS_PADDED], weights[spec[L_V], W_COLS_PADDED])
         return 0, k
@@ -237,7 +243,28 @@ def transpose_input(step, spec, weights, dims):
         if is_moe(spec):
             return 0, weights[spec[L_ROUTER], W_COLS_PADDED]
         return 0, max(weights[spec[L_GATE], W_COLS_PADDED], weights[spec[L_UP], W_COLS_PADDED])
+    if step == S_DOWN_INPUT:
+        return 2, weights[spec[L_DOWN], W_COLS_PADDED]
     return 0, weights[dims[M_LM_HEAD], W_COLS_PADDED]  # S_HEAD_T
+
+
+@helper
+def reads_int8_tokens(step, spec, weights, dims):
+    """Whether a weight of the projection after TRANSPOSE step `step` multiplies int8-quantized
+    tokens (integer panels, W_PREFILL_INT8): that step then quantizes what it transposes, once for
+    every task of the projection."""
+    if step == S_INPUT_T:
+        return (weights[spec[L_Q], W_PREFILL_INT8] + weights[spec[L_K], W_PREFILL_INT8]
+                + weights[spec[L_V], W_PREFILL_INT8]) > 0
+    if step == S_ATTN_T:
+        return weights[spec[L_O], W_PREFILL_INT8] > 0
+    if step == S_POST_T:
+        if is_moe(spec):
+            return weights[spec[L_ROUTER], W_PREFILL_INT8] > 0
+        return weights[spec[L_GATE], W_PREFILL_INT8] + weights[spec[L_UP], W_PREFILL_INT8] > 0
+    if step == S_DOWN_INPUT:
+        return weights[spec[L_DOWN], W_PREFILL_INT8] > 0
+    return weights[dims[M_LM_HEAD], W_PREFILL_INT8] > 0  # S_HEAD_T
 
 
 @helper
@@ -341,14 +368,15 @@ def run_replicated(step, spec, weights, params, dims, eps, start, first_token, t
 
 @helper
 def project_rows(weights, w_index, bias_offset, params, row_begin, row_end, n_tokens, x_natural, x_pairs, x_sums, xt,
-                 tile, block, out, out_col, accumulate, row_scratch, transposed=False):
+                 xq, tile, block, out, out_col, accumulate, row_scratch, transposed=False):
     """out[:T, out_col + r] (+)= x W[r]^T (+ bias[r]) for r in [row_begin, row_end) of one weight
-    (transposed, prefill only: out[out_col + r, :T])."""
+    (transposed, prefill only: out[out_col + r, :T]). Prefill reads xt, or xq (xt quantized by the
+    step before) where the weight reads int8 tokens."""
     if row_end <= row_begin:
         return
     w = weights[w_index]
     if transposed:
-        gemm_rows(w, row_begin, row_end, xt, n_tokens, tile, block, out, out_col + row_begin, accumulate, True)
+        gemm_rows(w, row_begin, row_end, xt, xq, n_tokens, tile, block, out, out_col + row_begin, accumulate, True)
         if bias_offset != NO_PARAM:
             for r in range(row_begin, row_end):
                 for t in range(n_tokens):
@@ -362,7 +390,7 @@ def project_rows(weights, w_index, bias_offset, params, row_begin, row_end, n_to
         else:
             matvec_rows(w, row_begin, row_end, x_natural, x_pairs, x_sums, out[0, out_col:out_col + w[W_ROWS]])
     else:
-        gemm_rows(w, row_begin, row_end, xt, n_tokens, tile, block, out, out_col + row_begin, accumulate, False)
+        gemm_rows(w, row_begin, row_end, xt, xq, n_tokens, tile, block, out, out_col + row_begin, accumulate, False)
     if bias_offset != NO_PARAM:
         for t in range(n_tokens):
             for r in range(row_begin, row_end):
@@ -371,33 +399,38 @@ def project_rows(weights, w_index, bias_offset, params, row_begin, row_end, n_to
 
 @helper
 def project_part(weights, params, w_index, bias_offset, offset, begin, end, n_tokens, x_natural, x_pairs, x_sums, xt,
-                 tile, block, out, out_col, accumulate, row_scratch):
+                 xq, tile, block, out, out_col, accumulate, row_scratch):
     """The part of task rows [begin, end) (of a concatenated output space) that falls in the weight
     occupying [offset, offset + N)."""
     n_rows = weights[w_index, W_ROWS]
     lo, hi = max(begin, offset) - offset, min(end, offset + n_rows) - offset
-    project_rows(weights, w_index, bias_offset, params, lo, hi, n_tokens, x_natural, x_pairs, x_sums, xt, tile,
+    project_rows(weights, w_index, bias_offset, params, lo, hi, n_tokens, x_natural, x_pairs, x_sums, xt, xq, tile,
                  block, out, out_col, accumulate, row_scratch)
     return offset + n_rows
 
 
 @helper
 def run_task(kind, step, task, n_tasks, spec, weights, params, dims, eps, scale, start, n_tokens, first_token,
-             n_threads, cos, sin, keys, values, key_positions, x_natural, x_pairs, x_sums, xt, tile, block,
+             n_threads, cos, sin, keys, values, key_positions, x_natural, x_pairs, x_sums, xt, xq, tile, block,
              row_scratch, scores, peaks, totals, accs, hidden, normed, qkv, attn, gate, up, gate_t, up_t,
              router_logits, logits):
     n_heads, n_kv, head_dim = dims[M_HEADS], dims[M_KV_HEADS], dims[M_HEAD_DIM]
-    if kind == TRANSPOSE:
+    if kind == TRANSPOSE:  # this task's chunks of the next projection's input, transposed and/or quantized
         source, k_fill = transpose_input(step, spec, weights, dims)
         chunks = ceil_div(k_fill, CHUNK)
         k_begin = min(chunks * task // n_tasks * CHUNK, k_fill)
         k_end = min(chunks * (task + 1) // n_tasks * CHUNK, k_fill)
+        tokens = n_tokens - first_token if step == S_HEAD_T else n_tokens
         if step == S_HEAD_T:
             transpose_tokens(normed[:n_tokens - first_token], xt, k_begin, k_end)
         elif source == 0:
             transpose_tokens(normed[:n_tokens], xt, k_begin, k_end)
-        else:
+        elif source == 1:
             transpose_tokens(attn[:n_tokens], xt, k_begin, k_end)
+        if reads_int8_tokens(step, spec, weights, dims):
+            transposed = gate_t if source == 2 else xt
+            quantize_tokens(transposed.ctypes.data, transposed.shape[1], k_begin // CHUNK, k_end // CHUNK,
+                            padded_tokens_in_kernel(tokens), xq.ctypes.data, quantized_capacity(xq), tile.ctypes.data)
     elif kind == PROJECT:
         tokens = n_tokens - first_token if step == S_HEAD else n_tokens
         rows = projection_rows(step, spec, weights, dims)
@@ -407,36 +440,36 @@ def run_task(kind, step, task, n_tasks, spec, weights, params, dims, eps, scale,
         if step == S_QKV:
             q_width = n_heads * head_dim
             offset = project_part(weights, params, spec[L_Q], spec[L_Q_BIAS], 0, begin, end, tokens, x_natural, x_pairs,
-                                  x_sums, xt, tile, block, qkv, 0, False, row_scratch)
+                                  x_sums, xt, xq, tile, block, qkv, 0, False, row_scratch)
             offset = project_part(weights, params, spec[L_K], spec[L_K_BIAS], offset, begin, end, tokens, x_natural,
-                                  x_pairs, x_sums, xt, tile, block, qkv, q_width, False, row_scratch)
+                                  x_pairs, x_sums, xt, xq, tile, block, qkv, q_width, False, row_scratch)
             project_part(weights, params, spec[L_V], spec[L_V_BIAS], offset, begin, end, tokens, x_natural, x_pairs,
-                         x_sums, xt, tile, block, qkv, q_width + n_kv * head_dim, False, row_scratch)
+                         x_sums, xt, xq, tile, block, qkv, q_width + n_kv * head_dim, False, row_scratch)
         elif step == S_O:
-            project_rows(weights, spec[L_O], spec[L_O_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums, xt,
-                         tile, block, hidden, 0, True, row_scratch)
+            project_rows(weights, spec[L_O], spec[L_O_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums,
+                         xt, xq, tile, block, hidden, 0, True, row_scratch)
         elif step == S_GATE_UP and is_moe(spec):  # router logits [T, E] (prefill reads the transposed input)
             project_rows(weights, spec[L_ROUTER], spec[L_ROUTER_BIAS], params, begin, end, tokens, x_natural, x_pairs,
-                         x_sums, xt, tile, block, router_logits, 0, False, row_scratch)
+                         x_sums, xt, xq, tile, block, router_logits, 0, False, row_scratch)
         elif step == S_GATE_UP and tokens == 1:  # gate and up rows [begin, end), then silu(gate) * up
             project_rows(weights, spec[L_GATE], spec[L_GATE_BIAS], params, begin, end, tokens, x_natural, x_pairs,
-                         x_sums, xt, tile, block, gate, 0, False, row_scratch)
+                         x_sums, xt, xq, tile, block, gate, 0, False, row_scratch)
             project_rows(weights, spec[L_UP], spec[L_UP_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums,
-                         xt, tile, block, up, 0, False, row_scratch)
+                         xt, xq, tile, block, up, 0, False, row_scratch)
             silu_times(gate[0, begin:end], up[0, begin:end], gate[0, begin:end])
         elif step == S_GATE_UP:  # prefill: the same, transposed ([I, T]), so h^T is the down input
             project_rows(weights, spec[L_GATE], spec[L_GATE_BIAS], params, begin, end, tokens, x_natural, x_pairs,
-                         x_sums, xt, tile, block, gate_t, 0, False, row_scratch, True)
+                         x_sums, xt, xq, tile, block, gate_t, 0, False, row_scratch, True)
             project_rows(weights, spec[L_UP], spec[L_UP_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums,
-                         xt, tile, block, up_t, 0, False, row_scratch, True)
+                         xt, xq, tile, block, up_t, 0, False, row_scratch, True)
             for r in range(begin, end):
                 silu_times(gate_t[r, :tokens], up_t[r, :tokens], gate_t[r, :tokens])
         elif step == S_DOWN:
             project_rows(weights, spec[L_DOWN], spec[L_DOWN_BIAS], params, begin, end, tokens, x_natural, x_pairs,
-                         x_sums, gate_t if tokens > 1 else xt, tile, block, hidden, 0, True, row_scratch)
+                         x_sums, gate_t if tokens > 1 else xt, xq, tile, block, hidden, 0, True, row_scratch)
         else:  # S_HEAD
             project_rows(weights, dims[M_LM_HEAD], NO_PARAM, params, begin, end, tokens, x_natural, x_pairs, x_sums,
-                         xt, tile, block, logits, 0, False, row_scratch)
+                         xt, xq, tile, block, logits, 0, False, row_scratch)
     else:  # ATTEND: prefill items (token, KV head), decode items (KV split), see attention.py
         window = spec[L_WINDOW]
         q_positions = key_positions[start:]  # key positions are cache indices; the new tokens' follow
@@ -474,10 +507,9 @@ def wait_for(address, target):
 
 
 def _forward(weights, layers, params, dims, eps, scale, kv, ids, start, cos, sin, first, last,
-             run_embedding, run_head, all_logits, n_threads, hidden, normed, qkv, attn, gate, up, gate_t, up_t, xt,
-             x_natural,
-             x_pairs, x_sums, tiles, blocks, row_scratch, embed_scratch, scores, peaks, totals, accs, key_positions,
-             sync, clock, router_logits, logits, replicas):
+             run_embedding, run_head, all_logits, n_threads, hidden, normed, qkv, attn, gate, up, gate_t, up_t, xt, xq,
+             x_natural, x_pairs, x_sums, tiles, blocks, row_scratch, embed_scratch, scores, peaks, totals, accs,
+             key_positions, sync, clock, router_logits, logits, replicas):
     """clock [>= n_steps + 1] receives the call's start time (clock[0]) and the time each step's
     last task finished (clock[1 + step index]); 0 for skipped steps. A few clock reads per token."""
     n_tokens = ids.shape[0]
@@ -523,8 +555,8 @@ def _forward(weights, layers, params, dims, eps, scale, kv, ids, start, cos, sin
                 else:
                     run_task(kind, step, task, n_tasks, spec, weights, params, dims, eps, scale, start, n_tokens,
                              first_token, n_threads, cos, sin, keys, values, visible_keys, x_natural_own, x_pairs_own,
-                             x_sums_own, xt, tiles[thread], blocks[thread], row_scratch, scores[thread], peaks, totals,
-                             accs, hidden, normed, qkv, attn, gate, up, gate_t, up_t, router_logits, logits)
+                             x_sums_own, xt, xq, tiles[thread], blocks[thread], row_scratch, scores[thread], peaks,
+                             totals, accs, hidden, normed, qkv, attn, gate, up, gate_t, up_t, router_logits, logits)
                 if atomic_add(counters + 8 * (index * SYNC_STRIDE + DONE), 1) == n_tasks - 1:
                     clock[1 + index] = monotonic_seconds()  # this was the step's last task
             previous, previous_tasks = index, n_tasks
@@ -537,7 +569,7 @@ FORWARD_SIGNATURE = types.void(
     _i64_2d_ro, _i64_2d_ro, _f32_1d_ro, _i64_1d_ro, types.float32, types.float32,  # weights .. scale
     _i64_2d_ro, _i64_1d_ro, types.int64, _f32_2d_ro, _f32_2d_ro,  # kv .. sin
     types.int64, types.int64, types.boolean, types.boolean, types.boolean, types.int64,  # first .. n_threads
-    _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d,  # hidden .. gate up gate_t up_t xt
+    _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d,  # hidden .. xt xq
     _f32_2d, _f32_2d, _f32_2d, _f32_3d, _f32_2d, _f32_1d, _f32_2d,  # x_natural .. embed_scratch (x_*: per thread)
     _f32_2d, _f32_1d, _f32_1d, _f32_2d, _i64_1d_ro, mutable(types.int64, 2),  # scores .. sync
     mutable(types.float64, 1), _f32_2d, _f32_2d, _f32_2d,  # clock, router_logits, logits, replicas

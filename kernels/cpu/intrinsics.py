@@ -69,9 +69,9 @@ def call_dequantize(typingctx, function, descriptor, row_begin, n_rows, tile, ti
 
 
 @intrinsic
-def call_gemm(typingctx, function, descriptor, row_begin, row_end, xt, xt_stride, n_tokens, tile, tile_stride,
-              block, out, out_stride, out_col, accumulate, transposed):
-    return _indirect_call(14)
+def call_gemm(typingctx, function, descriptor, row_begin, row_end, xt, xt_stride, xq, xq_stride, n_tokens, tile,
+              tile_stride, block, out, out_stride, out_col, accumulate, transposed):
+    return _indirect_call(16)
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,12 @@ them by x rounded to bf16 pairs, sums in f32. Tokens are read from xt, the input
 minor) and zero-padded; each block of results is scattered into the output. Full f32 weight
 matrices are never materialised: the largest dequantized piece is one tile.
 
+Where the integer dot products beat f32 tiles (llvm_prefill.integer_prefill_runs), a quantized
+weight's gemm multiplies panels of its own codes by the tokens rounded to int8 per block of 32
+(quantize_tokens, the decode's rounding), PANEL_TOKENS tokens per micro-kernel call. The fused
+forward quantizes each projection's input once, in the step that transposes it (W_PREFILL_INT8
+says which weights read it); a gemm whose caller did not quantizes the tokens itself.
+
 Each kind's three kernels (matvec, gemm, dequantize) are compiled separately as C callbacks,
 only when a loaded model has a weight of that kind, and cached on disk; a weight's descriptor
 carries their addresses (W_MATVEC_FN, W_GEMM_FN, W_DEQUANTIZE_FN) and the helpers below call
@@ -34,8 +40,9 @@ from kernels.cpu.intrinsics import (call_dequantize, call_gemm, call_matvec, flo
                                     int64_pointer, prefetch_bytes, uint16_pointer, uint32_pointer)
 from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, PREFETCH_BLOCKS, Q8_SUPERBLOCK_BYTES, Q8_SUPERBLOCK_CHUNKS,
                                  make_dot_rows, quantize_chunk)
-from kernels.cpu.llvm_prefill import (PANEL_ROWS, QUADS_PER_CHUNK, integer_prefill_runs, make_dequantize_rows,
-                                      make_panel_times_tokens, make_tile_times_tokens, pack_panel)
+from kernels.cpu.llvm_prefill import (PANEL_ROWS, QUADS_PER_CHUNK, QUANTIZED_WORDS, RECORD_SCALE, RECORD_SUM,
+                                      integer_prefill_runs, make_dequantize_rows, make_panel_times_tokens,
+                                      make_tile_times_tokens, pack_panel)
 from kernels.cpu.runtime import cfunc, helper, kernel, mutable, readonly
 
 TILE_M = 6  # weight rows per micro-kernel call
@@ -51,7 +58,7 @@ W_KIND, W_ROWS, W_COLS, W_COLS_PADDED = wf.W_KIND, wf.W_ROWS, wf.W_COLS, wf.W_CO
 W_DATA, W_ROW_BYTES, W_SCALES, W_OFFSETS = wf.W_DATA, wf.W_ROW_BYTES, wf.W_SCALES, wf.W_OFFSETS
 W_GROUPS, W_CHUNKS_PER_GROUP, W_FIELDS = wf.W_GROUPS, wf.W_CHUNKS_PER_GROUP, wf.W_FIELDS
 W_MATVEC_FN, W_GEMM_FN, W_DEQUANTIZE_FN = wf.W_MATVEC_FN, wf.W_GEMM_FN, wf.W_DEQUANTIZE_FN
-W_ACTIVATIONS, W_DEQUANTIZE_BF16_FN = wf.W_ACTIVATIONS, wf.W_DEQUANTIZE_BF16_FN
+W_ACTIVATIONS, W_DEQUANTIZE_BF16_FN, W_PREFILL_INT8 = wf.W_ACTIVATIONS, wf.W_DEQUANTIZE_BF16_FN, wf.W_PREFILL_INT8
 
 # Rows each decode row-dot reads together. More rows share each load of x, but each row is one
 # more memory stream. Measured on Zen 4 (single thread, matrices past the L3 cache): int4 with
@@ -94,7 +101,7 @@ panel_times_tokens = make_panel_times_tokens(PANEL_TOKENS)
 
 _MATVEC_SIGNATURE = types.void(*([types.int64] * 7))
 _DEQUANTIZE_SIGNATURE = types.void(*([types.int64] * 5))
-_GEMM_SIGNATURE = types.void(*([types.int64] * 14))
+_GEMM_SIGNATURE = types.void(*([types.int64] * 16))
 
 
 def _matvec_for(kind: int, style: int):
@@ -187,13 +194,15 @@ def pair_tokens(xt, xt_stride, depth, xp):
 def _gemm_for(bf16: bool):
     """The gemm callback: f32 tiles and inputs, or (bf16) both rounded to bf16 with f32 sums."""
 
-    def gemm(descriptor, row_begin, row_end, xt, xt_stride, n_tokens, tile, tile_stride, block, out, out_stride,
-             out_col, accumulate, transposed):
+    def gemm(descriptor, row_begin, row_end, xt, xt_stride, xq, xq_chunks, n_tokens, tile, tile_stride, block, out,
+             out_stride, out_col, accumulate, transposed):
         """out[t, out_col + r - row_begin] (+)= dot(W[r], x[t]) for r in [row_begin, row_end), t < n_tokens;
         with `transposed`, out[out_col + r - row_begin, t] instead (tokens minor: whole rows of a block
         are stored at once, and the result is already the next projection's xt).
 
-        xt: x transposed, [>= K_padded rows, xt_stride (padded tokens) columns], zero-padded. tile:
+        xt: x transposed, [>= K_padded rows, xt_stride (padded tokens) columns], zero-padded. xq,
+        xq_chunks: x quantized already for integer panels (quantize_tokens' records, for xq_chunks
+        chunks), or xq_chunks 0; tiles read xt alone. tile:
         [tile_scratch_rows(n_tokens), tile_stride >= K_padded] and block: [BLOCK_FLOATS], both
         private to the caller's thread. out: [>= n_tokens, out_stride] (transposed: [>= out_col + rows,
         out_stride]). The same for every kind: the tile is filled by the kind's dequantize callback,
@@ -272,36 +281,38 @@ def _gemm_for(bf16: bool):
 
 
 @helper
-def quantize_tokens(xt, xt_stride, depth, columns, xq, xd, xs, peaks):
-    """The first `columns` tokens of xt (f32 [depth, xt_stride], tokens minor) quantized per token
-    and chunk of 32 as decode's int8 activations are (d = max|x| / 127, q = rint(x * 127 / max|x|),
-    0 for an all-zero chunk) into the integer prefill's xq, xd and xs ([., columns] each; layouts in
-    kernels/cpu/llvm_prefill.py). peaks: f32 scratch [2, columns]."""
-    values = numba.carray(float32_pointer(xt), (depth, xt_stride))
-    words = numba.carray(uint32_pointer(xq), (depth // 4, columns))
-    scales = numba.carray(float32_pointer(xd), (depth // CHUNK, columns))
-    sums = numba.carray(int32_pointer(xs), (depth // CHUNK, columns))
+def quantize_tokens(xt, xt_stride, chunk_begin, chunk_end, columns, xq, capacity, peaks):
+    """The first `columns` tokens (a multiple of PANEL_TOKENS) of xt (f32 [K, xt_stride], tokens
+    minor), chunks [chunk_begin, chunk_end) of 32 k, quantized per token and chunk as decode's int8
+    activations are (d = max|x| / 127, q = rint(x * 127 / max|x|), 0 for an all-zero chunk) into the
+    integer prefill's records: xq holds [columns / PANEL_TOKENS, capacity (chunks), PANEL_TOKENS,
+    QUANTIZED_WORDS] words (kernels/cpu/llvm_prefill.py). peaks: f32 scratch [2, columns]."""
+    values = numba.carray(float32_pointer(xt), (chunk_end * CHUNK, xt_stride))
+    shape = (columns // PANEL_TOKENS, capacity, PANEL_TOKENS, QUANTIZED_WORDS)
+    words = numba.carray(uint32_pointer(xq), shape)
+    scales = numba.carray(float32_pointer(xq), shape)
+    sums = numba.carray(int32_pointer(xq), shape)
     peak = numba.carray(float32_pointer(peaks), (columns,))
     inverse = numba.carray(float32_pointer(peaks + 4 * columns), (columns,))
-    for c in range(depth // CHUNK):
+    for c in range(chunk_begin, chunk_end):
         for t in range(columns):
             peak[t] = 0.0
-            sums[c, t] = 0
+            sums[t // PANEL_TOKENS, c, t % PANEL_TOKENS, RECORD_SUM] = 0
         for i in range(CHUNK):
             for t in range(columns):
                 peak[t] = max(peak[t], abs(values[CHUNK * c + i, t]))
         for t in range(columns):
             inverse[t] = np.float32(127.0) / peak[t] if peak[t] > 0 else np.float32(0.0)
-            scales[c, t] = peak[t] / np.float32(127.0)
+            scales[t // PANEL_TOKENS, c, t % PANEL_TOKENS, RECORD_SCALE] = peak[t] / np.float32(127.0)
         for j in range(QUADS_PER_CHUNK):
-            quad = QUADS_PER_CHUNK * c + j
+            k = CHUNK * c + 4 * j
             for t in range(columns):
                 word = np.uint32(0)
                 for b in range(4):
-                    q = np.int32(np.rint(values[4 * quad + b, t] * inverse[t]))
-                    sums[c, t] += q
+                    q = np.int32(np.rint(values[k + b, t] * inverse[t]))
+                    sums[t // PANEL_TOKENS, c, t % PANEL_TOKENS, RECORD_SUM] += q
                     word |= np.uint32(q & 0xFF) << np.uint32(8 * b)
-                words[quad, t] = word
+                words[t // PANEL_TOKENS, c, t % PANEL_TOKENS, j] = word
 
 
 def _integer_gemm_for(kind: int, style: int):
@@ -313,20 +324,21 @@ def _integer_gemm_for(kind: int, style: int):
     affine = 1 if wf.IR_FORMATS[kind].affine else 0
     zero_point = 0 if affine else wf.IR_FORMATS[kind].zero_point
 
-    def gemm(descriptor, row_begin, row_end, xt, xt_stride, n_tokens, tile, tile_stride, block, out, out_stride,
-             out_col, accumulate, transposed):
+    def gemm(descriptor, row_begin, row_end, xt, xt_stride, xq, xq_chunks, n_tokens, tile, tile_stride, block, out,
+             out_stride, out_col, accumulate, transposed):
         w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
         depth, n_groups, chunks_per_group = w[W_COLS_PADDED], w[W_GROUPS], w[W_CHUNKS_PER_GROUP]
         n_chunks = depth // CHUNK
-        columns = -(-n_tokens // TILE_T) * TILE_T  # xt's padding of the tokens
-        xq = tile  # the scratch, carved: quantized tokens, then the panel
-        xd = xq + depth * columns
-        xs = xd + 4 * n_chunks * columns
-        peaks = xs + 4 * n_chunks * columns
-        panel = peaks + 8 * columns
+        columns = padded_tokens_in_kernel(n_tokens)
+        panel = tile  # the scratch, carved: the panel, then (unless the caller quantized x) x quantized
         factors = panel + PANEL_ROWS * depth
         panel_offsets = factors + 4 * PANEL_ROWS * n_chunks
-        quantize_tokens(xt, xt_stride, depth, columns, xq, xd, xs, peaks)
+        if xq_chunks == 0:
+            xq = panel_offsets + 4 * PANEL_ROWS * n_chunks
+            xq_chunks = n_chunks
+            quantize_tokens(xt, xt_stride, 0, n_chunks, columns, xq, xq_chunks,
+                            xq + 4 * QUANTIZED_WORDS * n_chunks * columns)
+        group_bytes = 4 * QUANTIZED_WORDS * PANEL_TOKENS * xq_chunks  # one group of PANEL_TOKENS tokens' records
         panel_words = numba.carray(uint32_pointer(panel), (n_chunks * QUADS_PER_CHUNK, PANEL_ROWS))
         panel_scales = numba.carray(float32_pointer(factors), (2 * n_chunks, PANEL_ROWS))  # factors, then offsets
         results = numba.carray(float32_pointer(block), (BLOCK_FLOATS,))
@@ -343,20 +355,17 @@ def _integer_gemm_for(kind: int, style: int):
                        panel_begin, n_rows, panel, factors, panel_offsets)
             first_col = out_col + panel_begin - row_begin
             for t_begin in range(0, n_tokens, PANEL_TOKENS):
-                panel_times_tokens(style, affine, panel, factors, panel_offsets, xq + 4 * t_begin, xd + 4 * t_begin,
-                                   xs + 4 * t_begin, columns, n_chunks, zero_point, block)
-                for t in range(min(PANEL_TOKENS, n_tokens - t_begin)):
-                    for m in range(n_rows):
-                        value = results[t * PANEL_ROWS + m]
-                        if transposed:
-                            if accumulate:
-                                outputs[first_col + m, t_begin + t] += value
-                            else:
-                                outputs[first_col + m, t_begin + t] = value
-                        elif accumulate:
-                            outputs[t_begin + t, first_col + m] += value
+                panel_times_tokens(style, affine, panel, factors, panel_offsets,
+                                   xq + group_bytes * (t_begin // PANEL_TOKENS), n_chunks, zero_point, block)
+                n_t = min(PANEL_TOKENS, n_tokens - t_begin)
+                for i in range(n_rows if transposed else n_t):  # along each output row
+                    row = outputs[first_col + i, t_begin:] if transposed else outputs[t_begin + i, first_col:]
+                    for j in range(n_t if transposed else n_rows):
+                        value = results[j * PANEL_ROWS + i] if transposed else results[i * PANEL_ROWS + j]
+                        if accumulate:
+                            row[j] += value
                         else:
-                            outputs[t_begin + t, first_col + m] = value
+                            row[j] = value
 
     return gemm
 
@@ -413,6 +422,7 @@ def attach_kernels(descriptor: np.ndarray, style: int = ACT_F32, bf16_prefill: b
     (descriptor[W_MATVEC_FN], descriptor[W_GEMM_FN], descriptor[W_DEQUANTIZE_FN],
      descriptor[W_DEQUANTIZE_BF16_FN]) = KIND_KERNELS.addresses(kind, style if quantized else ACT_F32,
                                                                 bf16_prefill and quantized)
+    descriptor[W_PREFILL_INT8] = int(quantized and integer_prefill_runs(wf.IR_FORMATS[kind].bits, style))
     return descriptor
 
 
@@ -505,7 +515,23 @@ def transpose_tokens(x, xt, k_begin, k_end):
 
 
 def padded_tokens(n_tokens: int) -> int:
+    """Columns of x transposed for n_tokens tokens: whole vectors of TILE_T tokens."""
     return -(-n_tokens // TILE_T) * TILE_T
+
+
+padded_tokens_in_kernel = helper(padded_tokens)  # the same, called from compiled code
+
+
+def quantized_tokens_shape(depth: int, n_tokens: int) -> tuple[int, int]:
+    """The f32 array that holds quantize_tokens' records of n_tokens tokens (padded) and K = depth:
+    one row per group of PANEL_TOKENS tokens, so that its width tells its chunks (quantized_capacity)."""
+    return padded_tokens(n_tokens) // PANEL_TOKENS, -(-depth // CHUNK) * PANEL_TOKENS * QUANTIZED_WORDS
+
+
+@helper
+def quantized_capacity(xq):
+    """The chunks of 32 k an array of quantized_tokens_shape holds records for."""
+    return xq.shape[1] // (PANEL_TOKENS * QUANTIZED_WORDS)
 
 
 @helper
@@ -571,11 +597,15 @@ def dequantize_rows(w, row_begin, n_rows, tile):
 
 
 @helper
-def gemm_rows(w, row_begin, row_end, xt, n_tokens, tile, block, out, out_col, accumulate, transposed):
+def gemm_rows(w, row_begin, row_end, xt, xq, n_tokens, tile, block, out, out_col, accumulate, transposed):
     """out[t, out_col + r - row_begin] (+)= dot(W[r], x[t]) for r in [row_begin, row_end), t < n_tokens
-    (transposed: out[out_col + r - row_begin, t])."""
+    (transposed: out[out_col + r - row_begin, t]). xq: xt quantized when the weight reads int8 tokens
+    (W_PREFILL_INT8) and the caller quantized them (quantized_tokens_shape), else an array with no
+    columns."""
     if row_end > row_begin:
-        call_gemm(w[W_GEMM_FN], w.ctypes.data, row_begin, row_end, xt.ctypes.data, xt.shape[1], n_tokens,
+        quantized_chunks = quantized_capacity(xq) if w[W_PREFILL_INT8] else 0
+        call_gemm(w[W_GEMM_FN], w.ctypes.data, row_begin, row_end, xt.ctypes.data, xt.shape[1], xq.ctypes.data,
+                  quantized_chunks, n_tokens,
                   tile.ctypes.data, tile.shape[1], block.ctypes.data, out.ctypes.data, out.shape[1], out_col,
                   1 if accumulate else 0, 1 if transposed else 0)
 
@@ -625,7 +655,7 @@ def linear_kernel(w, x, bias, has_bias, out, n_threads, tiles, blocks, x_natural
                 transpose_tokens(x, xt, k_begin, k_end)
             else:
                 begin, end = split(n_rows, n_threads, part, TILE_M)
-                gemm_rows(w, begin, end, xt, n_tokens, tiles[part], blocks[part], out, begin, False, False)
+                gemm_rows(w, begin, end, xt, xt[:, :0], n_tokens, tiles[part], blocks[part], out, begin, False, False)
     if n_tokens == 1:
         for r in range(n_rows):
             out[0, r] = row_out[r]

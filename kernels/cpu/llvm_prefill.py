@@ -217,15 +217,21 @@ def micro_kernel_pass(rows: int, token_vectors: int) -> tuple[int, int]:
 # load of a quad then meets a token's four quantized inputs broadcast to every row, and one
 # byte_dot (vpdpbusd, pmaddubsw + pmaddwd, sdot...) adds each row's four products into its own
 # 32-bit lane: the lanes are rows, so a chunk of 32 k needs no horizontal sum, only one scale per
-# row and token. Inputs come quantized per token and chunk of 32 (the decode's rounding):
-#     xq  u32 [K / 4, stride]    token t's codes of k = 4j .. 4j + 3, the lowest k in the low byte
-#     xd  f32 [K / 32, stride]   d = max|x| / 127 of the chunk
-#     xs  i32 [K / 32, stride]   the sum of the chunk's codes
+# row and token. Inputs come quantized per token and chunk of 32 (the decode's rounding), as a record
+# of QUANTIZED_WORDS 32-bit words per chunk c and token t:
+#     words 0 .. 7  the codes of k = 32c .. 32c + 31 as int8, in k order (word j: k = 32c + 4j ..)
+#     word 8        f32 d = max|x| / 127 of the chunk
+#     word 9        i32 the sum of the chunk's codes
+# Tokens go in groups of G (the micro-kernel's tokens per call), each group's records chunk by chunk:
+# record (c, t) is number (t // G) * C * G + c * G + t % G of a buffer of C chunks. A call then reads
+# its tokens' inputs in order, every one at a constant offset from its chunk's first record.
 # Symmetric codes start their lanes at -z * sum(q), so that the lanes sum (code - z) * q; affine
 # ones add o * d * sum(q) per chunk: w = s (code - z) or s code + o, and x^ = d q.
 
 PANEL_ROWS = 16
 QUADS_PER_CHUNK = CHUNK // 4
+RECORD_SCALE, RECORD_SUM = QUADS_PER_CHUNK, QUADS_PER_CHUNK + 1  # words of a chunk's record
+QUANTIZED_WORDS = QUADS_PER_CHUNK + 2
 
 
 def integer_prefill_runs(bits: int, style: int) -> bool:
@@ -294,39 +300,40 @@ def make_panel_times_tokens(n_tokens: int):
     tokens t, w the panel's weights and x^ the quantized inputs (layouts above).
 
     Arguments: style (an int8 activation style, llvm_ir.ACT_INT8_*) and affine (0 or 1), both
-    compile-time constants, then the int64 panel, factors, panel_offsets, xq, xd, xs (each at the
-    block's first token), stride (tokens between rows of xq, xd and xs), n_chunks, zero (the
-    symmetric codes' zero point, 0 for affine ones) and block (f32 [n_tokens, 16], written).
+    compile-time constants, then the int64 panel, factors, panel_offsets, xq (the quantized tokens:
+    the records of the block's group of n_tokens tokens), n_chunks, zero (the symmetric codes' zero
+    point, 0 for affine ones) and block (f32 [n_tokens, 16], written).
     Per chunk the integer sums are exact; each row and token adds sum * s * d (+ o * d * sum(q)) in
     f32, chunk after chunk, so the bits depend on the inputs alone."""
 
     @intrinsic
-    def panel_times_tokens(typingctx, style, affine, panel, factors, panel_offsets, xq, xd, xs, stride, n_chunks,
-                           zero, block):
+    def panel_times_tokens(typingctx, style, affine, panel, factors, panel_offsets, xq, n_chunks, zero, block):
         for name, literal in (("style", style), ("affine", affine)):
             if not isinstance(literal, types.IntegerLiteral):
                 raise errors.TypingError(f"panel_times_tokens: {name} must be a compile-time integer constant")
         activation_style, has_offsets = style.literal_value, bool(affine.literal_value)
-        signature = types.void(style, affine, *([INT64_ARGS] * 10))
+        signature = types.void(style, affine, *([INT64_ARGS] * 7))
 
         def codegen(context, builder, sig, args):
-            _, _, panel, factors, panel_offsets, xq, xd, xs, stride, n_chunks, zero, block = args
+            _, _, panel, factors, panel_offsets, xq, n_chunks, zero, block = args
             e = Emitter(builder)
             tokens = range(n_tokens)
             totals = [e.variable(ir.Constant(V16F, [0.0] * LANES)) for _ in tokens]
             minus_zero = e.b.trunc(e.b.sub(e.i64(0), zero), I32)
             with e.loop(n_chunks) as chunk_loop:
                 c = chunk_loop.index
-                chunk_row = e.b.mul(c, stride)
-                code_sums = [e.load(I32, e.address(xs, (chunk_row, 4), e.i64(4 * t)), 4) for t in tokens]
+                records = e.address(xq, (c, 4 * QUANTIZED_WORDS * n_tokens))
+
+                def word(t, index):  # the address of word `index` of token t's record of this chunk
+                    return e.address(records, e.i64(4 * (QUANTIZED_WORDS * t + index)))
+
+                code_sums = [e.load(I32, word(t, RECORD_SUM), 4) for t in tokens]
                 starts = [e.splat(e.b.mul(minus_zero, total)) for total in code_sums]
 
                 def quad_data(j):
                     quad = e.b.add(e.b.mul(c, e.i64(QUADS_PER_CHUNK)), e.i64(j))
                     codes = e.load(V64I8, e.address(panel, (quad, 4 * PANEL_ROWS)), 4)
-                    x_row = e.address(xq, (e.b.mul(quad, stride), 4))
-                    inputs = [e.b.bitcast(e.splat(e.load(I32, e.address(x_row, e.i64(4 * t)), 4)), V64I8)
-                              for t in tokens]
+                    inputs = [e.b.bitcast(e.splat(e.load(I32, word(t, j), 4)), V64I8) for t in tokens]
                     return codes, inputs
 
                 if _int16_pairs_fit(activation_style):
@@ -349,7 +356,7 @@ def make_panel_times_tokens(n_tokens: int):
                 scale = e.load(V16F, e.address(factors, (c, 4 * PANEL_ROWS)), 4)
                 offset = e.load(V16F, e.address(panel_offsets, (c, 4 * PANEL_ROWS)), 4) if has_offsets else None
                 for t in tokens:
-                    d = e.load(F32, e.address(xd, (chunk_row, 4), e.i64(4 * t)), 4)
+                    d = e.load(F32, word(t, RECORD_SCALE), 4)
                     total = e.fma(e.b.sitofp(lanes[t], V16F), e.fmul(scale, e.splat(d)), builder.load(totals[t]))
                     if has_offsets:
                         total = e.fma(offset, e.splat(e.fmul(d, e.b.sitofp(code_sums[t], F32))), total)

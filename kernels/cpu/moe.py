@@ -97,6 +97,7 @@ def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, 
     blocks [P, BLOCK_FLOATS]."""
     n_experts = offsets.shape[0] - 1
     d_model = out.shape[1]
+    self_quantized = xt[:, :0]  # integer panels quantize their own tokens (once per part)
     for e in range(n_experts):
         first, n_routed = offsets[e], offsets[e + 1] - offsets[e]
         if n_routed == 0:
@@ -111,8 +112,9 @@ def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, 
             transpose_tokens(rows, xt, k_begin, k_end)
         for part in prange(n_threads):  # gate and up rows [I, Te], then silu(gate) * up in place
             begin, end = split(gate[W_ROWS], n_threads, part, TILE_M)
-            gemm_rows(gate, begin, end, xt, n_routed, tiles[part], blocks[part], gate_t, begin, False, True)
-            gemm_rows(up, begin, end, xt, n_routed, tiles[part], blocks[part], up_t, begin, False, True)
+            tile, block = tiles[part], blocks[part]
+            gemm_rows(gate, begin, end, xt, self_quantized, n_routed, tile, block, gate_t, begin, False, True)
+            gemm_rows(up, begin, end, xt, self_quantized, n_routed, tile, block, up_t, begin, False, True)
             for r in range(begin, end):
                 silu_times(gate_t[r, :n_routed], up_t[r, :n_routed], gate_t[r, :n_routed])
         for r in range(gate[W_ROWS], down[W_COLS_PADDED]):  # the down projection's zero padding
@@ -120,7 +122,8 @@ def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, 
                 gate_t[r, t] = 0.0
         for part in prange(n_threads):  # down rows [Te, D] into `rows` (x is no longer needed there)
             begin, end = split(down[W_ROWS], n_threads, part, TILE_M)
-            gemm_rows(down, begin, end, gate_t, n_routed, tiles[part], blocks[part], rows, begin, False, False)
+            gemm_rows(down, begin, end, gate_t, self_quantized, n_routed, tiles[part], blocks[part], rows, begin, False,
+                      False)
         for i in range(n_routed):
             coeff = coeffs[first + i]
             destination = out[tokens[first + i]]
