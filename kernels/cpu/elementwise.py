@@ -88,6 +88,15 @@ def silu_times(gate, up, out):
 
 
 @helper
+def silu_times_in_place(gate, up):
+    """gate = silu(gate) * up. silu_times with out = gate would give the same values, but LLVM's
+    overlap check then keeps that loop scalar."""
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        gate[i] = g / (np.float32(1.0) + exp_approx(-g)) * up[i]
+
+
+@helper
 def softmax_row(scores, out):
     """out = exp(scores - max) / sum; -inf entries get weight 0."""
     n = scores.shape[0]

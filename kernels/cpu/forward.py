@@ -36,7 +36,7 @@ import numba
 from numba import prange, types
 
 from kernels.cpu.attention import attention_item, decode_attention_item, decode_query, decode_splits, merge_partials
-from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_times
+from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_times_in_place
 from kernels.cpu.formats import W_ACTIVATIONS, W_COLS_PADDED, W_PREFILL_INT8, W_ROWS
 from kernels.cpu.intrinsics import (atomic_add, atomic_load, float32_pointer, half_bits, monotonic_seconds,
                                     sleep_microseconds, spin_pause, uint16_pointer)
@@ -456,14 +456,14 @@ def run_task(kind, step, task, n_tasks, spec, weights, params, dims, eps, scale,
                          x_sums, xt, xq, tile, block, gate, 0, False, row_scratch)
             project_rows(weights, spec[L_UP], spec[L_UP_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums,
                          xt, xq, tile, block, up, 0, False, row_scratch)
-            silu_times(gate[0, begin:end], up[0, begin:end], gate[0, begin:end])
+            silu_times_in_place(gate[0, begin:end], up[0, begin:end])
         elif step == S_GATE_UP:  # prefill: the same, transposed ([I, T]), so h^T is the down input
             project_rows(weights, spec[L_GATE], spec[L_GATE_BIAS], params, begin, end, tokens, x_natural, x_pairs,
                          x_sums, xt, xq, tile, block, gate_t, 0, False, row_scratch, True)
             project_rows(weights, spec[L_UP], spec[L_UP_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums,
                          xt, xq, tile, block, up_t, 0, False, row_scratch, True)
             for r in range(begin, end):
-                silu_times(gate_t[r, :tokens], up_t[r, :tokens], gate_t[r, :tokens])
+                silu_times_in_place(gate_t[r, :tokens], up_t[r, :tokens])
         elif step == S_DOWN:
             project_rows(weights, spec[L_DOWN], spec[L_DOWN_BIAS], params, begin, end, tokens, x_natural, x_pairs,
                          x_sums, gate_t if tokens > 1 else xt, xq, tile, block, hidden, 0, True, row_scratch)

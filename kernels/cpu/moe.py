@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange, types
 
-from kernels.cpu.elementwise import silu_times
+from kernels.cpu.elementwise import silu_times, silu_times_in_place
 from kernels.cpu.formats import W_ACTIVATIONS, W_COLS, W_COLS_PADDED, W_FIELDS, W_ROWS
 from kernels.cpu.linear import (BLOCK_FLOATS, CHUNK, MATVEC_BLOCK, TILE_M, gemm_rows, matvec_rows,
                                 pairs_length, padded_tokens, prefetch_head, prepare_vector, split, sums_length,
@@ -116,7 +116,7 @@ def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, 
             gemm_rows(gate, begin, end, xt, self_quantized, n_routed, tile, block, gate_t, begin, False, True)
             gemm_rows(up, begin, end, xt, self_quantized, n_routed, tile, block, up_t, begin, False, True)
             for r in range(begin, end):
-                silu_times(gate_t[r, :n_routed], up_t[r, :n_routed], gate_t[r, :n_routed])
+                silu_times_in_place(gate_t[r, :n_routed], up_t[r, :n_routed])
         for r in range(gate[W_ROWS], down[W_COLS_PADDED]):  # the down projection's zero padding
             for t in range(gate_t.shape[1]):
                 gate_t[r, t] = 0.0
