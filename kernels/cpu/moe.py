@@ -27,10 +27,11 @@ import numpy as np
 from numba import prange, types
 
 from kernels.cpu.elementwise import silu_times, silu_times_in_place
-from kernels.cpu.formats import W_ACTIVATIONS, W_COLS, W_COLS_PADDED, W_FIELDS, W_ROWS
-from kernels.cpu.linear import (BLOCK_FLOATS, CHUNK, MATVEC_BLOCK, TILE_M, gemm_rows, matvec_rows,
-                                pairs_length, padded_tokens, prefetch_head, prepare_vector, split, sums_length,
-                                tile_scratch_rows, transpose_tokens)
+from kernels.cpu.formats import W_ACTIVATIONS, W_COLS, W_COLS_PADDED, W_FIELDS, W_PREFILL_INT8, W_ROWS
+from kernels.cpu.linear import (BLOCK_FLOATS, CHUNK, MATVEC_BLOCK, TILE_M, gemm_rows, matvec_rows, padded_tokens,
+                                padded_tokens_in_kernel, pairs_length, prefetch_head, prepare_vector, quantize_tokens,
+                                quantized_capacity, quantized_tokens_shape, split, sums_length, tile_scratch_rows,
+                                transpose_tokens)
 from kernels.cpu.runtime import kernel, mutable, readonly
 
 GATE, UP, DOWN = 0, 1, 2  # a distinct expert's rows in the descriptor table: 3 * e + GATE, ...
@@ -83,21 +84,21 @@ def mixture_decode_kernel(weights, x, coeffs, n_threads, out, x_natural, x_pairs
 
 
 _PREFILL_SIGNATURE = types.void(_i64_ro_2d, _f32_ro_2d, _i64_ro_1d, _i64_ro_1d, _f32_ro_1d, types.int64, _f32_2d,
-                                _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_3d, _f32_2d)
+                                _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_3d, _f32_2d)
 
 
 @kernel(_PREFILL_SIGNATURE, parallel=True)
-def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, gathered, xt, gate_t, up_t, tiles,
-                           blocks):
+def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, gathered, xt, gate_t, up_t, xq,
+                           tiles, blocks):
     """T tokens: out [T, D] += the mixture, expert after expert; expert e's tokens are
     tokens[offsets[e]:offsets[e + 1]] with weights coeffs[...] (ascending token order).
 
     Scratch: gathered [>= Te, D]; xt [>= D_padded, padded Te]; gate_t / up_t [>= I_padded, padded Te];
-    tiles [P, tile_scratch_rows(most routed tokens), K_max];
+    xq [quantized_tokens_shape(max(K_max, I_padded), Te)] (the gate/up or down input quantized, for
+    weights prefilled on integer panels); tiles [P, tile_scratch_rows(most routed tokens), K_max];
     blocks [P, BLOCK_FLOATS]."""
     n_experts = offsets.shape[0] - 1
     d_model = out.shape[1]
-    self_quantized = xt[:, :0]  # integer panels quantize their own tokens (once per part)
     for e in range(n_experts):
         first, n_routed = offsets[e], offsets[e + 1] - offsets[e]
         if n_routed == 0:
@@ -107,23 +108,31 @@ def mixture_prefill_kernel(weights, x, offsets, tokens, coeffs, n_threads, out, 
         for i in range(n_routed):
             rows[i] = x[tokens[first + i]]
         k_padded = max(gate[W_COLS_PADDED], up[W_COLS_PADDED])
+        columns = padded_tokens_in_kernel(n_routed)
         for part in prange(n_threads):
             k_begin, k_end = split(k_padded, n_threads, part, CHUNK)
             transpose_tokens(rows, xt, k_begin, k_end)
+            if gate[W_PREFILL_INT8] + up[W_PREFILL_INT8] > 0:
+                quantize_tokens(xt.ctypes.data, xt.shape[1], k_begin // CHUNK, k_end // CHUNK, columns, xq.ctypes.data,
+                                quantized_capacity(xq), tiles[part].ctypes.data)
         for part in prange(n_threads):  # gate and up rows [I, Te], then silu(gate) * up in place
             begin, end = split(gate[W_ROWS], n_threads, part, TILE_M)
             tile, block = tiles[part], blocks[part]
-            gemm_rows(gate, begin, end, xt, self_quantized, n_routed, tile, block, gate_t, begin, False, True)
-            gemm_rows(up, begin, end, xt, self_quantized, n_routed, tile, block, up_t, begin, False, True)
+            gemm_rows(gate, begin, end, xt, xq, n_routed, tile, block, gate_t, begin, False, True)
+            gemm_rows(up, begin, end, xt, xq, n_routed, tile, block, up_t, begin, False, True)
             for r in range(begin, end):
                 silu_times_in_place(gate_t[r, :n_routed], up_t[r, :n_routed])
         for r in range(gate[W_ROWS], down[W_COLS_PADDED]):  # the down projection's zero padding
             for t in range(gate_t.shape[1]):
                 gate_t[r, t] = 0.0
+        if down[W_PREFILL_INT8]:
+            for part in prange(n_threads):
+                k_begin, k_end = split(down[W_COLS_PADDED], n_threads, part, CHUNK)
+                quantize_tokens(gate_t.ctypes.data, gate_t.shape[1], k_begin // CHUNK, k_end // CHUNK, columns,
+                                xq.ctypes.data, quantized_capacity(xq), tiles[part].ctypes.data)
         for part in prange(n_threads):  # down rows [Te, D] into `rows` (x is no longer needed there)
             begin, end = split(down[W_ROWS], n_threads, part, TILE_M)
-            gemm_rows(down, begin, end, gate_t, self_quantized, n_routed, tiles[part], blocks[part], rows, begin, False,
-                      False)
+            gemm_rows(down, begin, end, gate_t, xq, n_routed, tiles[part], blocks[part], rows, begin, False, False)
         for i in range(n_routed):
             coeff = coeffs[first + i]
             destination = out[tokens[first + i]]
@@ -247,5 +256,6 @@ def expert_mixture(descriptors: np.ndarray, experts: np.ndarray, x: np.ndarray, 
         descriptors, x, offsets, tokens, coeffs, n_threads, out,
         np.empty((most, d_model), np.float32), np.empty((k_max, columns), np.float32),
         np.empty((h_rows, columns), np.float32), np.empty((h_rows, columns), np.float32),
+        np.empty(quantized_tokens_shape(max(k_max, h_rows), most), np.float32),
         np.empty((n_threads, tile_scratch_rows(most), k_max), np.float32),
         np.empty((n_threads, BLOCK_FLOATS), np.float32))
