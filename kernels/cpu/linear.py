@@ -19,8 +19,8 @@ matrices are never materialised: the largest dequantized piece is one tile.
 Where the integer dot products beat f32 tiles (llvm_prefill.integer_prefill_runs), a quantized
 weight's gemm multiplies panels of its own codes by the tokens rounded to int8 per block of 32
 (quantize_tokens, the decode's rounding), PANEL_TOKENS tokens per micro-kernel call. The fused
-forward quantizes each projection's input once, in the step that transposes it (W_PREFILL_INT8
-says which weights read it); a gemm whose caller did not quantizes the tokens itself.
+forward, the MoE prefill and `linear` quantize each projection's input once, in the step that
+transposes it (W_PREFILL_INT8 says which weights read it), and pass it to the gemm beside xt.
 
 Each kind's three kernels (matvec, gemm, dequantize) are compiled separately as C callbacks,
 only when a loaded model has a weight of that kind, and cached on disk; a weight's descriptor
@@ -201,8 +201,8 @@ def _gemm_for(bf16: bool):
         are stored at once, and the result is already the next projection's xt).
 
         xt: x transposed, [>= K_padded rows, xt_stride (padded tokens) columns], zero-padded. xq,
-        xq_chunks: x quantized already for integer panels (quantize_tokens' records, for xq_chunks
-        chunks), or xq_chunks 0; tiles read xt alone. tile:
+        xq_chunks: x quantized for integer panels by the caller (quantize_tokens' records, for
+        xq_chunks chunks); tiles read xt alone. tile:
         [tile_scratch_rows(n_tokens), tile_stride >= K_padded] and block: [BLOCK_FLOATS], both
         private to the caller's thread. out: [>= n_tokens, out_stride] (transposed: [>= out_col + rows,
         out_stride]). The same for every kind: the tile is filled by the kind's dequantize callback,
@@ -319,7 +319,7 @@ def _integer_gemm_for(kind: int, style: int):
     """The gemm callback of a quantized kind prefilled on integer panels (llvm_prefill.py): the
     tokens quantized as decode quantizes its vector, each panel of 16 rows multiplied by
     PANEL_TOKENS tokens at a time with the style's byte dot products. Arguments and scratch as
-    _gemm_for's gemm; the tile scratch holds the quantized tokens and one panel."""
+    _gemm_for's gemm, xq as the caller quantized it; the tile scratch holds one panel."""
     bits = wf.IR_FORMATS[kind].bits
     affine = 1 if wf.IR_FORMATS[kind].affine else 0
     zero_point = 0 if affine else wf.IR_FORMATS[kind].zero_point
@@ -329,15 +329,9 @@ def _integer_gemm_for(kind: int, style: int):
         w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
         depth, n_groups, chunks_per_group = w[W_COLS_PADDED], w[W_GROUPS], w[W_CHUNKS_PER_GROUP]
         n_chunks = depth // CHUNK
-        columns = padded_tokens_in_kernel(n_tokens)
-        panel = tile  # the scratch, carved: the panel, then (unless the caller quantized x) x quantized
+        panel = tile  # the scratch, carved
         factors = panel + PANEL_ROWS * depth
         panel_offsets = factors + 4 * PANEL_ROWS * n_chunks
-        if xq_chunks == 0:
-            xq = panel_offsets + 4 * PANEL_ROWS * n_chunks
-            xq_chunks = n_chunks
-            quantize_tokens(xt, xt_stride, 0, n_chunks, columns, xq, xq_chunks,
-                            xq + 4 * QUANTIZED_WORDS * n_chunks * columns)
         group_bytes = 4 * QUANTIZED_WORDS * PANEL_TOKENS * xq_chunks  # one group of PANEL_TOKENS tokens' records
         panel_words = numba.carray(uint32_pointer(panel), (n_chunks * QUADS_PER_CHUNK, PANEL_ROWS))
         panel_scales = numba.carray(float32_pointer(factors), (2 * n_chunks, PANEL_ROWS))  # factors, then offsets
@@ -599,9 +593,8 @@ def dequantize_rows(w, row_begin, n_rows, tile):
 @helper
 def gemm_rows(w, row_begin, row_end, xt, xq, n_tokens, tile, block, out, out_col, accumulate, transposed):
     """out[t, out_col + r - row_begin] (+)= dot(W[r], x[t]) for r in [row_begin, row_end), t < n_tokens
-    (transposed: out[out_col + r - row_begin, t]). xq: xt quantized when the weight reads int8 tokens
-    (W_PREFILL_INT8) and the caller quantized them (quantized_tokens_shape), else an array with no
-    columns."""
+    (transposed: out[out_col + r - row_begin, t]). xq: xt quantized (quantized_tokens_shape) where the
+    weight reads int8 tokens (W_PREFILL_INT8), else not read."""
     if row_end > row_begin:
         quantized_chunks = quantized_capacity(xq) if w[W_PREFILL_INT8] else 0
         call_gemm(w[W_GEMM_FN], w.ctypes.data, row_begin, row_end, xt.ctypes.data, xt.shape[1], xq.ctypes.data,
@@ -633,11 +626,11 @@ def split(total, parts, part, align):
 _f32_2d, _f32_1d, _f32_3d = mutable(types.float32, 2), mutable(types.float32, 1), mutable(types.float32, 3)
 _LINEAR_SIGNATURE = types.void(readonly(types.int64, 1), readonly(types.float32, 2), readonly(types.float32, 1),
                                types.boolean, _f32_2d, types.int64, _f32_3d, _f32_2d, _f32_1d, _f32_1d, _f32_1d,
-                               _f32_2d, _f32_1d)
+                               _f32_2d, _f32_2d, _f32_1d)
 
 
 @kernel(_LINEAR_SIGNATURE, parallel=True)
-def linear_kernel(w, x, bias, has_bias, out, n_threads, tiles, blocks, x_natural, x_pairs, x_sums, xt, row_out):
+def linear_kernel(w, x, bias, has_bias, out, n_threads, tiles, blocks, x_natural, x_pairs, x_sums, xt, xq, row_out):
     """out [T, N] = x [T, K] W^T (+ bias); W given by its descriptor; the rest is scratch.
 
     Decode runs one parallel stage (row dot products), prefill two (transpose x, then tiles)."""
@@ -653,9 +646,12 @@ def linear_kernel(w, x, bias, has_bias, out, n_threads, tiles, blocks, x_natural
             elif stage == 0:
                 k_begin, k_end = split(xt.shape[0], n_threads, part, CHUNK)
                 transpose_tokens(x, xt, k_begin, k_end)
+                if w[W_PREFILL_INT8]:
+                    quantize_tokens(xt.ctypes.data, xt.shape[1], k_begin // CHUNK, k_end // CHUNK, xt.shape[1],
+                                    xq.ctypes.data, quantized_capacity(xq), tiles[part].ctypes.data)
             else:
                 begin, end = split(n_rows, n_threads, part, TILE_M)
-                gemm_rows(w, begin, end, xt, xt[:, :0], n_tokens, tiles[part], blocks[part], out, begin, False, False)
+                gemm_rows(w, begin, end, xt, xq, n_tokens, tiles[part], blocks[part], out, begin, False, False)
     if n_tokens == 1:
         for r in range(n_rows):
             out[0, r] = row_out[r]
@@ -679,5 +675,7 @@ def linear(descriptor: np.ndarray, x: np.ndarray, bias: np.ndarray | None, n_thr
     bias_array = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
     linear_kernel(descriptor, x, bias_array, bias is not None, out, n_threads, tiles, blocks,
                   np.empty(vector_len, np.float32), np.empty(pairs_length(vector_len), np.float32),
-                  np.empty(sums_length(vector_len), np.float32), xt, np.empty(n_rows, np.float32))
+                  np.empty(sums_length(vector_len), np.float32), xt,
+                  np.empty(quantized_tokens_shape(k_padded, n_tokens) if prefill else (1, 1), np.float32),
+                  np.empty(n_rows, np.float32))
     return out
