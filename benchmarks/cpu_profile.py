@@ -28,8 +28,8 @@ import edge  # noqa: E402
 from edge.home import default_model_checkpoint  # noqa: E402
 
 
-def profile(checkpoint: str, threads: int, n_prompt: int, n_decode: int) -> dict:
-    with edge.load(checkpoint, device="cpu", threads=threads) as model:
+def profile(checkpoint: str, threads: int, n_prompt: int, n_decode: int, kv_cache: str = "f32") -> dict:
+    with edge.load(checkpoint, device="cpu", threads=threads, kv_cache=kv_cache) as model:
         executor = model.transformer._fused_forward
         prompt = [int(i) for i in range(1000, 1000 + n_prompt)]
         session = model.session(capacity=n_prompt + n_decode + 1)
@@ -69,13 +69,14 @@ def main(argv=None) -> int:
     parser.add_argument("checkpoint", nargs="?", default=None)
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--kv-cache", default="f32", help="the KV cache's format (f32, f16, int8)")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     checkpoint = args.checkpoint or default_model_checkpoint()
     results = {"checkpoint": checkpoint, "load_average_before": os.getloadavg(), "threads": {}}
     for threads in (int(t) for t in args.threads.split(",")):
-        result = profile(checkpoint, threads, args.prompt_tokens, args.decode_tokens)
+        result = profile(checkpoint, threads, args.prompt_tokens, args.decode_tokens, args.kv_cache)
         results["threads"][threads] = result
         for phase in ("prefill", "decode"):
             data = result[phase]

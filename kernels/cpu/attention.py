@@ -87,13 +87,15 @@ def decode_query(work, q_width):
     return work[work.shape[0] - q_width:]
 
 
-# Keys a decode item takes at a time: their K rows (then V rows), every KV head's, are read from
-# memory once, in order, and used for every query head while they are in L1/L2 (32 rows of
-# SmolLM2's 3 x 64 floats are 24 KiB), while the next block is requested (prefetch_share). The
-# cache comes from memory (the weights streamed since its last use evict it): one thread, 176 keys
-# of SmolLM2 in cache 10 us, from memory 33 us without requests ahead, 23 us requesting 64-row
-# blocks, 19.5 us 32-row blocks.
+# Keys a decode item takes at a time: their K rows (then V rows), every KV head's, are read once
+# and used for every query head while they are in L1/L2 (32 rows of SmolLM2's 3 x 64 floats are
+# 24 KiB).
 ROWS_PER_BLOCK = 32
+# The cache comes from memory (the weights streamed since its last use evict it), and requesting
+# only the next block left too few misses in flight: an item requests up to AHEAD_BYTES of its keys
+# and as many of its values at its start, then the next block as it goes. The bound keeps the
+# requests within L2 beside the weights' own.
+AHEAD_BYTES = 64 * 1024
 
 
 @helper
@@ -182,7 +184,8 @@ def prefetch_share(first_key, first_value, row_bytes, n, next_row, share, n_shar
     """Request share `share` of n_shares of the next block's rows: rows [next_row, next_row +
     ROWS_PER_BLOCK) of the item's keys then values, read as one sequence of 2n rows (the values
     follow the keys). Spread over a block's query heads, the requests overlap the arithmetic
-    instead of waiting in one burst."""
+    instead of waiting in one burst; they repeat the start's requests for rows it covered (the
+    memory system may drop a request while too many are in flight)."""
     begin = min(next_row + ROWS_PER_BLOCK * share // n_shares, 2 * n)
     end = min(next_row + ROWS_PER_BLOCK * (share + 1) // n_shares, 2 * n)
     if begin < n:
@@ -209,7 +212,9 @@ def partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end
     row_bytes = element_bytes * n_kv * head_dim
     first_key = keys + s_begin * row_bytes
     first_value = values + s_begin * row_bytes
-    prefetch_bytes(first_key, min(n, ROWS_PER_BLOCK) * row_bytes)
+    ahead = max(ROWS_PER_BLOCK, AHEAD_BYTES // row_bytes)  # rows requested at the start
+    prefetch_bytes(first_key, min(n, ahead) * row_bytes)
+    prefetch_bytes(first_value, min(n, ahead) * row_bytes)
     for b_begin in range(0, n, ROWS_PER_BLOCK):
         b_end = min(b_begin + ROWS_PER_BLOCK, n)
         blocked = b_begin + (b_end - b_begin) // 4 * 4

@@ -10,10 +10,20 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from kernels.cpu.isa import vector_registers
 from kernels.cpu.llvm_ir import F32, INT64_ARGS, LANES, V16F, V16H, V16I16, Emitter
 
 PANEL_VECTORS = 4  # columns per pass over the rows: 64 floats, one cache line per vector
-ROW_STREAMS = 2  # rows per step, each into its own accumulators: two multiply-adds in flight per column
+
+
+def row_streams() -> int:
+    """Rows per step, each into its own accumulators, so that consecutive multiply-adds do not wait
+    on each other: two where a panel's accumulators for two rows take at most half the vector
+    registers (AVX-512), else one (a panel is already 8 independent sums on AVX2 and 16 on NEON,
+    and a second set would spill)."""
+    count, bits = vector_registers()
+    registers_per_vector = max(1, LANES * 32 // bits)
+    return 2 if 2 * PANEL_VECTORS * registers_per_vector <= count // 2 else 1
 
 
 def _make_weighted_row_sum(half: bool):
@@ -28,15 +38,16 @@ def _make_weighted_row_sum(half: bool):
 
         Columns are taken in panels of PANEL_VECTORS vectors of 16 (whole cache lines of each row),
         then one vector at a time, then one column at a time; each pass reads the rows in order,
-        ROW_STREAMS rows per step into separate accumulators, so that consecutive multiply-adds do
+        row_streams() rows per step into separate accumulators, so that consecutive multiply-adds do
         not wait on each other."""
         signature = types.void(*([INT64_ARGS] * 6))
 
         def codegen(context, builder, sig, args):
             rows, row_bytes, n_rows, weights, width, out = args
             e = Emitter(builder)
-            n_steps = e.b.udiv(n_rows, e.i64(ROW_STREAMS))
-            last_row = e.b.mul(n_steps, e.i64(ROW_STREAMS))
+            streams = row_streams()
+            n_steps = e.b.udiv(n_rows, e.i64(streams))
+            last_row = e.b.mul(n_steps, e.i64(streams))
 
             def load_values(vector_type, address):
                 if vector_type is V16F:
@@ -49,7 +60,7 @@ def _make_weighted_row_sum(half: bool):
                 """out[first_column + 16 v] for v < n_vectors (vector_type: <16 x float> or float)."""
                 zero = ir.Constant(vector_type, [0.0] * LANES if vector_type is V16F else 0.0)
                 width_bytes = element * LANES if vector_type is V16F else element
-                sums = [[e.variable(zero) for _ in range(n_vectors)] for _ in range(ROW_STREAMS)]
+                sums = [[e.variable(zero) for _ in range(n_vectors)] for _ in range(streams)]
 
                 def add_row(row, stream):
                     weight = e.load(F32, e.address(weights, (row, 4)), 4)
@@ -61,13 +72,13 @@ def _make_weighted_row_sum(half: bool):
                         e.b.store(e.fma(weight, value, e.b.load(sums[stream][v])), sums[stream][v])
 
                 with e.loop(n_steps) as step_loop:
-                    for stream in range(ROW_STREAMS):
-                        add_row(e.b.add(e.b.mul(step_loop.index, e.i64(ROW_STREAMS)), e.i64(stream)), stream)
+                    for stream in range(streams):
+                        add_row(e.b.add(e.b.mul(step_loop.index, e.i64(streams)), e.i64(stream)), stream)
                 with e.loop(e.b.sub(n_rows, last_row)) as tail_loop:
                     add_row(e.b.add(last_row, tail_loop.index), 0)
                 for v in range(n_vectors):
                     total = e.b.load(sums[0][v])
-                    for stream in range(1, ROW_STREAMS):
+                    for stream in range(1, streams):
                         total = e.fadd(total, e.b.load(sums[stream][v]))
                     e.store(total, e.address(out, (first_column, 4), e.i64(4 * LANES * v if vector_type is V16F
                                                                             else 4 * v)), 4)
