@@ -13,7 +13,8 @@ from quant.checkpoint import MANIFEST
 
 def check_output(out: str, force: bool, sources: tuple[str, ...] = ()) -> str:
     """OUT as an absolute path, once it is safe to write: refused (ConversionError) when it exists
-    and `force` is not given, when replacing it would delete a source or the directory we run in,
+    and `force` is not given, when it lies inside a source folder, when replacing it would delete a
+    source or the directory we run in,
     or when it is a directory holding something other than a zllm checkpoint (--force replaces a
     checkpoint, a file or an empty directory, never a directory of other data)."""
     if not str(out).strip():
@@ -24,6 +25,9 @@ def check_output(out: str, force: bool, sources: tuple[str, ...] = ()) -> str:
         if src == out or src.startswith(out.rstrip(os.sep) + os.sep):
             raise ConversionError(f"{out}: writing the checkpoint there would replace the source {src}; "
                                   "choose another OUT")
+        if os.path.isdir(src) and out.startswith(src.rstrip(os.sep) + os.sep):
+            raise ConversionError(f"{out} lies inside the source folder {src}; the checkpoint would be written into "
+                                  "the model it is converted from: choose an OUT outside it")
     if not os.path.lexists(out):
         return out
     if not force:

@@ -39,7 +39,6 @@ BACKENDS: dict[str, str] = {
     "gpu": "devices.gpu:GpuBackend",
     "npu": "devices.npu:NpuBackend",
 }
-DEVICES = tuple(BACKENDS)
 THREADED_DEVICES = ("cpu", "npu")  # the others schedule their own work and refuse a thread count
 
 
@@ -57,11 +56,23 @@ def split_device_list(text: str) -> list[str]:
     return devices
 
 
+def device_name_problem(device) -> str | None:
+    """What is wrong with a device name ("reference", "cpu", "npu:openvino"), or None: a kind that
+    is not registered, or a ":" with no variant after it."""
+    if not isinstance(device, str) or device.partition(":")[0] not in BACKENDS:
+        return f"device {device!r} is not available; available devices: {', '.join(BACKENDS)}"
+    kind, colon, variant = device.partition(":")
+    if colon and not variant.strip():
+        return f"device {device!r} names no variant after ':'; write {kind!r}, or {kind!r} followed by ':' and a variant"
+    return None
+
+
 def create_backend(device: str, threads: int | None = None) -> Backend:
     """The backend for a device name such as "reference", "cpu" or "npu:openvino"."""
+    problem = device_name_problem(device)
+    if problem:
+        raise ValueError(problem)
     kind, _, variant = device.partition(":")
-    if kind not in BACKENDS:
-        raise ValueError(f"device {device!r} is not available; available devices: {', '.join(DEVICES)}")
     module_name, class_name = BACKENDS[kind].split(":")
     backend_class = getattr(importlib.import_module(module_name), class_name)
     return backend_class(threads=threads, variant=variant or None)

@@ -72,14 +72,15 @@ def check_counts(prompt_tokens: int, new_tokens: int, repeats: int) -> None:
 
 
 def check_device_names(devices: list[str]) -> None:
-    """Every device names a known kind (its variant and settings are its worker's to check): a typo is a
-    usage error before the default model is converted, not a failed column after it."""
-    from devices.base import BACKENDS
+    """Every device names a known kind, and a variant after any ':' (what the variant and settings mean is
+    its worker's to check): a typo is a usage error before the default model is converted, not a failed
+    column after it."""
+    from devices.base import device_name_problem
 
     for device in devices:
-        if device.partition(":")[0].partition(",")[0] not in BACKENDS:
-            raise InvalidArgumentError(f"device {device}: device {device!r} is not available; available devices: "
-                                       f"{', '.join(BACKENDS)}")  # the words of a worker's refusal
+        problem = device_name_problem(device.partition(",")[0])
+        if problem:
+            raise InvalidArgumentError(f"device {device}: {problem}")  # the words of a worker's refusal
 
 
 class BenchError(ZllmError):

@@ -41,12 +41,13 @@ class LoadOptions:
     def __post_init__(self) -> None:
         """The checks that need no checkpoint; what a device accepts beyond them (a thread count above
         what it can start, a variant) its backend checks."""
-        from devices.base import BACKENDS, THREADED_DEVICES  # read now: tests register devices of their own
+        from devices.base import THREADED_DEVICES, device_name_problem  # read now: tests register devices of their own
         from streaming.budget import parse_budget
 
         device = self.device
-        if not isinstance(device, str) or device.partition(":")[0] not in BACKENDS:
-            raise InvalidArgumentError(f"device {device!r} is not available; available devices: {', '.join(BACKENDS)}")
+        problem = device_name_problem(device)
+        if problem:
+            raise InvalidArgumentError(problem)
         if self.threads is not None:
             object.__setattr__(self, "threads", integer("threads", self.threads, minimum=1))
             kind = device.partition(":")[0]

@@ -51,6 +51,20 @@ def test_force_never_replaces_the_source(tmp_path, tiny_llama):
     assert contents(source) == before
 
 
+def test_out_inside_the_source_folder_is_refused(tmp_path, tiny_llama):
+    source = Path(tmp_path / "hf")
+    source.mkdir()
+    for name, data in contents(tiny_llama).items():
+        (source / name).write_bytes(data)
+    before = contents(source)
+    out = source / "converted"
+    with pytest.raises(ConversionError) as raised:
+        convert(str(source), str(out), INT8, progress=False)
+    assert str(raised.value) == (f"{out} lies inside the source folder {source}; the checkpoint would be written "
+                                 "into the model it is converted from: choose an OUT outside it")
+    assert contents(source) == before and not out.exists()
+
+
 def test_force_never_replaces_a_directory_of_other_data(tmp_path, tiny_llama):
     out = tmp_path / "notes"
     out.mkdir()

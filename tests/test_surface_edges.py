@@ -260,6 +260,12 @@ def test_text_that_is_not_unicode_is_an_argument_error(smollm2, capsys, no_defau
      "device 'bogus' is not available; available devices: reference, cpu, gpu, npu"),
     (["diff", "Hello", "--devices", "reference,cpu", "--threads", "0"], "--threads must be a positive integer, got 0"),
     (["diff", "Hello", "--decode-steps", "-1"], "--decode-steps must be >= 0, got -1"),
+    (["bench", "--device", "cpu:"],
+     "device cpu:: device 'cpu:' names no variant after ':'; write 'cpu', or 'cpu' followed by ':' and a variant"),
+    (["generate", "Hi", "--device", "cpu:"],
+     "device 'cpu:' names no variant after ':'; write 'cpu', or 'cpu' followed by ':' and a variant"),
+    (["diff", "Hello", "--devices", "reference,npu:"],
+     "device 'npu:' names no variant after ':'; write 'npu', or 'npu' followed by ':' and a variant"),
 ])
 def test_cli_arguments_are_refused_before_a_default_model_is_built(capsys, tmp_path, no_default_models, argv,
                                                                   message):
