@@ -37,11 +37,17 @@ def test_empty_out_is_refused(tiny_llama, capsys):
         2, "", "error: OUT is empty; name the directory the checkpoint should be written to\n")
 
 
-def test_force_never_replaces_the_source(tmp_path, tiny_llama):
+def copied_source(tmp_path, model) -> Path:
+    """A copy of a Hugging Face folder at tmp_path/hf, to write around."""
     source = Path(tmp_path / "hf")
     source.mkdir()
-    for name, data in contents(tiny_llama).items():
+    for name, data in contents(model).items():
         (source / name).write_bytes(data)
+    return source
+
+
+def test_force_never_replaces_the_source(tmp_path, tiny_llama):
+    source = copied_source(tmp_path, tiny_llama)
     before = contents(source)
     for out in (source, tmp_path):  # the source itself, and a directory holding it
         with pytest.raises(ConversionError) as raised:
@@ -52,10 +58,7 @@ def test_force_never_replaces_the_source(tmp_path, tiny_llama):
 
 
 def test_out_inside_the_source_folder_is_refused(tmp_path, tiny_llama):
-    source = Path(tmp_path / "hf")
-    source.mkdir()
-    for name, data in contents(tiny_llama).items():
-        (source / name).write_bytes(data)
+    source = copied_source(tmp_path, tiny_llama)
     before = contents(source)
     out = source / "converted"
     with pytest.raises(ConversionError) as raised:
