@@ -189,8 +189,8 @@ def test_op_by_op_composition_with_cpu_kernels_matches_the_fused_executor(load):
         assert relative_error(v1[: len(prompt)], v2[: len(prompt)]) <= REL_TOL
         assert not k1[len(prompt):].any() and not v1[len(prompt):].any()  # nothing written past the end
     # The first layer's values are the v projection of one normed prompt. The fused forward rounds
-    # that input to int8 (integer-panel prefill) once, in the step that transposes it; linear() rounds
-    # it inside its gemm. The same rounding and panels give the same bits.
+    # that input to int8 (integer-panel prefill) in the step that transposes it, linear() in its own
+    # transpose stage: the same rounding and panels give the same bits.
     values_fused, values_by_ops = fused.cache.layers[0][1], by_ops.cache.layers[0][1]
     np.testing.assert_array_equal(values_fused[:len(prompt)].view(np.uint32),
                                   values_by_ops[:len(prompt)].view(np.uint32))
