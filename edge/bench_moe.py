@@ -50,7 +50,7 @@ RESIDENT_BUDGET = "100%"
 # pydoc_data.topics entries the workload's prompts are cut from (the first is edge/bench.py's prompt);
 # `zllm-edge calibrate` records its traces on other topics.
 WORKLOAD_TOPICS = ("execmodel", "compound", "import", "types", "specialnames", "string-methods")
-COUNTERS = ("expert_hits", "expert_misses", "bytes_read", "io_stall_seconds")
+COUNTERS = ("expert_hits", "expert_misses", "bytes_read", "io_stall_seconds", "expert_reads", "prefetches_evicted_unused")
 RSS_TOLERANCE = 0.05  # peak RSS over the interpreter baseline may exceed the budget by this share
 
 
@@ -148,6 +148,11 @@ def summarize(strategy: str, budget: str, loaded: dict, runs: list[dict], peak_r
         "hit_rate": totals["expert_hits"] / requests if requests else None,
         "expert_hits": int(totals["expert_hits"]), "expert_misses": int(totals["expert_misses"]),
         "bytes_read": int(totals["bytes_read"]), "io_stall_seconds": totals["io_stall_seconds"],
+        # records read per decoded token (beside the bound's floor), and prefetched ones evicted unused
+        "expert_reads_per_token": (totals["expert_reads"] / decode_steps
+                                   if decode_steps and "expert_reads" in final else None),
+        "unused_prefetches_per_token": (totals["prefetches_evicted_unused"] / decode_steps
+                                        if decode_steps and "prefetches_evicted_unused" in final else None),
         "stall_fraction": totals["io_stall_seconds"] / decode_seconds if decode_seconds else None,
         # CPU time of the model's thread (its share of the compute, and all the streaming's Python)
         "model_thread_cpu_seconds_per_token": (sum(run["decode_thread_seconds"] for run in runs) / decode_steps
@@ -300,8 +305,9 @@ def add_bounds(rows: list[dict], resident: dict, checkpoint_path: str, manifest:
                prompts: list[list[int]], storage: str | None, queue_depth: int) -> None:
     """Beside every streamed row: the bound no expert strategy can beat, 1 / max(the resident token time
     of this run, the time the Belady read floor of its cache size takes on the disk), and the share of
-    it reached. The disk is the emulated one when --storage names one, else this machine's, measured
-    with O_DIRECT reads at the engine's queue depth."""
+    it reached. The disk is this machine's, measured with O_DIRECT reads at the engine's queue depth;
+    an emulated device (--storage) delivers each read no earlier than the real disk does, so with one
+    the floor takes the longer of its time on either."""
     from quant.expert_file import ExpertIndex
     from streaming.budget import entry_bytes
     from streaming.floor import demand_reads, disk_throughput, read_seconds
@@ -313,28 +319,32 @@ def add_bounds(rows: list[dict], resident: dict, checkpoint_path: str, manifest:
     layers = sorted(index.layers)
     entry = max(entry_bytes(index, layer) for layer in layers)
     record_bytes = max(aligned_length(index.layout(layer).raw_length) for layer in layers)
+    measured = disk_throughput(index.path, record_bytes, queue_depth)
+    # (bandwidth, latency per queue-full of commands) of each device a read goes through; the native
+    # measurement includes the latency
+    devices = {"native": (measured["gb_per_second"] * 1e9, 0.0)}
+    disk = {"storage": "native", "queue_depth": queue_depth, "native_bandwidth_bytes_per_second": devices["native"][0],
+            "native_reads_per_second": measured["reads_per_second"]}
     emulated = parse_storage(storage)
     if emulated is not None:
-        bandwidth, latency = emulated.bandwidth_bytes_per_s, emulated.latency_s
-        disk = {"storage": emulated.name, "bandwidth_bytes_per_second": bandwidth, "latency_seconds": latency,
-                "queue_depth": queue_depth}
-    else:
-        measured = disk_throughput(index.path, record_bytes, queue_depth)
-        bandwidth, latency = measured["gb_per_second"] * 1e9, 0.0  # the measurement includes the latency
-        disk = {"storage": "native", "bandwidth_bytes_per_second": bandwidth, "queue_depth": queue_depth,
-                "reads_per_second": measured["reads_per_second"]}
+        devices[emulated.name] = (emulated.bandwidth_bytes_per_s, emulated.latency_s)
+        disk.update({"storage": emulated.name, "emulated_bandwidth_bytes_per_second": emulated.bandwidth_bytes_per_s,
+                     "emulated_latency_seconds": emulated.latency_s})
     resident_seconds = 1.0 / resident["decode_tokens_per_second"]
     for row in rows:
         if "error" in row or row["strategy"] == "resident" or row["expert_cache_bytes"] is None:
             continue  # (a resident run reads nothing while it decodes)
         capacity = max(1, row["expert_cache_bytes"] // entry)
         reads = demand_reads(uses, layers, per_step, capacity, "belady") / max(steps, 1)
-        floor_seconds = read_seconds(reads, record_bytes, bandwidth, latency, queue_depth)
+        on_device = {name: read_seconds(reads, record_bytes, bandwidth, latency, queue_depth)
+                     for name, (bandwidth, latency) in devices.items()}
+        slowest = max(on_device, key=on_device.get)
+        floor_seconds = on_device[slowest]
         bound = 1.0 / max(resident_seconds, floor_seconds)
         row["bound"] = {"resident_seconds_per_token": resident_seconds, "floor_reads_per_token": reads,
                         "floor_bytes_per_token": reads * record_bytes, "floor_seconds_per_token": floor_seconds,
-                        "disk": disk, "tokens_per_second": bound,
-                        "limited_by": "compute" if resident_seconds >= floor_seconds else "disk"}
+                        "floor_seconds_per_token_on": on_device, "disk": disk, "tokens_per_second": bound,
+                        "limited_by": "compute" if resident_seconds >= floor_seconds else f"disk ({slowest})"}
         row["fraction_of_bound"] = row["decode_tokens_per_second"] / bound
 
 
@@ -354,9 +364,8 @@ def _num(value, fmt: str = ".1f") -> str:
 
 
 def format_moe_table(report: dict) -> str:
-    header = ["strategy", "budget", "cache MB", "decode tok/s", "vs resident", "vs mmap", "floor reads", "bound t/s",
-              "of bound", "hit rate", "recall@k", "stall", "model CPU +",
-              "budget MB",
+    header = ["strategy", "budget", "cache MB", "decode tok/s", "vs resident", "vs mmap", "reads", "floor reads",
+              "bound t/s", "bound by", "of bound", "hit rate", "recall@k", "stall", "model CPU +", "budget MB",
               "process MB", "in budget", "tokens = resident"]
     rows = [header]
     for r in report["configs"]:
@@ -365,8 +374,10 @@ def format_moe_table(report: dict) -> str:
             continue
         rows.append([r["strategy"], r["budget"], _mb(r["expert_cache_bytes"]), _num(r["decode_tokens_per_second"]),
                      _num(r.get("decode_vs_resident"), ".2f"), _num(r.get("decode_vs_mmap"), ".2f"),
+                     _num(r.get("expert_reads_per_token")),
                      _num((r.get("bound") or {}).get("floor_reads_per_token")),
-                     _num((r.get("bound") or {}).get("tokens_per_second")), _num(r.get("fraction_of_bound"), ".2f"),
+                     _num((r.get("bound") or {}).get("tokens_per_second")), (r.get("bound") or {}).get("limited_by", "-"),
+                     _num(r.get("fraction_of_bound"), ".2f"),
                      _pct(r["hit_rate"]), _pct(r["predictor_recall"]), _pct(r["stall_fraction"]),
                      _pct(r.get("extra_model_cpu_vs_resident_token")),
                      _mb(r["budget_bytes"]), _mb(r.get("peak_rss_over_import_bytes")),
@@ -377,8 +388,9 @@ def format_moe_table(report: dict) -> str:
              f"{report['storage']}, prefetch depth {report['prefetch_depth']}",
              f"prompt: {report['prompt_tokens']} tokens ({report['prompt_source']}); {report['new_tokens']} greedy "
              f"tokens; {report['repeats']} timed run(s) per config, each in its own process",
-             "floor reads: expert reads per token an omniscient (Belady) cache of that size needs, replaying the "
-             "resident run's routes; bound t/s: 1 / max(resident token time, the floor's reads on the disk); "
+             "reads: expert records read per decoded token; floor reads: expert reads per token an omniscient (Belady) cache of that size needs, replaying the "
+             "resident run's routes; bound t/s: 1 / max(resident token time, the floor's reads on the disk: on the "
+             "slower of the emulated device and this machine's disk, which every emulated read also goes through); "
              "model CPU +: the model thread's CPU per token over the resident run's, as a share of a resident token's "
              "time; process MB: peak RSS over the RSS after importing the package (the runtime's own memory "
              "counted)"]

@@ -172,7 +172,8 @@ def test_random_moe_decodes_to_changing_routes(tmp_path):
 
 
 def test_every_streamed_row_has_its_bound(moe_checkpoint, tmp_path, capsys):
-    """bound = 1 / max(the resident token time, the Belady floor's reads on the emulated disk)."""
+    """bound = 1 / max(the resident token time, the Belady floor's reads on the slower of the emulated
+    device and the real disk beneath it)."""
     report_path = tmp_path / "report.json"
     code, out, err = run_cli(capsys, "bench", moe_checkpoint, "--memory-budget", "50%,100%", "--storage", "nvme",
                              "--strategies", "resident,ondemand", "--prompt-tokens", 6, "--new-tokens", 8,
@@ -185,7 +186,13 @@ def test_every_streamed_row_has_its_bound(moe_checkpoint, tmp_path, capsys):
         row = configs[("ondemand", budget)]
         bound = row["bound"]
         assert bound["resident_seconds_per_token"] == pytest.approx(resident_seconds)
-        assert bound["disk"]["bandwidth_bytes_per_second"] == nvme.bandwidth_bytes_per_s
+        assert bound["disk"]["emulated_bandwidth_bytes_per_second"] == nvme.bandwidth_bytes_per_s
+        assert bound["disk"]["native_bandwidth_bytes_per_second"] > 0
+        on = bound["floor_seconds_per_token_on"]
+        assert set(on) == {"nvme", "native"}
+        assert bound["floor_seconds_per_token"] == max(on.values())
+        slowest = max(on, key=on.get)
+        assert bound["limited_by"] == ("compute" if resident_seconds >= on[slowest] else f"disk ({slowest})")
         assert bound["tokens_per_second"] == pytest.approx(
             1 / max(resident_seconds, bound["floor_seconds_per_token"]))
         assert row["fraction_of_bound"] == pytest.approx(row["decode_tokens_per_second"] / bound["tokens_per_second"])
@@ -193,6 +200,8 @@ def test_every_streamed_row_has_its_bound(moe_checkpoint, tmp_path, capsys):
     assert configs[("ondemand", "100%")]["bound"]["floor_reads_per_token"] <= \
         configs[("ondemand", "50%")]["bound"]["floor_reads_per_token"]
     assert configs[("ondemand", "50%")]["bound"]["floor_reads_per_token"] > 0
+    assert configs[("ondemand", "50%")]["expert_reads_per_token"] > 0
+    assert configs[("resident", "100%")]["expert_reads_per_token"] is None  # (it reads nothing while decoding)
     assert "bound t/s" in out and "of bound" in out
 
 
