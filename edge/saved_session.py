@@ -5,7 +5,8 @@ File layout (little-endian):
     8 bytes   magic b"ZLLMSESS"
     4 bytes   format version (uint32)
     8 bytes   header length H (uint64)
-    32 bytes  sha256 of everything after it (header and payload)
+    32 bytes  sha256 of the version, the header length, the header and the payload (version 1
+              files, still read: of the header and payload only)
     H bytes   header, UTF-8 JSON: the model's identity (sha256 of its zllm.json, spec), the KV
               cache format and layout, capacity, length, tokens, and where each array lies in
               the payload, plus the payload's size
@@ -13,27 +14,38 @@ File layout (little-endian):
               positions each layer still holds (a ring-buffered layer: its last `window`)
 
 Restoring writes the stored bytes back unchanged, so a session continued from a file computes
-exactly what the saving session would have computed next.
+exactly what the saving session would have computed next. Everything a file says is checked before
+it is used: its header's fields and their types, every array's place in the payload against the
+model's KV layout, the token ids against the vocabulary, and float arrays for NaN and infinity;
+a file that fails any check is a SessionError naming what is wrong.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 
 import numpy as np
 
 from devices.cache_buffers import CacheBuffer
-from edge.core.arguments import integer, path_argument
+from edge.core.arguments import integer, is_integer, path_argument
 from edge.core.errors import SessionError
 from edge.core.files import write_atomically
 from quant.checkpoint import MANIFEST, sha256_file
 
 MAGIC = b"ZLLMSESS"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 _PREAMBLE = struct.Struct("<8sIQ32s")
+_CHECKED_FIELDS = struct.Struct("<IQ")  # version and header length, covered by the checksum from version 2
+STORED_DTYPES = ("<f4", "<f2", "|i1")  # what KV caches store (values, codes, scales)
+
+
+def _checksum(version: int, header_bytes: bytes, payload: bytes) -> bytes:
+    covered = b"" if version == 1 else _CHECKED_FIELDS.pack(version, len(header_bytes))
+    return hashlib.sha256(covered + header_bytes + payload).digest()
 
 
 def model_identity(model) -> dict:
@@ -93,7 +105,7 @@ def save_session(session, path) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise SessionError(f"cannot save the session to {path}: the directory {folder} does not exist; create it first")
-    checksum = hashlib.sha256(header_bytes + payload).digest()
+    checksum = _checksum(FORMAT_VERSION, header_bytes, payload)
 
     def write(f) -> None:
         f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes), checksum))
@@ -134,7 +146,7 @@ def read_session_file(path) -> tuple[dict, bytes]:
                                "save the session again")
         header_bytes = f.read(header_length)
         payload = f.read()
-    if hashlib.sha256(header_bytes + payload).digest() != checksum:
+    if _checksum(version, header_bytes, payload) != checksum:
         try:
             expected = json.loads(header_bytes)["payload_bytes"]
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
@@ -144,7 +156,60 @@ def read_session_file(path) -> tuple[dict, bytes]:
                                f"expected {expected}; save the session again")
         raise SessionError(f"{path}: the saved session fails its sha256 checksum (the file is corrupted); "
                            f"save the session again")
-    return json.loads(header_bytes), payload
+    try:
+        header = json.loads(header_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise SessionError(f"{path}: the saved session's header is not valid JSON ({exc}); save the session again") \
+            from None
+    return header, payload
+
+
+def _field(path, header: dict, key: str, check, wanted: str):
+    value = header.get(key) if isinstance(header, dict) else None
+    if not check(value):
+        raise SessionError(f"{path}: the saved session's header field {key!r} should be {wanted}, got "
+                           f"{_shown(value)}; save the session again")
+    return value
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _checked_header(path, header, payload: bytes, vocab_size: int) -> dict:
+    """The header's fields, each checked for its type and range and every array's extent against the
+    payload (a header edited and checksummed again must still not index past it or mislabel it)."""
+    if not isinstance(header, dict):
+        raise SessionError(f"{path}: the saved session's header is a JSON {type(header).__name__}, not an object; "
+                           "save the session again")
+    model = _field(path, header, "model", lambda v: isinstance(v, dict) and all(
+        isinstance(v.get(k), str) for k in ("manifest_sha256", "model_type")), "the model's identity")
+    kv_cache = _field(path, header, "kv_cache", lambda v: isinstance(v, str), "a KV cache format")
+    capacity = _field(path, header, "capacity", lambda v: is_integer(v, 1), "a positive integer")
+    length = _field(path, header, "length", lambda v: is_integer(v, 0) and v <= capacity,
+                    f"an integer in [0, capacity {capacity}]")
+    tokens = _field(path, header, "tokens", lambda v: isinstance(v, list) and len(v) == length and all(
+        is_integer(t, 0) and t < vocab_size for t in v), f"{length} token ids below the vocabulary's {vocab_size}")
+    _field(path, header, "payload_bytes", lambda v: v == len(payload), f"the payload's size, {len(payload)}")
+
+    def array_entry(entry) -> bool:
+        if not isinstance(entry, dict) or not all(is_integer(entry.get(k), 0) for k in ("layer", "offset", "nbytes")):
+            return False
+        if not (isinstance(entry.get("part"), str) and isinstance(entry.get("array"), str)
+                and entry.get("dtype") in STORED_DTYPES):
+            return False
+        shape = entry.get("shape")
+        if not (isinstance(shape, list) and all(is_integer(n, 0) for n in shape)):
+            return False
+        return (entry["offset"] + entry["nbytes"] <= len(payload)
+                and entry["nbytes"] == math.prod(shape) * np.dtype(entry["dtype"]).itemsize)
+
+    arrays = _field(path, header, "arrays", lambda v: isinstance(v, list) and all(array_entry(e) for e in v),
+                    "a list of arrays (layer, part, array, a KV dtype, shape, and an offset and size inside the "
+                    "payload that agree with them)")
+    return {"model": model, "kv_cache": kv_cache, "capacity": capacity, "length": length, "tokens": tokens,
+            "arrays": arrays}
 
 
 def restore_session(model, path, capacity: int | None = None):
@@ -153,39 +218,57 @@ def restore_session(model, path, capacity: int | None = None):
         capacity = integer("capacity", capacity, minimum=1)
     path = path_argument("path", path)
     header, payload = read_session_file(path)
+    shown = os.fspath(path)
+    header = _checked_header(shown, header, payload, model.spec.vocab_size)
     identity = model_identity(model)
     if header["model"] != identity:
         raise SessionError(
-            f"{os.fspath(path)} was saved from a different model ({header['model']['model_type']}, manifest sha256 "
+            f"{shown} was saved from a different model ({header['model']['model_type']}, manifest sha256 "
             f"{header['model']['manifest_sha256'][:12]}...), not {model.path} ({identity['model_type']}, manifest "
             f"sha256 {identity['manifest_sha256'][:12]}...); load it with the model that saved it"
         )
     kv_format = model.transformer.kv_format
     if header["kv_cache"] != kv_format:
-        raise SessionError(f"{os.fspath(path)} holds a {header['kv_cache']} KV cache but the model was loaded with "
+        raise SessionError(f"{shown} holds a {header['kv_cache']} KV cache but the model was loaded with "
                            f"kv_cache={kv_format!r}; load the model with kv_cache={header['kv_cache']!r}")
     length = header["length"]
     capacity = header["capacity"] if capacity is None else capacity
     if capacity < length:
-        raise SessionError(f"{os.fspath(path)} holds {length} positions, more than the capacity {capacity} asked for; "
+        raise SessionError(f"{shown} holds {length} positions, more than the capacity {capacity} asked for; "
                            f"pass capacity >= {length}")
-    session = model.session(capacity)
-    cache = session.cache
     by_part: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for entry in header["arrays"]:
         data = payload[entry["offset"]:entry["offset"] + entry["nbytes"]]
         array = np.frombuffer(data, dtype=np.dtype(entry["dtype"])).reshape(entry["shape"])
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise SessionError(f"{shown}: layer {entry['layer']} {entry['part']} ({entry['array']} array) holds "
+                               "NaN or infinite values; the file is damaged, save the session again")
         by_part.setdefault((entry["layer"], entry["part"]), {})[entry["array"]] = array
-    cache.length = length
-    for layer, buffers in enumerate(cache.layers):
-        positions = cache.held_positions(layer)
-        rows = cache.rows_of(layer, positions)
-        for part, buffer in zip(cache.slots[layer].parts, buffers):
-            arrays = by_part.get((layer, part.name))
-            expected = _stored_arrays(buffer, rows)
-            if arrays is None or {k: a.shape for k, a in arrays.items()} != {k: a.shape for k, a in expected.items()}:
-                raise SessionError(f"{os.fspath(path)}: layer {layer} {part.name} does not match this model's KV "
-                                   f"layout; the file was saved with another layout, save the session again")
-            _store_arrays(buffer, rows, arrays)
+    session = model.session(capacity)
+    try:
+        cache = session.cache
+        cache.length = length
+        for layer, buffers in enumerate(cache.layers):
+            positions = cache.held_positions(layer)
+            rows = cache.rows_of(layer, positions)
+            for part, buffer in zip(cache.slots[layer].parts, buffers):
+                arrays = by_part.pop((layer, part.name), None)
+                expected = _stored_arrays(buffer, rows)
+                if arrays is None or _kinds(arrays) != _kinds(expected):
+                    raise SessionError(f"{shown}: layer {layer} {part.name} does not match this model's KV "
+                                       f"layout; the file was saved with another layout, save the session again")
+                _store_arrays(buffer, rows, arrays)
+        if by_part:
+            layer, part = next(iter(by_part))
+            raise SessionError(f"{shown}: layer {layer} {part} is not part of this model's KV cache; the file was "
+                               "saved with another layout, save the session again")
+    except BaseException:
+        session.close()
+        raise
     session.tokens = list(header["tokens"])
     return session
+
+
+def _kinds(arrays: dict[str, np.ndarray]) -> dict[str, tuple]:
+    """What a layer part's arrays must agree on: name -> (shape, dtype)."""
+    return {key: (array.shape, array.dtype.str) for key, array in arrays.items()}
