@@ -157,7 +157,7 @@ class Model:
         # a device that runs experts on another backend (npu: the CPU backend) has them prepared for it
         expert_backend = self.backend.expert_backend
         return open_expert_source(self.checkpoint, self.spec, expert_backend, self.expert_strategy,
-                                  self.memory.expert_cache_bytes, options.streaming, verify=options.verify)
+                                  self.memory.expert_cache_bytes, options.streaming)
 
     def _configure_device_expert_cache(self, size: int | str | None) -> None:
         """A device that keeps experts in its own memory (gpu) sizes that cache from the experts' shapes

@@ -139,6 +139,17 @@ class ExpertLayout:
         return cls(projections)
 
 
+def zstd_bound(raw_length: int) -> int:
+    """The most bytes zstd's frame of raw_length bytes can take (ZSTD_COMPRESSBOUND)."""
+    return raw_length + (raw_length >> 8) + ((128 << 10) - raw_length >> 11 if raw_length < 128 << 10 else 0)
+
+
+def _index_integer(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"index values are integers, found {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class ExpertRecord:
     offset: int  # in the expert file, a multiple of ALIGNMENT
@@ -162,17 +173,50 @@ class ExpertIndex:
             raise CheckpointError(f"{path}: expert compression {self.compression!r} is not supported "
                                   f"(supported: none, zstd); convert the model again")
         self.alignment = int(entry.get("alignment", ALIGNMENT))
+        if self.alignment != ALIGNMENT:
+            raise CheckpointError(f"{path}: expert records aligned to {self.alignment} bytes; this zllm-edge reads "
+                                  f"records aligned to {ALIGNMENT}; convert the model again")
         self.layers: dict[int, LayerExperts] = {}
         for layer, info in entry["layers"].items():
             layout = ExpertLayout.from_manifest(info["projections"])
             if layout.raw_length != info["raw_length"]:
                 raise CheckpointError(f"{path}: layer {layer} experts: layout gives {layout.raw_length} bytes, "
                                       f"the manifest says {info['raw_length']}; convert the model again")
-            records = [ExpertRecord(int(o), int(n), int(c)) for o, n, c in info["records"]]
+            records = [ExpertRecord(*(_index_integer(value) for value in record)) for record in info["records"]]
             if len(records) != info["num_experts"]:
                 raise CheckpointError(f"{path}: layer {layer} indexes {len(records)} experts, "
                                       f"expected {info['num_experts']}; convert the model again")
             self.layers[int(layer)] = LayerExperts(layout, records)
+        self._check_records(path)
+
+    def _check_records(self, path: str) -> None:
+        """Every record lies inside the expert file at an aligned offset, has the length its layout
+        gives (uncompressed) or can give (compressed), and no two share bytes: an edited index entry
+        is refused here, before any read, instead of reading another expert's bytes or past the end."""
+        size = os.path.getsize(self.path) if os.path.isfile(self.path) else None
+        spans = []
+        for layer, experts in self.layers.items():
+            raw_length = experts.layout.raw_length
+            longest = raw_length if self.compression is None else zstd_bound(raw_length)
+            for expert, record in enumerate(experts.records):
+                problem = None
+                if record.offset < 0 or record.offset % self.alignment:
+                    problem = f"offset {record.offset} is not a multiple of {self.alignment}"
+                elif not (0 < record.length <= longest) or (self.compression is None and record.length != raw_length):
+                    problem = f"length {record.length} does not fit its {raw_length}-byte layout"
+                elif not 0 <= record.crc32 < 1 << 32:
+                    problem = f"crc32 {record.crc32} is not a 32-bit value"
+                elif size is not None and record.offset + record.length > size:
+                    problem = f"its {record.length} bytes at offset {record.offset} end past the file's {size} bytes"
+                if problem is not None:
+                    raise CheckpointError(f"{path}: the index of layer {layer} expert {expert} is damaged: {problem}; "
+                                          "convert the model again")
+                spans.append((record.offset, record.offset + record.length, layer, expert))
+        spans.sort()
+        for (_, end, layer, expert), (start, _, other_layer, other) in zip(spans, spans[1:]):
+            if start < end:
+                raise CheckpointError(f"{path}: the index is damaged: the records of layer {layer} expert {expert} "
+                                      f"and layer {other_layer} expert {other} share bytes; convert the model again")
 
     def record(self, layer: int, expert: int) -> ExpertRecord:
         return self.layers[layer].records[expert]

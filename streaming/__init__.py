@@ -24,17 +24,17 @@ def _imported(module: str):
 
 
 def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: int | None,
-                       options: StreamingOptions = StreamingOptions(), verify: bool = False):
+                       options: StreamingOptions = StreamingOptions()):
     """The ExpertSource for a MoE checkpoint under an expert strategy (the options' or a resolved one)
-    and an expert cache size; `verify` also checks every record's crc32 when the resident source
-    reads them all at load."""
+    and an expert cache size. Whatever the strategy, every expert's record is checked against its
+    crc32 when it is read (the resident source: once, at load)."""
     storage, policy, depth = options.storage, options.expert_policy, options.prefetch_depth
     index = checkpoint.experts
     layers = {layer: spec.moe_for_layer(layer) for layer in sorted(index.layers)}
     if strategy == "resident":
         ResidentExperts = _imported("streaming.resident").ResidentExperts
         # held for the model's lifetime, like its dense weights (a backend may place them: load_weight)
-        return ResidentExperts(index, backend.load_weight, verify=verify)
+        return ResidentExperts(index, backend.load_weight)
     if strategy == "mmap":
         MappedExperts = _imported("streaming.paging").MappedExperts
         return MappedExperts(index, backend.prepare_weight, cache_bytes, storage=storage)

@@ -10,7 +10,8 @@ meaningless, so a page cache limited to the budget's expert share is emulated:
   for free;
 - touching an expert that is not resident faults its pages in on the calling thread (there are no
   prefetch threads: every such read stalls the model) and the storage model is applied to those
-  bytes, exactly as the expert store applies it to its reads.
+  bytes, exactly as the expert store applies it to its reads; the bytes faulted in are checked
+  against the record's crc32, so a damaged record is refused as the other strategies refuse it.
 Only uncompressed checkpoints can be used in place.
 """
 from __future__ import annotations
@@ -26,11 +27,11 @@ import numpy as np
 
 from edge.core.errors import CheckpointError
 from edge.core.moe import ExpertSet, ExpertWeights, distinct_experts
-from quant.expert_file import ExpertIndex
+from quant.expert_file import ExpertIndex, check_stored_record
 from streaming.source import prepared_expert
 from streaming.stats import StreamingCounters
 from streaming.storage import EmulatedDevice, parse_storage
-from streaming.store import PAGE, aligned_length
+from streaming.store import aligned_length
 
 Key = tuple[int, int]
 FOLIO_BYTES = 2 << 20  # the largest page-cache folio one fault maps (a PMD: 2 MB on x86-64 and arm64)
@@ -78,8 +79,10 @@ class MappedExperts:
         offset, length = self._span(key)
         started = self.clock()
         done = self.device.schedule(length, started) if self.device else None
+        record = self.index.record(*key)
+        # reading the record for its crc32 faults it in from disk now, on this thread, as using it would
+        check_stored_record(self.index, *key, self._bytes[record.offset: record.offset + record.length])
         view = self._bytes[offset: offset + self.index.layout(key[0]).raw_length]
-        int(view[::PAGE].sum())  # touch every page: fault the expert in from disk now, on this thread
         if self.device:
             self.device.wait_until(done)
         self.counters.stall_seconds += self.clock() - started

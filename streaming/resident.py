@@ -1,8 +1,9 @@
 """Every expert in memory: the ExpertSource of a MoE model run without a memory budget.
 
-At load, each (layer, expert) record of experts.bin is read once (positional read, crc32 checked
-when asked), decompressed if needed, decoded into zero-copy views of its raw record, and handed
-to the backend's `prepare_weight`. Every later request is a hit.
+At load, each (layer, expert) record of experts.bin is read once (positional read, crc32 checked:
+a damaged record is refused naming its layer and expert, as the streamed strategies do),
+decompressed if needed, decoded into zero-copy views of its raw record, and handed to the
+backend's `prepare_weight`. Every later request is a hit.
 
 E = routed experts of a layer, T = tokens, A = active experts per token.
 """
@@ -14,13 +15,14 @@ from typing import Callable, Mapping
 import numpy as np
 
 from edge.core.moe import ExpertSet, ExpertWeights, distinct_experts
-from quant.expert_file import ExpertIndex, raw_record, read_expert_bytes
+from quant.checkpoint import check_finite
+from quant.expert_file import ExpertIndex, expert_tensor_name, raw_record, read_expert_bytes
 
 
 class ResidentExperts:
     """ExpertSource holding every expert of every MoE layer, prepared for one backend."""
 
-    def __init__(self, index: ExpertIndex, prepare: Callable, verify: bool = False):
+    def __init__(self, index: ExpertIndex, prepare: Callable):
         self.index = index
         self._experts: dict[int, list[ExpertWeights]] = {}
         self._hits = 0
@@ -31,10 +33,12 @@ class ResidentExperts:
                 layout = layer_experts.layout
                 prepared = []
                 for expert in range(len(layer_experts.records)):
-                    stored = read_expert_bytes(fd, index, layer, expert, verify)
+                    stored = read_expert_bytes(fd, index, layer, expert)
                     self._bytes_read += len(stored)
                     raw = raw_record(index, layer, expert, stored, np.empty(layout.raw_length, np.uint8))
                     weights = layout.decode(raw, f"model.layers.{layer}.mlp.experts.{expert}")
+                    for projection, weight in weights.items():  # loaded once: checked as the dense tensors are
+                        check_finite(index.path, expert_tensor_name(layer, expert, projection), weight)
                     prepared.append(ExpertWeights(gate=prepare(weights["gate_proj"]), up=prepare(weights["up_proj"]),
                                                   down=prepare(weights["down_proj"])))
                 self._experts[layer] = prepared

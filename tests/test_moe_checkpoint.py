@@ -95,6 +95,85 @@ def test_corrupted_expert_record_names_layer_and_expert(tiny_zoo, tmp_path):
                                "the checkpoint is damaged, convert it again")
 
 
+def _flip_a_byte_of(path, layer: int, expert: int) -> None:
+    with open(path / "zllm.json") as f:
+        offset, length, _ = json.load(f)["experts"]["layers"][str(layer)]["records"][expert]
+    with open(path / EXPERTS_FILE, "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu"])
+def test_a_corrupted_expert_is_refused_without_verify_when_every_expert_is_resident(tiny_zoo, tmp_path, device):
+    path = tmp_path / "damaged"
+    shutil.copytree(tiny_zoo.converted("olmoe", MIXED), path)
+    _flip_a_byte_of(path, 1, 5)
+    with pytest.raises(CheckpointError) as info:
+        edge.load(path, device=device)
+    assert str(info.value) == (f"{path / EXPERTS_FILE}: layer 1 expert 5 fails its crc32 check; "
+                               "the checkpoint is damaged, convert it again")
+
+
+def test_a_corrupted_expert_is_refused_in_place_when_it_is_used(tiny_zoo, tmp_path):
+    path = tmp_path / "damaged"
+    shutil.copytree(tiny_zoo.converted("olmoe", MIXED), path)
+    with open(path / "zllm.json") as f:
+        experts = len(json.load(f)["experts"]["layers"]["1"]["records"])
+    for expert in range(experts):  # every expert of layer 1: the route cannot avoid them
+        _flip_a_byte_of(path, 1, expert)
+    with edge.load(path, device="cpu", expert_strategy="mmap", memory_budget="50%") as model:
+        with pytest.raises(CheckpointError) as info:
+            model.session(capacity=16).prefill(PROMPT)
+    message = str(info.value)
+    assert message.startswith(f"{path / EXPERTS_FILE}: layer 1 expert ")
+    assert message.endswith(" fails its crc32 check; the checkpoint is damaged, convert it again")
+
+
+def _edit_record(layer: int, expert: int, field: int, value):
+    def edit(experts: dict) -> None:
+        experts["layers"][str(layer)]["records"][expert][field] = value
+    return edit
+
+
+def _point_at_another_record(experts: dict) -> None:
+    records = experts["layers"]["1"]["records"]
+    records[2] = list(records[3])
+
+
+@pytest.mark.parametrize("edit, complaint", [
+    (_edit_record(1, 2, 0, -4096), "the index of layer 1 expert 2 is damaged: offset -4096 is not a multiple of 4096"),
+    (_edit_record(1, 2, 0, 100), "the index of layer 1 expert 2 is damaged: offset 100 is not a multiple of 4096"),
+    (_edit_record(1, 2, 0, 1 << 50), "the index of layer 1 expert 2 is damaged: its {length} bytes at offset "
+                                     f"{1 << 50} end past the file's {{size}} bytes"),
+    (_edit_record(1, 2, 1, 0), "the index of layer 1 expert 2 is damaged: length 0 does not fit its {raw}-byte layout"),
+    (_edit_record(1, 2, 1, 1 << 40), f"the index of layer 1 expert 2 is damaged: length {1 << 40} does not fit its "
+                                     "{raw}-byte layout"),
+    (_edit_record(1, 2, 2, -1), "the index of layer 1 expert 2 is damaged: crc32 -1 is not a 32-bit value"),
+    (_edit_record(1, 2, 0, 4096.0), "the manifest's experts entry is malformed (index values are integers, found "
+                                    "4096.0)"),
+    (_edit_record(1, 2, 1, "4096"), "the manifest's experts entry is malformed (index values are integers, found "
+                                    "'4096')"),
+    (_point_at_another_record, "the index is damaged: the records of layer 1 expert 2 and layer 1 expert 3 share "
+                               "bytes"),
+])
+def test_an_edited_expert_index_is_refused_at_load(tiny_zoo, tmp_path, edit, complaint):
+    path = tmp_path / "edited"
+    shutil.copytree(tiny_zoo.converted("olmoe", MIXED), path)
+    manifest = json.loads((path / "zllm.json").read_text())
+    raw = manifest["experts"]["layers"]["1"]["raw_length"]
+    length = manifest["experts"]["layers"]["1"]["records"][2][1]
+    edit(manifest["experts"])
+    (path / "zllm.json").write_text(json.dumps(manifest))
+    for strategy in ("resident", "predictive"):
+        with pytest.raises(CheckpointError) as info:
+            edge.load(path, device="reference", expert_strategy=strategy, memory_budget=None
+                      if strategy == "resident" else "50%")
+        expected = complaint.format(raw=raw, length=length, size=os.path.getsize(path / EXPERTS_FILE))
+        assert str(info.value) == f"{path}: {expected}; convert the model again"
+
+
 def test_truncated_expert_file_is_refused(tiny_zoo, tmp_path):
     path = tmp_path / "truncated"
     shutil.copytree(tiny_zoo.converted("olmoe", MIXED), path)
