@@ -26,7 +26,8 @@ cache    the expert cache (streaming/cache.py charges buffer + ENTRY_OVERHEAD pe
 
 A budget "P%" means everything that is not an expert plus a cache holding P% of all experts.
 The minimum working set is the budget whose cache holds, for the largest layer, top_k experts plus
-one per loading thread (so a layer's experts and concurrent loads fit at once); the "mmap" strategy
+one per loading thread (so a layer's experts and concurrent loads fit at once), or every expert of
+that layer if that is fewer; the "mmap" strategy
 needs top_k experts and no loading threads; "resident" needs every expert.
 """
 from __future__ import annotations
@@ -184,9 +185,11 @@ def plan_memory(spec, dense_bytes: int, index: ExpertIndex | None, budget: "int 
                                          + index.largest_raw_record)
         if strategy == "predictive":
             predictor = predictor_bytes(spec, layers, prefetch_depth)
-        in_flight = top_k + loading_threads
+        # a cache holding all of a layer's experts never waits on its loading threads for room
+        in_flight = min(top_k + loading_threads, len(index.layers[largest].records))
         working = in_flight * entry_bytes(index, largest)
-        what = (f"{in_flight} experts of layer {largest} at once (top_k {top_k} + {loading_threads} loading threads)"
+        what = (f"{in_flight} experts of layer {largest} at once (top_k {top_k} + {loading_threads} loading threads, "
+                f"of its {len(index.layers[largest].records)})"
                 + (f" and {staging} bytes of decompression staging" if staging else ""))
     fixed = runtime_bytes + dense_bytes + tokenizer_bytes + kv + scratch + staging + predictor
     minimum = fixed + working

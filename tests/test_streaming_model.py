@@ -150,8 +150,12 @@ def test_budget_below_minimum_is_refused(tiny_zoo):
         f"0 bytes of tokenizer, {plan.kv_bytes} bytes of KV cache ({plan.kv_capacity} positions), "
         f"{plan.scratch_bytes} bytes of scratch, {plan.predictor_bytes} bytes of expert predictor and "
         f"{(2 + DEFAULT_THREADS) * entry} bytes for {2 + DEFAULT_THREADS} experts of layer 0 at once "
-        f"(top_k 2 + {DEFAULT_THREADS} loading threads); "
+        f"(top_k 2 + {DEFAULT_THREADS} loading threads, of its 8); "
         f"raise memory_budget to at least {minimum} bytes")
+    with pytest.raises(ZllmError) as error:  # never more experts at once than the layer has
+        edge.load(path, memory_budget=minimum, prefetch_threads=12)
+    assert f"{8 * entry} bytes for 8 experts of layer 0 at once (top_k 2 + 12 loading threads, of its 8)" in \
+        str(error.value)
     with pytest.raises(ZllmError) as error:
         edge.load(path, memory_budget="10%")  # 10% of 16 experts holds fewer than the 6 needed at once
     assert str(error.value).startswith("memory budget ") and f"minimum working set of {minimum} bytes" in str(error.value)
