@@ -6,6 +6,7 @@ import os
 import sys
 
 from edge.core.errors import ZllmError
+from edge.core.files import built_once
 from kernels.cache_home import zllm_home
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -35,15 +36,21 @@ def default_model_gguf() -> str:
 def default_model_checkpoint(progress: bool = True) -> str:
     """The default model's checkpoint, converted (losslessly, `--weights source`) on first use."""
     path = os.path.join(home_dir(), "models", DEFAULT_MODEL_NAME)
-    if os.path.isfile(os.path.join(path, "zllm.json")):
-        return path
-    from converters.convert import QuantPlan, convert
 
-    gguf_path = default_model_gguf()
-    print(f"converting the default model {DEFAULT_MODEL_NAME} into {path} (first use)", file=sys.stderr)
-    summary = convert(gguf_path, path, QuantPlan(weights="source"), force=True, progress=progress)
-    print(summary.format(), file=sys.stderr)
-    return path
+    def build() -> None:
+        from converters.convert import QuantPlan, convert
+
+        gguf_path = default_model_gguf()
+        print(f"converting the default model {DEFAULT_MODEL_NAME} into {path} (first use)", file=sys.stderr)
+        summary = convert(gguf_path, path, QuantPlan(weights="source"), force=True, progress=progress)
+        print(summary.format(), file=sys.stderr)
+
+    return built_once(path, is_checkpoint, build, "converting the default model")
+
+
+def is_checkpoint(path: str) -> bool:
+    """Whether a converted checkpoint is there (convert renames a finished one into place)."""
+    return os.path.isfile(os.path.join(path, "zllm.json"))
 
 
 DEFAULT_MOE_NAME = "smollm2-135m-instruct-moefied"
@@ -60,9 +67,10 @@ def default_moe_checkpoint(progress: bool = True) -> str:
     dense = dense.replace(":", "") if isinstance(dense, str) else "_".join(str(layer) for layer in dense) or "none"
     path = os.path.join(home_dir(), "models",
                         f"{DEFAULT_MOE_NAME}-e{DEFAULT_MOEFY.experts}k{DEFAULT_MOEFY.top_k}-dense{dense}")
-    if os.path.isfile(os.path.join(path, "zllm.json")):
-        return path
-    print(f"building the default MoE (SmolLM2 MoEfied {DEFAULT_MOEFY}) into {path} (first use)", file=sys.stderr)
-    summary = moefy_convert(default_model_gguf(), path, force=True, progress=progress)
-    print(summary.format(), file=sys.stderr)
-    return path
+
+    def build() -> None:
+        print(f"building the default MoE (SmolLM2 MoEfied {DEFAULT_MOEFY}) into {path} (first use)", file=sys.stderr)
+        summary = moefy_convert(default_model_gguf(), path, force=True, progress=progress)
+        print(summary.format(), file=sys.stderr)
+
+    return built_once(path, is_checkpoint, build, "building the default MoE")

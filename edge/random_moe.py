@@ -33,6 +33,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from edge.core.files import built_once
+from edge.home import is_checkpoint
+
 RANDOM_MOE_SEED = 0
 WEIGHT_STD = 0.02
 # RandomMoeSource: the output projections (attention's o_proj, the experts' down_proj) are drawn at
@@ -136,27 +139,29 @@ def random_moe_checkpoint(home: str, shape: RandomMoeShape = RandomMoeShape(), p
     from converters.convert import QuantPlan, convert
 
     path = os.path.join(home, "models", shape.name)
-    if os.path.isfile(os.path.join(path, "zllm.json")):
-        return path
-    plan = QuantPlan(weights="int8", overrides={"experts": "int4"})
-    print(f"building the random MoE {shape.name} into {path} (first use; "
-          f"{shape.expert_int4_bytes / 1e9:.1f} GB of INT4 experts)", file=sys.stderr)
-    if shape.label:
-        from converters.source import SourceTensor
 
-        expert = SourceTensor("model.layers.0.mlp.experts.0.gate_proj.weight",
-                              (shape.expert_intermediate, shape.hidden), "random", 0)
-        summary = convert(RandomMoeSource(shape, plan.scheme_for(expert)), path, plan, force=True, progress=progress)
-        print(summary.format(), file=sys.stderr)
-        return path
-    folder = path + ".hf-source"
-    try:
-        write_random_moe_folder(folder, shape)
-        summary = convert(folder, path, plan, force=True, progress=progress)
-        print(summary.format(), file=sys.stderr)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    return path
+    def build() -> None:
+        plan = QuantPlan(weights="int8", overrides={"experts": "int4"})
+        print(f"building the random MoE {shape.name} into {path} (first use; "
+              f"{shape.expert_int4_bytes / 1e9:.1f} GB of INT4 experts)", file=sys.stderr)
+        if shape.label:
+            from converters.source import SourceTensor
+
+            expert = SourceTensor("model.layers.0.mlp.experts.0.gate_proj.weight",
+                                  (shape.expert_intermediate, shape.hidden), "random", 0)
+            summary = convert(RandomMoeSource(shape, plan.scheme_for(expert)), path, plan, force=True,
+                              progress=progress)
+            print(summary.format(), file=sys.stderr)
+            return
+        folder = path + ".hf-source"
+        try:
+            write_random_moe_folder(folder, shape)
+            summary = convert(folder, path, plan, force=True, progress=progress)
+            print(summary.format(), file=sys.stderr)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    return built_once(path, is_checkpoint, build, "building the random MoE")
 
 
 class RandomMoeSource:

@@ -46,3 +46,48 @@ def test_the_named_shapes_have_their_models_sizes():
     assert sizes(olmoe) == (16, 2048, 64, 1024, 8)
     assert sizes(qwen) == (48, 2048, 128, 768, 8)
     assert 3.4e9 < olmoe.expert_int4_bytes < 3.8e9 and 15e9 < qwen.expert_int4_bytes < 17e9
+
+
+BUILD_IN_A_CHILD = """
+import sys
+sys.path.insert(0, {root!r})
+from edge.random_moe import RandomMoeShape, random_moe_checkpoint
+shape = RandomMoeShape(**{shape!r})
+print(random_moe_checkpoint({home!r}, shape, progress=False))
+"""
+
+
+def test_processes_building_one_model_at_once_build_it_once(tmp_path):
+    """Processes asking for the same model in one home while another holds its lock wait for it,
+    saying for whom; then one of them builds it and the other uses the finished checkpoint."""
+    import dataclasses
+    import subprocess
+    import sys
+    import time
+
+    from edge.core.files import exclusive
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = BUILD_IN_A_CHILD.format(root=root, shape=dataclasses.asdict(TINY), home=os.fspath(tmp_path))
+    path = os.fspath(tmp_path / "models" / TINY.name)
+    with exclusive(path + ".lock", "building the random MoE"):
+        children = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True) for _ in range(2)]
+        time.sleep(3)  # both are waiting now (their imports take about a second)
+        assert not os.path.exists(path)
+    results = [child.communicate(timeout=600) + (child.returncode,) for child in children]
+    assert [code for _, _, code in results] == [0, 0], [err for _, err, _ in results]
+    assert [out.strip() for out, _, _ in results] == [path, path]
+    errors = "".join(err for _, err, _ in results)
+    assert errors.count(f"waiting for process {os.getpid()}, which is building the random MoE into {path}") == 2
+    assert errors.count(f"building the random MoE {TINY.name} into") == 1  # built once
+    assert _digest(path) == _digest(random_moe_checkpoint(os.fspath(tmp_path / "alone"), TINY, progress=False))
+
+
+def test_a_lock_left_by_a_dead_process_does_not_block(tmp_path):
+    from edge.core.files import exclusive
+
+    lock = tmp_path / "model.lock"
+    lock.write_text("999999999")  # a pid no process has: its owner died without removing the file
+    with exclusive(os.fspath(lock), "building the model"):
+        assert lock.read_text() == str(os.getpid())

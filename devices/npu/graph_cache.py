@@ -23,18 +23,17 @@ atomically (written aside, then renamed).
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-from contextlib import contextmanager
 
 import numpy as np
 import onnx
 
 from devices.npu.onnx_export import EXPORTER_DIGEST, EXPORTER_VERSION, ExportOptions, GraphShape, export_graph
 from devices.npu.onnx_weights import ExternalWeightFile, WeightFileError
+from edge.core.files import exclusive
 from kernels.cache_home import zllm_home
 from quant import QuantizedTensor
 
@@ -154,12 +153,5 @@ class GraphCache:
                 target = os.path.join(self.folder, name)
                 shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
 
-    @contextmanager
     def _locked(self):
-        os.makedirs(self.folder, exist_ok=True)
-        with open(os.path.join(self.folder, ".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        return exclusive(os.path.join(self.folder, ".lock"), f"writing the ONNX graph cache {self.folder}")
