@@ -27,15 +27,18 @@ from converters.source import SourceModel, SourceTensor
 from edge.core.errors import ConversionError
 from edge.core.spec import (
     LlamaSpec,
+    counts_beyond_tensors,
     shape_mismatches,
     spec_expert_tensor_names,
     spec_from_dict,
     spec_optional_tensor_names,
     spec_tensor_names,
+    tokens_outside_vocab,
 )
 from quant import GROUP_SIZES, QuantizedTensor, Scheme, quantize
 from quant import checkpoint as ckpt
 from quant.expert_file import EXPERTS_FILE, PROJECTIONS, ExpertLayout
+from quant.formats import describe_non_finite
 from quant.metrics import quantization_error
 from quant.safetensors_io import NUMPY_TO_SAFETENSORS, SafetensorsFormatError
 
@@ -196,12 +199,14 @@ def open_source(src: str) -> SourceModel:
 def _to_scheme(value: np.ndarray | QuantizedTensor, scheme: Scheme, name: str
                ) -> tuple[np.ndarray | QuantizedTensor, bool, float, float]:
     """Tensor `name` in `scheme`, whether the conversion was lossless, and its max-abs / rel-RMS error."""
-    if isinstance(value, QuantizedTensor) and value.scheme == scheme:
-        return value, True, 0.0, 0.0
     try:
-        reference = value.dequantize() if isinstance(value, QuantizedTensor) else np.asarray(value, dtype=np.float32)
+        if not isinstance(value, QuantizedTensor):
+            value = np.asarray(value, dtype=np.float32)
+        _check_finite(value)  # whatever becomes of it: kept bit for bit, cast or requantized
+        if isinstance(value, QuantizedTensor) and value.scheme == scheme:
+            return value, True, 0.0, 0.0
+        reference = value.dequantize() if isinstance(value, QuantizedTensor) else value
         if not scheme.is_quantized:
-            _check_finite(reference)
             with np.errstate(over="ignore"):
                 stored = reference.astype(np.float16 if scheme.dtype == "f16" else np.float32)
             if not np.isfinite(stored).all():  # finite float32 values beyond float16's range became inf
@@ -217,13 +222,14 @@ def _to_scheme(value: np.ndarray | QuantizedTensor, scheme: Scheme, name: str
     return quantized, False, report.max_abs, report.rel_rms
 
 
-def _check_finite(values: np.ndarray) -> None:
-    """Refuse NaN or infinity in a source's weights (the quantizers refuse them too): a model holding
+def _check_finite(value: np.ndarray | QuantizedTensor) -> None:
+    """Refuse NaN or infinity in a source's weights: a float value, or a scale or offset of quantized blocks
+    (GGUF Q4_0/Q4_1/Q8_0, whose garbage or edited f16 fields import unchanged otherwise). A model holding
     them computes NaN logits whatever format it is stored in."""
-    if not np.isfinite(values).all():
-        where = tuple(int(i) for i in np.argwhere(~np.isfinite(values))[0])
-        raise ConversionError(f"the source holds a non-finite value ({values[where]}) at index {list(where)}; its "
-                              "weights are damaged: download or export the model again")
+    found = describe_non_finite(value)
+    if found is not None:
+        raise ConversionError(f"the source holds a non-finite {found}; its weights are damaged: download or export "
+                              "the model again")
 
 
 def _encode(value: np.ndarray | QuantizedTensor, source: SourceTensor, scheme: Scheme
@@ -287,6 +293,10 @@ def _tensors_in_checkpoint_order(source: SourceModel, spec, src: str
     (per expert: gate_proj, up_proj, down_proj); missing or unexpected tensors, and tensors whose shape
     is not the one the spec gives them (edge/core/spec.py `spec_tensor_shapes`), are errors."""
     by_name = {t.name: t for t in source.tensors()}
+    beyond = counts_beyond_tensors(spec, by_name)
+    if beyond:
+        raise ConversionError(f"{src}: {beyond}; the config and the weights disagree: fix the config, or export the "
+                              "model again")
     expected = spec_tensor_names(spec)
     expected += [n for n in spec_optional_tensor_names(spec) if n in by_name]
     expert_names = spec_expert_tensor_names(spec)
@@ -310,6 +320,15 @@ def _tensors_in_checkpoint_order(source: SourceModel, spec, src: str
     _check_shapes(spec, src, [by_name[n] for n in required])
     experts = {layer: [[by_name[n] for n in expert] for expert in names] for layer, names in expert_names.items()}
     return [by_name[n] for n in expected], experts
+
+
+def _check_special_ids(source: SourceModel, spec: LlamaSpec) -> None:
+    """The special token ids a source names beside its config (generation_config.json's) are tokens of the
+    model; checked once the tensors confirmed vocab_size."""
+    for key, (where, ids) in source.tokenizer.special_ids.items():
+        problem = tokens_outside_vocab(key, ids, spec.vocab_size)
+        if problem:
+            raise ConversionError(f"{where}: {problem}")
 
 
 def _configured_away(by_name: dict[str, SourceTensor], required: set[str]) -> set[str]:
@@ -411,6 +430,7 @@ def convert(src: str | SourceModel, out: str, plan: QuantPlan | None = None, for
     try:
         spec = _untie_differing_lm_head(source, _source_spec(source, src), src)
         tensors, experts = _tensors_in_checkpoint_order(source, spec, src)
+        _check_special_ids(source, spec)
         schemes = {t.name: plan.scheme_for(t) for t in tensors}
         layout: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
         for t in tensors:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from edge.core.arguments import is_integer, is_number
 from edge.core.errors import ConversionError, UnsupportedModelError
+from edge.core.spec_dense import MAX_LAYERS
 from quant.expert_file import expert_tensor_name
 
 # GGUF architecture -> our model_type, for architectures that are always MoE.
@@ -140,6 +141,9 @@ def moe_config_fields(model_type: str, arch: str, meta, config: dict, has_tensor
             f"supported: {GATING_SOFTMAX} (softmax)")
     norm_topk_prob = bool(meta("expert_weights_norm", DEFAULT_EXPERT_WEIGHTS_NORM[arch]))
     expert_size = integer("expert_feed_forward_length", config["intermediate_size"], minimum=1)
+    if config["num_hidden_layers"] > MAX_LAYERS:  # the spec refuses it too, but only after these loops ran
+        raise ConversionError(f"GGUF key '{arch}.block_count' is {config['num_hidden_layers']}; expected at most "
+                              f"{MAX_LAYERS} (far above any real model's)")
     # llama.cpp puts no sparse step in the file: a layer without a router keeps its dense FFN.
     dense_layers = [layer for layer in range(config["num_hidden_layers"])
                     if not has_tensor(f"model.layers.{layer}.mlp.gate.weight")]

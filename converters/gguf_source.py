@@ -13,6 +13,7 @@ from typing import Callable
 
 import numpy as np
 
+from converters.gguf_check import check_gguf
 from converters.gguf_moe import (
     MOE_ARCHITECTURES,
     MOE_LAYER_TENSORS,
@@ -29,8 +30,6 @@ from quant.gguf_import import from_gguf
 from quant.safetensors_io import release_pages
 
 log = logging.getLogger(__name__)
-
-GGUF_MAGIC = b"GGUF"
 
 # GGUF architecture -> our model_type. Mistral GGUFs are written with architecture "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", **MOE_ARCHITECTURES}
@@ -72,54 +71,15 @@ def gguf_to_hf_name(name: str) -> str | None:
 
 def _open_reader(path: str):
     from gguf import GGUFReader
-    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
-    name = os.path.basename(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-    magic = head[:4]
-    if magic != GGUF_MAGIC:
-        raise ConversionError(f"{name} is not a GGUF file: expected magic b'GGUF', found {magic!r}")
-    if len(head) < 8:
-        raise ConversionError(f"{name} is truncated: {size} bytes, too short for a GGUF header")
-    version = int.from_bytes(head[4:8], "little")
-    if version & 0xFFFF == 0:  # written on a machine of the other byte order; GGUFReader swaps it
-        version = int.from_bytes(head[4:8], "big")
-    if version not in READER_SUPPORTED_VERSIONS:
-        raise ConversionError(
-            f"{name} is GGUF version {version}; supported GGUF versions: "
-            f"{', '.join(str(v) for v in READER_SUPPORTED_VERSIONS)}"
-        )
+    check_gguf(path)  # GGUFReader trusts the counts it reads: a lying one makes it loop and allocate
     try:
-        reader = GGUFReader(path, "r")
+        return GGUFReader(path, "r")
     except (ValueError, IndexError, KeyError, OverflowError, EOFError) as exc:
-        # GGUFReader reads the metadata, the tensor index and a view of every tensor up front, and
-        # fails with a numpy shape error when any of them runs past the end of the file.
-        raise ConversionError(
-            f"{name} is truncated or corrupt: its {size} bytes do not hold the metadata and tensor data "
-            "its header declares; download or export the file again"
-        ) from exc
-    _check_tensor_layout(reader, name)
-    return reader
-
-
-def _check_tensor_layout(reader, name: str) -> None:
-    """Refuse tensor data that is misaligned or overlaps another tensor's. GGUFReader takes every
-    offset as written (it refuses only data past the end of the file), so a shifted offset would
-    read shifted bytes."""
-    previous = None
-    for tensor in sorted(reader.tensors, key=lambda t: t.data_offset):
-        offset = tensor.data_offset - reader.data_offset
-        if offset % reader.alignment:
-            raise ConversionError(
-                f"{name}: tensor {tensor.name!r} starts at data offset {offset}, not a multiple of the file's "
-                f"alignment {reader.alignment}; the file is corrupt, download or export it again")
-        if previous is not None and tensor.data_offset < previous.data_offset + int(previous.n_bytes):
-            raise ConversionError(
-                f"{name}: the data of tensors {previous.name!r} and {tensor.name!r} overlap; the file is corrupt, "
-                "download or export it again")
-        previous = tensor
+        # what check_gguf leaves to GGUFReader: duplicate keys or tensor names, names that are not UTF-8
+        detail = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # KeyError's str() adds quotes
+        raise ConversionError(f"{os.path.basename(path)}: gguf.GGUFReader cannot read it ({detail}); "
+                              "the file is truncated or damaged, download or export it again") from exc
 
 
 def gguf_field(reader, key: str, default=None):

@@ -2,7 +2,6 @@
 and the tokenizer files."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -12,6 +11,8 @@ import numpy as np
 from converters.source import SourceTensor, SourceTokenizer
 from edge.core.arguments import is_integer
 from edge.core.errors import ConversionError, UnsupportedModelError
+from edge.core.json_text import parse_json
+from edge.core.spec_dense import clipped
 from quant.safetensors_io import SafetensorsFile
 
 log = logging.getLogger(__name__)
@@ -72,9 +73,9 @@ def _read_text(path: str, what: str) -> str:
 def _read_json(path: str, what: str) -> dict:
     """The JSON object in `path`; `what` names the file in errors."""
     try:
-        value = json.loads(_read_text(path, what))
-    except json.JSONDecodeError as exc:
-        raise ConversionError(f"{what} {path} is not valid JSON: {exc}") from None
+        value = parse_json(_read_text(path, what))
+    except ValueError as exc:
+        raise ConversionError(f"{what} {path} is not valid JSON ({exc}); restore the file") from None
     if not isinstance(value, dict):
         raise ConversionError(f"{what} {path} holds a JSON {type(value).__name__}, not an object; restore the file")
     return value
@@ -99,7 +100,7 @@ def _chat_template(value, path: str) -> str | None:
             raise ConversionError(
                 f"{path}: chat_template lists no template named 'default'; name the one to use 'default'")
     if value is not None and not isinstance(value, str):
-        raise ConversionError(f"{path}: chat_template is {value!r}; expected a Jinja template string")
+        raise ConversionError(f"{path}: chat_template is {clipped(repr(value))}; expected a Jinja template string")
     return value
 
 
@@ -107,7 +108,7 @@ def _token_ids(value, key: str, path: str) -> list[int]:
     """A config's token id entry (an id, a list of ids, or null) as a list of ids."""
     values = value if isinstance(value, list) else [] if value is None else [value]
     if not all(is_integer(v, minimum=0) for v in values):
-        raise ConversionError(f"{path}: {key} is {value!r}; expected a token id or a list of token ids")
+        raise ConversionError(f"{path}: {key} is {clipped(repr(value))}; expected a token id or a list of token ids")
     return values
 
 
@@ -210,10 +211,13 @@ class HFSource:
         gen_config_path = os.path.join(self.folder, "generation_config.json")
         gen_config = _read_json(gen_config_path, "generation config") if os.path.isfile(gen_config_path) else {}
         config_path = os.path.join(self.folder, "config.json")
+        # generation_config.json's ids, checked against the vocabulary once the spec has it (config.json's
+        # are the spec's own fields); its pad_token_id is unused, but refused like the others when damaged
+        special_ids = {key: (gen_config_path, _token_ids(gen_config.get(key), key, gen_config_path))
+                       for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
         def ids(key: str) -> list[int]:  # generation_config.json overrides config.json
-            return (_token_ids(gen_config.get(key), key, gen_config_path)
-                    or _token_ids(self.config.get(key), key, config_path))
+            return special_ids[key][1] or _token_ids(self.config.get(key), key, config_path)
 
         eos_ids, bos_ids = ids("eos_token_id"), ids("bos_token_id")
         config = {
@@ -224,7 +228,7 @@ class HFSource:
             "add_bos_token": False,
             "chat_template": chat_template,
         }
-        return SourceTokenizer(tokenizer_json, config)
+        return SourceTokenizer(tokenizer_json, config, special_ids)
 
     def tensors(self) -> list[SourceTensor]:
         out = []

@@ -21,6 +21,9 @@ class SourceTensor:
 class SourceTokenizer:
     tokenizer_json: str | None
     config: dict = field(default_factory=dict)  # bos/eos/eog ids, add_bos_token, chat_template
+    # special token ids the source names outside the model's config, which the converter checks against the
+    # vocabulary: field -> (the file that gives it, its ids), e.g. generation_config.json's eos_token_id
+    special_ids: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
 
 
 class SourceModel(Protocol):

@@ -10,13 +10,14 @@ from edge.core.errors import (
     ConversionError,
     ExpertCacheError,
     InvalidArgumentError,
+    NumericalError,
     SessionError,
     UnsupportedModelError,
     ZllmError,
 )
 
 __all__ = ["load", "Model", "ZllmError", "ConversionError", "UnsupportedModelError", "CheckpointError",
-           "SessionError", "ExpertCacheError", "InvalidArgumentError", "TokenizerError"]
+           "SessionError", "ExpertCacheError", "InvalidArgumentError", "NumericalError", "TokenizerError"]
 __version__ = "0.1.0"
 
 

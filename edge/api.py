@@ -9,6 +9,7 @@ _IMPORTS_BEGAN = resident_bytes()
 
 import logging
 import os
+import threading
 import weakref
 
 from devices.base import DeviceUnavailableError, create_backend
@@ -63,6 +64,9 @@ class Model:
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidArgumentError(f"path must be a checkpoint directory (a str or os.PathLike), got {path!r}")
         self._closed = False
+        # one forward pass at a time: threads sharing the model interleave their sessions step by step,
+        # and the backend, its scratch and the expert source see one caller (edge/session.py)
+        self.forward_lock = threading.RLock()
         self.path = os.fspath(path)
         self.options = options
         # a session's default capacity (and a generation's most); a budget reserves this many positions
@@ -326,15 +330,16 @@ class Model:
 
     def close(self) -> None:
         """Close every open session, the expert source and the checkpoint; later calls raise ZllmError."""
-        if self._closed:
-            return
-        for session in list(self._sessions):
-            session.close()
-        self._closed = True
-        self.transformer = None
-        if self.experts is not None:
-            self.experts.close()
-        self.checkpoint.close()
+        with self.forward_lock:  # (not under a forward pass of another thread)
+            if self._closed:
+                return
+            for session in list(self._sessions):
+                session.close()
+            self._closed = True
+            self.transformer = None
+            if self.experts is not None:
+                self.experts.close()
+            self.checkpoint.close()
 
     def __enter__(self) -> "Model":
         return self

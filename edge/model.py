@@ -13,6 +13,7 @@ import numpy as np
 from edge.attention import MlaWeights, gqa_attention, load_mla_weights, mla_attention
 from edge.core.contract import ForwardModel
 from edge.core.kv import cache_slots
+from edge.core.logits import check_finite_logits
 from edge.core.moe import ExpertSource, MoeLayerWeights
 from edge.core.spec import LlamaSpec
 from edge.kv_cache import KVCache, check_kv_format
@@ -170,11 +171,13 @@ class Transformer:
     def forward_next_token(self, ids: np.ndarray, cache: KVCache) -> int:
         """Run ids like `forward` and return the greedy next token: the argmax of the last token's logits,
         ties to the lowest id. A fused executor with `next_token` picks it on the device and reads back
-        only the id; otherwise it is taken from the logits."""
+        only the id; otherwise it is taken from the logits, once they are checked to be finite."""
         fused = self._fused_forward if cache.full_kv else None
         if fused is not None and self.backend.capabilities.greedy_on_device:
             return fused.next_token(ids, cache)
-        return int(np.argmax(self.forward(ids, cache, all_logits=False)))
+        logits = self.forward(ids, cache, all_logits=False)
+        check_finite_logits(logits, cache.length - 1, self.backend.name)
+        return int(np.argmax(logits))
 
     def forward_ops(self, ids: np.ndarray, cache: KVCache, all_logits: bool, observer=None,
                     ffn_hook=None) -> np.ndarray:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge.core.errors import SessionError, ZllmError
+from edge.core.logits import check_finite_logits
 
 
 def check_token_ids(ids, vocab_size: int, error: type[ZllmError] = SessionError) -> np.ndarray:
@@ -28,6 +29,9 @@ class Session:
         self.model = model
         self.cache = model.transformer.new_cache(capacity)
         self.tokens: list[int] = []
+        # NaN or infinite logits raise NumericalError; the diff tool turns this off, since it reports
+        # a device that produces them as a divergence and names the layer where they began
+        self.check_logits = True
 
     def _open_cache(self):
         """The KV cache, or a typed error once the session (or its model) is closed."""
@@ -46,6 +50,12 @@ class Session:
         return self._open_cache().capacity
 
     def _run(self, ids, all_logits: bool, observer=None, next_token: bool = False) -> np.ndarray | int:
+        """One forward pass, holding the model's forward lock: sessions of one model in several threads
+        run one prefill or decode step at a time, each computing what it would compute alone."""
+        with self.model.forward_lock:
+            return self._run_locked(ids, all_logits, observer, next_token)
+
+    def _run_locked(self, ids, all_logits: bool, observer, next_token: bool) -> np.ndarray | int:
         cache = self._open_cache()
         ids = check_token_ids(ids, self.model.spec.vocab_size)
         if ids.size == 0:
@@ -54,11 +64,14 @@ class Session:
         if cache.length == 0:
             self._begin_request()
         transformer = self.model.transformer
-        if next_token:
+        start = cache.length
+        if next_token:  # checks the logits where they are read (not on a device that picks the token itself)
             result = transformer.forward_next_token(ids, cache)
         else:
             result = transformer.forward(ids, cache, all_logits, observer)
-        self.tokens.extend(int(i) for i in ids)
+        self.tokens.extend(int(i) for i in ids)  # they are in the cache, whatever the check finds
+        if not next_token and self.check_logits:
+            check_finite_logits(result, start if all_logits else start + len(ids) - 1, transformer.backend.name)
         return result
 
     def prefill(self, ids, all_logits: bool = False, observer=None) -> np.ndarray:

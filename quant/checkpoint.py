@@ -14,7 +14,6 @@ when complete, so a directory named like a checkpoint is always a whole one.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,7 +21,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edge.core.errors import CheckpointError
+from edge.core.json_text import parse_json
 from quant import QuantizedTensor, Scheme
+from quant.formats import describe_non_finite
 from quant.safetensors_io import SafetensorsFile, SafetensorsFormatError
 
 if TYPE_CHECKING:
@@ -106,9 +107,10 @@ def read_manifest(path: str) -> dict:
         )
     try:
         with open(manifest_path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{manifest_path} is not valid JSON: {exc}") from None
+            manifest = parse_json(f.read())
+    except ValueError as exc:
+        raise CheckpointError(f"{manifest_path} is not valid JSON ({exc}); the checkpoint is damaged, convert the "
+                              "model again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(f"{manifest_path}: expected format {FORMAT!r}, found {found!r}")
@@ -154,6 +156,8 @@ def open_checkpoint(path: str, verify: bool = False) -> Checkpoint:
     files: dict[str, SafetensorsFile] = {}
     try:  # whatever is refused, the files opened so far are closed
         tensors = _open_tensors(path, manifest, verify, files)
+        for name, tensor in tensors.items():
+            check_finite(path, name, tensor)
         experts = None
         if manifest.get("experts") is not None:
             from quant.expert_file import ExpertIndex  # expert_file imports this module
@@ -166,11 +170,21 @@ def open_checkpoint(path: str, verify: bool = False) -> Checkpoint:
             if verify:
                 _verify_experts(path, experts, manifest["files"][os.path.basename(experts.path)]["sha256"])
         spec = check_shapes_against_spec(path, manifest, tensors, experts)
+        _check_token_ids(path, manifest, spec.vocab_size)
     except BaseException:
         for f in files.values():
             f.close()
         raise
     return Checkpoint(path, manifest, tensors, list(files.values()), experts, spec)
+
+
+def check_finite(where: str, name: str, tensor: np.ndarray | QuantizedTensor) -> None:
+    """Refuse a loaded tensor that holds NaN or infinity (a quantized tensor's scales and offsets, one per
+    group; a float tensor's values), which conversion never writes: the model would compute NaN logits."""
+    found = describe_non_finite(tensor)
+    if found is not None:
+        raise CheckpointError(f"{where}: tensor {name} holds a non-finite {found}; the checkpoint is damaged, "
+                              "convert the model again")
 
 
 def _open_tensors(path: str, manifest: dict, verify: bool, files: dict[str, SafetensorsFile]) -> dict:
@@ -207,6 +221,28 @@ def _open_tensors(path: str, manifest: dict, verify: bool, files: dict[str, Safe
         raise CheckpointError(f"{path}: {exc}") from None
     except (KeyError, ValueError, TypeError) as exc:
         raise CheckpointError(f"{path}: manifest and weights disagree ({exc!r}); convert the model again") from None
+
+
+def _check_token_ids(path: str, manifest: dict, vocab_size: int) -> None:
+    """The manifest's tokenizer entry is an object whose special ids are tokens of the model: generation
+    stops at eos_token_id and eog_token_ids, and a prompt may start with bos_token_id."""
+    from edge.core.arguments import is_integer
+    from edge.core.spec_dense import show
+
+    where, damaged = os.path.join(path, MANIFEST), "the checkpoint is damaged, convert the model again"
+    tokenizer = manifest.get("tokenizer", {})
+    if not isinstance(tokenizer, dict):
+        raise CheckpointError(f"{where}: the 'tokenizer' entry should be an object, it is {show(tokenizer)}; {damaged}")
+    for key in ("bos_token_id", "eos_token_id", "eog_token_ids"):
+        value = tokenizer.get(key)
+        if value is None:
+            continue
+        listed = key == "eog_token_ids"
+        ids = (value if isinstance(value, list) else None) if listed else [value]
+        if ids is None or not all(is_integer(i, 0) and i < vocab_size for i in ids):
+            raise CheckpointError(f"{where}: tokenizer: {key} is {show(value)}; expected "
+                                  f"{'a list of token ids' if listed else 'a token id'} below vocab_size {vocab_size}, "
+                                  f"or null; {damaged}")
 
 
 def check_shapes_against_spec(path: str, manifest: dict, tensors: dict, experts: "ExpertIndex | None") -> "LlamaSpec":

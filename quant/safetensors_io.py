@@ -11,7 +11,6 @@ streams tensors in, so a converter never holds more than the tensor it is writin
 """
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -22,6 +21,7 @@ import numpy as np
 
 from edge.core.arguments import is_integer
 from edge.core.errors import ZllmError
+from edge.core.json_text import parse_json
 
 # safetensors dtype name -> numpy dtype. BF16 has no numpy dtype: it is read as uint16 bits.
 DTYPES: dict[str, np.dtype] = {
@@ -147,8 +147,8 @@ def _read_header(path: str) -> tuple[dict[str, TensorEntry], dict[str, str]]:
                 "the file is truncated or not a safetensors file"
             )
         try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            header = parse_json(f.read(header_len))
+        except ValueError as exc:
             raise SafetensorsFormatError(f"{name}: header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise SafetensorsFormatError(f"{name}: header is not a JSON object")
@@ -180,7 +180,30 @@ def _read_header(path: str) -> tuple[dict[str, TensorEntry], dict[str, str]]:
                 f"only {data_size} data bytes; the file is truncated or its header is corrupt"
             )
         entries[tensor_name] = TensorEntry(dtype, shape, data_start + begin, data_start + end)
+    _check_layout(name, entries, data_start, data_size)
     return entries, metadata
+
+
+def _check_layout(name: str, entries: dict[str, TensorEntry], data_start: int, data_size: int) -> None:
+    """The tensors lie back to back and fill the data buffer, as the reference implementation requires:
+    an overlap would hand two tensors the same bytes, and a gap or trailing bytes mean shifted offsets."""
+    corrupt = "the file is corrupt or its header was edited, download or export it again"
+    end, previous = 0, None
+    for tensor_name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end, item[0])):
+        begin = entry.begin - data_start
+        if begin < end:
+            raise SafetensorsFormatError(
+                f"{name}: the data of tensors {previous!r} (bytes [{entries[previous].begin - data_start}, {end}) of "
+                f"the data buffer) and {tensor_name!r} (bytes [{begin}, {entry.end - data_start})) overlap; {corrupt}")
+        if begin > end:
+            raise SafetensorsFormatError(
+                f"{name}: tensor {tensor_name!r} starts at byte {begin} of the data buffer, but the tensors before "
+                f"it end at byte {end}; safetensors tensors lie back to back, so its offsets are shifted: {corrupt}")
+        end, previous = entry.end - data_start, tensor_name
+    if end != data_size:
+        raise SafetensorsFormatError(
+            f"{name}: the tensors' data ends at byte {end} of the data buffer, but the file holds {data_size} data "
+            f"bytes; {corrupt}")
 
 
 def _entry_fields(info) -> tuple[str, tuple[int, ...], int, int] | None:

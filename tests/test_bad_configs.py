@@ -14,6 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 from gguf_files import write_hf_model_gguf
@@ -154,6 +155,9 @@ def test_every_rope_type_the_spec_accepts_computes_from_its_required_parameters(
 
 # --------------------------------------------------------------------- bad config values
 
+TOKEN_IDS = "a token id (a non-negative integer) or a list of them or null"
+OUTSIDE_VOCAB = "is not a token of the model: vocab_size is 160; fix {0}_token_id (or vocab_size)"
+AT_MOST, REAL = "must be at most", " (far above any real model's)"
 # (case, config edit, exact message after "<src>/config.json: ")
 BAD_VALUES = {
     "kv-heads-zero": ("llama_mha", {"num_key_value_heads": 0},
@@ -201,8 +205,8 @@ BAD_VALUES = {
     "qwen2-max-window-layers-negative": ("qwen2_bias", {"max_window_layers": -1},
                                          "max_window_layers must be a non-negative integer, got -1"),
     "mlp-only-layers-out-of-range": ("qwen2_moe_mlp_only", {"mlp_only_layers": [5]},
-                                     "mlp_only_layers must be a list of layer indices in [0, num_hidden_layers), "
-                                     "got [5]"),
+                                     "mlp_only_layers must be a list of at most num_hidden_layers layer indices in "
+                                     "[0, num_hidden_layers), got [5]"),
     "top-k-beyond-experts": ("qwen3_moe_norm", {"num_experts_per_tok": 9},
                              "unsupported Mixture-of-Experts configuration: num_experts_per_tok 9 must be in [1, 8] "
                              "(the experts)"),
@@ -212,6 +216,79 @@ BAD_VALUES = {
                                  'qk_rope_head_dim must be a positive integer, got "8"'),
     "deepseek-dense-layers-negative": ("deepseek_v3_moe", {"first_k_dense_replace": -1},
                                        "first_k_dense_replace must be a non-negative integer, got -1"),
+    # special token ids: an id or a list of ids of the vocabulary, nothing else
+    "eos-float": ("llama_mha", {"eos_token_id": 2.0}, f"eos_token_id must be {TOKEN_IDS}, got 2.0"),
+    "eos-nested-list": ("llama_mha", {"eos_token_id": [[1, 2]]}, f"eos_token_id must be {TOKEN_IDS}, got [[1, 2]]"),
+    "eos-object": ("llama_mha", {"eos_token_id": {"id": 2}}, f'eos_token_id must be {TOKEN_IDS}, got {{"id": 2}}'),
+    "eos-bool": ("llama_mha", {"eos_token_id": True}, f"eos_token_id must be {TOKEN_IDS}, got true"),
+    "eos-list-with-bool": ("llama_mha", {"eos_token_id": [2, False]},
+                           f"eos_token_id must be {TOKEN_IDS}, got [2, false]"),
+    "bos-string": ("llama_mha", {"bos_token_id": "<s>"}, f'bos_token_id must be {TOKEN_IDS}, got "<s>"'),
+    "bos-negative": ("llama_mha", {"bos_token_id": -1}, f"bos_token_id must be {TOKEN_IDS}, got -1"),
+    "pad-string": ("llama_mha", {"pad_token_id": "x"}, f'pad_token_id must be {TOKEN_IDS}, got "x"'),
+    "pad-float": ("llama_mha", {"pad_token_id": 0.5}, f"pad_token_id must be {TOKEN_IDS}, got 0.5"),
+    "pad-outside-vocab": ("llama_mha", {"pad_token_id": 160}, f"pad_token_id 160 {OUTSIDE_VOCAB.format('pad')}"),
+    "bos-list-outside-vocab": ("llama_mha", {"bos_token_id": [1, 500]},
+                               f"bos_token_id 500 {OUTSIDE_VOCAB.format('bos')}"),
+    # sizes beyond any real model's, which would loop or allocate until killed
+    "layers-huge": ("llama_mha", {"num_hidden_layers": 10**9},
+                    f"num_hidden_layers {AT_MOST} 1024{REAL}, got 1000000000"),
+    "hidden-huge": ("llama_mha", {"hidden_size": 2**40}, f"hidden_size {AT_MOST} 262144{REAL}, got 1099511627776"),
+    "intermediate-huge": ("llama_mha", {"intermediate_size": 10**9},
+                          f"intermediate_size {AT_MOST} 262144{REAL}, got 1000000000"),
+    "heads-huge": ("llama_mha", {"num_attention_heads": 10**6},
+                   f"num_attention_heads {AT_MOST} 1024{REAL}, got 1000000"),
+    "kv-heads-huge": ("llama_mha", {"num_key_value_heads": 10**6},
+                      f"num_key_value_heads {AT_MOST} 1024{REAL}, got 1000000"),
+    "head-dim-huge": ("llama_mha", {"head_dim": 10**8}, f"head_dim {AT_MOST} 262144{REAL}, got 100000000"),
+    "vocab-huge": ("llama_mha", {"vocab_size": 10**12}, f"vocab_size {AT_MOST} 2097152{REAL}, got 1000000000000"),
+    "context-huge": ("llama_mha", {"max_position_embeddings": 10**10},
+                     f"max_position_embeddings {AT_MOST} 16777216{REAL}, got 10000000000"),
+    "sliding-window-huge": ("mistral_gqa", {"sliding_window": 2**60},
+                            f"sliding_window {AT_MOST} 16777216{REAL}, got 1152921504606846976"),
+    "rope-original-context-huge": ("llama_mha", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4,
+                                                                     "factor": 8.0, "low_freq_factor": 1.0,
+                                                                     "high_freq_factor": 4.0,
+                                                                     "original_max_position_embeddings": 10**12}},
+                                   f"rope_scaling.original_max_position_embeddings {AT_MOST} 16777216{REAL}, "
+                                   "got 1000000000000"),
+    "mixtral-experts-huge": ("mixtral", {"num_local_experts": 10**6},
+                             f"num_local_experts {AT_MOST} 4096{REAL}, got 1000000"),
+    "qwen3-moe-experts-huge": ("qwen3_moe_norm", {"num_experts": 10**6},
+                               f"num_experts {AT_MOST} 4096{REAL}, got 1000000"),
+    "qwen2-moe-expert-width-huge": ("qwen2_moe_shared", {"shared_expert_intermediate_size": 10**9},
+                                    f"shared_expert_intermediate_size {AT_MOST} 262144{REAL}, got 1000000000"),
+    "qwen2-moe-sparse-step-huge": ("qwen2_moe_shared", {"decoder_sparse_step": 10**9},
+                                   f"decoder_sparse_step {AT_MOST} 1024{REAL}, got 1000000000"),
+    "deepseek-experts-huge": ("deepseek_v3_moe", {"n_routed_experts": 2**32},
+                              f"n_routed_experts {AT_MOST} 4096{REAL}, got 4294967296"),
+    "deepseek-latent-huge": ("deepseek_v2_moe", {"kv_lora_rank": 10**9},
+                             f"kv_lora_rank {AT_MOST} 262144{REAL}, got 1000000000"),
+    "deepseek-dense-layers-huge": ("deepseek_v3_moe", {"first_k_dense_replace": 10**9},
+                                   f"first_k_dense_replace {AT_MOST} 1024{REAL}, got 1000000000"),
+    "mlp-only-layers-repeated": ("qwen2_moe_mlp_only", {"mlp_only_layers": [0] * 10**6},
+                                 "mlp_only_layers must be a list of at most num_hidden_layers layer indices in "
+                                 f"[0, num_hidden_layers), got {'[' + '0, ' * 26 + '0...'}"),
+    # float hyperparameters: finite, and rms_norm_eps in (0, 1] (real models use 1e-5 or 1e-6)
+    "eps-huge": ("llama_mha", {"rms_norm_eps": 1e30}, f"rms_norm_eps {AT_MOST} 1.0{REAL}, got 1e+30"),
+    "eps-just-above-one": ("llama_mha", {"rms_norm_eps": 1.5}, f"rms_norm_eps {AT_MOST} 1.0{REAL}, got 1.5"),
+    "eps-nan": ("llama_mha", {"rms_norm_eps": float("nan")}, "rms_norm_eps must be a positive number, got NaN"),
+    "eps-infinite": ("llama_mha", {"rms_norm_eps": float("inf")},
+                     "rms_norm_eps must be a positive number, got Infinity"),
+    "eps-negative": ("llama_mha", {"rms_norm_eps": -1e-6}, "rms_norm_eps must be a positive number, got -1e-06"),
+    "theta-nan": ("llama_mha", {"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}},
+                  "rope_theta must be a positive number, got NaN"),
+    "theta-infinite": ("llama_mha", {"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
+                       "rope_theta must be a positive number, got Infinity"),
+    "theta-negative": ("llama_mha", {"rope_parameters": {"rope_type": "default", "rope_theta": -1e4}},
+                       "rope_theta must be a positive number, got -10000.0"),
+    "rope-factor-infinite": ("llama_mha", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4,
+                                                               "factor": float("inf")}},
+                             "rope_scaling.factor must be a positive number, got Infinity"),
+    "routed-scaling-nan": ("deepseek_v3_moe", {"routed_scaling_factor": float("nan")},
+                           "routed_scaling_factor must be a positive number, got NaN"),
+    "clip-qkv-infinite": ("olmoe", {"clip_qkv": float("inf")},
+                          "clip_qkv must be a positive number or null, got Infinity"),
 }
 # a value edited to None is removed from the config
 
@@ -232,6 +309,66 @@ def test_bad_config_value_is_refused_at_convert(name, tiny_zoo, tmp_path):
         assert refused(src, tmp_path, UnsupportedModelError) == message
     else:
         assert refused(src, tmp_path) == f"{src / 'config.json'}: {message}"
+
+
+# Sizes within the limits but beyond the tensors the source holds: refused before the converter lists the
+# config's tensors (a list that grows with layers times experts). (case, config edit, exact problem after "<src>: ")
+BEYOND_TENSORS = {
+    "layers": ("llama_mha", {"num_hidden_layers": 1000},
+               "num_hidden_layers is 1000, but the weights hold the tensors of 2 layers"),
+    "most-layers-and-experts": ("qwen3_moe_norm", {"num_hidden_layers": 1024, "num_experts": 4096},
+                                "num_hidden_layers is 1024, but the weights hold the tensors of 2 layers"),
+    "mixtral-experts": ("mixtral", {"num_local_experts": 4096},
+                        "num_local_experts is 4096, but the weights hold 4 routed experts for layer 0"),
+    "qwen2-moe-experts": ("qwen2_moe_mlp_only", {"num_experts": 4000},
+                          "num_experts is 4000, but the weights hold 4 routed experts for layer 1"),
+    "deepseek-experts": ("deepseek_v3_moe", {"n_routed_experts": 4096},
+                         "n_routed_experts is 4096, but the weights hold 8 routed experts for layer 1"),
+}
+
+
+@pytest.mark.parametrize("name", BEYOND_TENSORS)
+def test_counts_beyond_the_tensors_are_refused_before_listing_them(name, tiny_zoo, tmp_path):
+    case, edit, problem = BEYOND_TENSORS[name]
+    src = edited_hf_folder(tiny_zoo, case, tmp_path / case, config=lambda c: c.update(edit))
+    assert refused(src, tmp_path) == f"{src}: {problem}{FIX}"
+
+
+def _gguf_metadata(path: Path, key: str, value) -> Path:
+    """Overwrite the scalar GGUF metadata `key` of the file at `path` in place."""
+    reader = gguf.GGUFReader(str(path), "r+")
+    reader.fields[key].parts[-1][0] = value
+    reader.data.flush()
+    return path
+
+
+GGUF_WHERE = " (its GGUF metadata, read as config.json fields): "
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("llama.block_count", 2**32 - 1, "num_hidden_layers must be at most 1024 (far above any real model's), "
+                                     "got 4294967295"),
+    ("llama.embedding_length", 2**31, "hidden_size must be at most 262144 (far above any real model's), "
+                                      "got 2147483648"),
+    ("llama.context_length", 2**32 - 1, "max_position_embeddings must be at most 16777216 (far above any real "
+                                        "model's), got 4294967295"),
+    ("llama.attention.layer_norm_rms_epsilon", float("nan"), "rms_norm_eps must be a positive number, got NaN"),
+    ("llama.attention.layer_norm_rms_epsilon", 1e30, "rms_norm_eps must be at most 1.0 (far above any real model's), "
+                                                     "got 1.0000000150474662e+30"),
+    ("llama.rope.freq_base", float("inf"), "rope_theta must be a positive number, got Infinity"),
+])
+def test_gguf_metadata_beyond_the_limits_is_refused_by_the_spec(key, value, message, tiny_zoo, tmp_path):
+    """GGUF keys become the spec's fields: the same limits refuse them."""
+    path = _gguf_metadata(write_hf_model_gguf(tiny_zoo.hf_model("mistral_gqa"), tmp_path / "big.gguf", "llama"),
+                          key, value)
+    assert refused(path, tmp_path) == f"{path}{GGUF_WHERE}{message}"
+
+
+def test_gguf_moe_block_count_beyond_the_limit_is_refused_before_looping_over_layers(tiny_zoo, tmp_path):
+    path = _gguf_metadata(write_hf_model_gguf(tiny_zoo.hf_model("qwen3_moe_raw"), tmp_path / "moe.gguf", "qwen3moe"),
+                          "qwen3moe.block_count", 2**32 - 1)
+    assert refused(path, tmp_path) == (
+        "GGUF key 'qwen3moe.block_count' is 4294967295; expected at most 1024 (far above any real model's)")
 
 
 @pytest.mark.parametrize("rope_type", ["proportional", "ntk_by_parts"])
@@ -289,6 +426,17 @@ def test_cli_prints_one_line_for_a_bad_config_value(tiny_zoo, tmp_path, capsys):
     assert_nothing_written(out)
 
 
+def test_cli_prints_one_line_for_a_size_beyond_the_limits(tiny_zoo, tmp_path, capsys):
+    src = edited_hf_folder(tiny_zoo, "llama_mha", tmp_path / "layers",
+                           config=lambda c: c.update(num_hidden_layers=10**9))
+    out = tmp_path / "out"
+    code, stdout, stderr = run_cli(capsys, "convert", src, out, "--quiet")
+    assert (code, stdout, stderr) == (
+        2, "", f"error: {src / 'config.json'}: num_hidden_layers must be at most 1024 (far above any real model's), "
+               "got 1000000000\n")
+    assert_nothing_written(out)
+
+
 @pytest.mark.parametrize("config, error, message", [
     ([1, 2], ConversionError, "config.json: the config must be a JSON object, got [1, 2]"),
     ({"model_type": ["llama"]}, ConversionError,
@@ -305,6 +453,26 @@ def test_malformed_configs_are_refused_by_spec_from_dict(config, error, message)
     with pytest.raises(error) as raised:
         spec_from_dict(config, where="config.json")
     assert str(raised.value) == message
+
+
+def test_real_models_sizes_are_within_the_limits():
+    """The largest released models' sizes pass: Gemma 3's vocabulary, Qwen3-Next's 512 experts, Llama 3.1 405B's
+    126 layers and FFN, Nemotron-4 340B's FFN, Llama 4 Scout's 10M-token context, DeepSeek-V3's routing."""
+    LlamaSpec(vocab_size=262144, hidden_size=16384, intermediate_size=73728, num_hidden_layers=126,
+              num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=10485760, rms_norm_eps=1e-5,
+              rope_theta=5e5)
+    spec_from_dict(dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, num_hidden_layers=94,
+                        num_attention_heads=64, num_key_value_heads=4, num_experts=512, num_experts_per_tok=10,
+                        moe_intermediate_size=1536, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                        rope_theta=1e7), strict=True)
+    spec_from_dict(dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                        num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+                        n_shared_experts=1, num_experts_per_tok=8, moe_intermediate_size=2048, n_group=8,
+                        topk_group=4, first_k_dense_replace=3, max_position_embeddings=163840,
+                        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+                   strict=True)
 
 
 @pytest.mark.parametrize("family", sorted(SPEC_CLASSES))

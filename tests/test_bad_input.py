@@ -208,28 +208,31 @@ def case_gguf_unknown_version(tmp: Path, tiny_llama: Path):
     return src, ConversionError, "v99.gguf is GGUF version 99; supported GGUF versions: 2, 3"
 
 
-def _truncated_smollm2(tmp: Path, n_bytes: int | None, name: str):
+def _truncated_smollm2(tmp: Path, n_bytes: int | None, name: str, finding: str):
     real = require_smollm2_gguf()
     size = os.path.getsize(real) // 2 if n_bytes is None else n_bytes
     src = write_prefix(real, size, tmp / name)
     return src, ConversionError, (
-        f"{name} is truncated or corrupt: its {size} bytes do not hold the metadata and tensor data "
-        "its header declares; download or export the file again"
-    )
+        f"{name}: {finding}; the file is truncated or damaged, download or export it again")
 
 
 def case_gguf_cut_in_half(tmp: Path, tiny_llama: Path):
-    return _truncated_smollm2(tmp, None, "half.gguf")
+    return _truncated_smollm2(tmp, None, "half.gguf", (
+        "tensor 'blk.15.attn_output.weight' (Q4_1, GGUF shape [576, 576]) claims 207360 bytes at data offset "
+        "47328768 but the data section holds only 47395552 bytes"))
 
 
 def case_gguf_cut_in_metadata(tmp: Path, tiny_llama: Path):
     # byte 100000 lies inside tokenizer.ggml.tokens, the first large metadata array
-    return _truncated_smollm2(tmp, 100_000, "cut-in-metadata.gguf")
+    return _truncated_smollm2(tmp, 100_000, "cut-in-metadata.gguf", (
+        "metadata key 'tokenizer.ggml.tokens' claims 49152 STRING array items (at least 393216 bytes) "
+        "but only 98893 bytes follow"))
 
 
 def case_gguf_cut_in_header(tmp: Path, tiny_llama: Path):
     # 20 bytes: magic, version and the tensor count, but not the whole key/value count
-    return _truncated_smollm2(tmp, 20, "cut-in-header.gguf")
+    return _truncated_smollm2(tmp, 20, "cut-in-header.gguf",
+                              "the metadata key count in the header takes 8 bytes but only 4 bytes follow")
 
 
 def case_gguf_shorter_than_header(tmp: Path, tiny_llama: Path):

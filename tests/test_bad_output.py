@@ -146,8 +146,9 @@ def test_an_unquantizable_weight_is_named(tmp_path, tiny_llama, monkeypatch):
     out = tmp_path / "ckpt"
     with pytest.raises(ConversionError) as raised:
         convert(str(tiny_llama), str(out), INT8, progress=False)
-    assert str(raised.value) == ("tensor model.layers.1.mlp.up_proj.weight (int8_sym_g32): weight holds a non-finite "
-                                 "value (nan) at row 2, column 5; a quantized format cannot store it")
+    assert str(raised.value) == ("tensor model.layers.1.mlp.up_proj.weight (int8_sym_g32): the source holds a "
+                                 "non-finite value (nan) at index [2, 5]; its weights are damaged: download or export "
+                                 "the model again")
     assert_nothing_written(out)
 
 

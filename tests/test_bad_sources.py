@@ -31,6 +31,10 @@ from edge.core.errors import CheckpointError, ConversionError, UnsupportedModelE
 from edge.tokenizer import Tokenizer as EdgeTokenizer
 
 VICTIM = "model.norm.weight"  # a [64] float32 tensor of the tiny Llama
+# JSON nested far past any real file's 4-8 levels: json's parser recursed until RecursionError
+DEEP_LISTS = b"[" * 100_000 + b"]" * 100_000
+DEEP_OBJECTS = b'{"a": ' * 100_000 + b"1" + b"}" * 100_000
+TOO_DEEP = "{} {{path}} is not valid JSON (arrays and objects nest deeper than 64 levels); restore the file"
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +120,77 @@ def test_integer_weights_are_refused(src, tmp_path):
         "(F32, F16, BF16, F64) convert; use the model's unquantized checkpoint")
 
 
+def test_header_nested_too_deep(src, tmp_path):
+    weights = src / "model.safetensors"
+    header = b'{"__metadata__": {"format": "pt"}, "x": ' + DEEP_LISTS + b"}"
+    weights.write_bytes(struct.pack("<Q", len(header)) + header)
+    assert refused(src, ConversionError, tmp_path) == (
+        f"{src}: model.safetensors: header is not valid JSON (arrays and objects nest deeper than 64 levels)")
+
+
+def span(header: dict, name: str) -> tuple[int, int]:
+    return tuple(header[name]["data_offsets"])
+
+
+def tensor_at(header: dict, begin: int) -> str:
+    """The tensor whose data begins at byte `begin` of the data buffer."""
+    return next(key for key in header if key != "__metadata__" and span(header, key)[0] == begin)
+
+
+def tensor_before(header: dict, name: str) -> str:
+    """The tensor whose data ends where `name`'s begins."""
+    return next(key for key in header if key != "__metadata__" and span(header, key)[1] == span(header, name)[0])
+
+
+def moved(name: str, by: int):
+    """Shift tensor `name`'s data offsets by `by` bytes."""
+    return lambda header: header[name].update(data_offsets=[o + by for o in span(header, name)])
+
+
+def same_bytes_as(name: str, other: str):
+    """Give tensor `name` the data offsets of `other` (of the same size)."""
+    return lambda header: header[name].update(data_offsets=header[other]["data_offsets"])
+
+
+NORM0, NORM1 = "model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight"  # [64] float32
+CORRUPT = "the file is corrupt or its header was edited, download or export it again"
+# (edit of the header, the exact message after "<src>: model.safetensors: " given the unedited header)
+LAYOUT_CASES = {
+    "overlapping-the-tensor-before": (moved(VICTIM, -4), lambda h: (
+        f"the data of tensors {tensor_before(h, VICTIM)!r} (bytes [{span(h, tensor_before(h, VICTIM))[0]}, "
+        f"{span(h, VICTIM)[0]}) of the data buffer) and {VICTIM!r} (bytes [{span(h, VICTIM)[0] - 4}, "
+        f"{span(h, VICTIM)[1] - 4})) overlap; {CORRUPT}")),
+    "same-bytes-as-another": (same_bytes_as(VICTIM, NORM1), lambda h: (
+        f"the data of tensors {NORM1!r} (bytes [{span(h, NORM1)[0]}, {span(h, NORM1)[1]}) of the data buffer) and "
+        f"{VICTIM!r} (bytes [{span(h, NORM1)[0]}, {span(h, NORM1)[1]})) overlap; {CORRUPT}")),
+    "shifted-forward": (moved(NORM0, 4), lambda h: (
+        f"tensor {NORM0!r} starts at byte {span(h, NORM0)[0] + 4} of the data buffer, but the tensors before it end "
+        f"at byte {span(h, NORM0)[0]}; safetensors tensors lie back to back, so its offsets are shifted: {CORRUPT}")),
+    "moved-onto-the-first": (lambda h: h[NORM0].update(data_offsets=[0, 256]), lambda h: (
+        f"the data of tensors {NORM0!r} (bytes [0, 256) of the data buffer) and {tensor_at(h, 0)!r} "
+        f"(bytes [0, {span(h, tensor_at(h, 0))[1]})) overlap; {CORRUPT}")),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUT_CASES)
+def test_tensor_data_must_lie_back_to_back(name, src, tmp_path):
+    """Overlapping or shifted data_offsets used to be read as given: two tensors shared bytes."""
+    edit, message = LAYOUT_CASES[name]
+    original = read_safetensors_header(src / "model.safetensors")[1]
+    rewrite_header(src, edit)
+    assert refused(src, ConversionError, tmp_path) == f"{src}: model.safetensors: {message(original)}"
+
+
+def test_bytes_after_the_last_tensor(src, tmp_path):
+    weights = src / "model.safetensors"
+    data_size = weights.stat().st_size - 8 - read_safetensors_header(weights)[0]
+    with open(weights, "ab") as f:
+        f.write(bytes(8))
+    assert refused(src, ConversionError, tmp_path) == (
+        f"{src}: model.safetensors: the tensors' data ends at byte {data_size} of the data buffer, but the file holds "
+        f"{data_size + 8} data bytes; {CORRUPT}")
+
+
 # ------------------------------------------------------------------------------ JSON files
 
 
@@ -149,6 +224,38 @@ def test_integer_weights_are_refused(src, tmp_path):
      "{path}: eos_token_id is 'abc'; expected a token id or a list of token ids"),
     ("generation_config.json", b'{"bos_token_id": [1, true]}',
      "{path}: bos_token_id is [1, True]; expected a token id or a list of token ids"),
+    # nested past any real config
+    pytest.param("config.json", DEEP_LISTS, TOO_DEEP.format("config"), id="config-deep-lists"),
+    pytest.param("config.json", DEEP_OBJECTS, TOO_DEEP.format("config"), id="config-deep-objects"),
+    pytest.param("config.json", b"[" * 65 + b"]" * 65, TOO_DEEP.format("config"),  # parses, too deep to keep
+                 id="config-65-levels"),
+    pytest.param("config.json", b'{"model_type": "llama", "eos_token_id": ' + DEEP_LISTS + b"}",
+                 TOO_DEEP.format("config"), id="config-deep-eos"),
+    pytest.param("generation_config.json", DEEP_LISTS, TOO_DEEP.format("generation config"), id="generation-deep"),
+    pytest.param("tokenizer_config.json", DEEP_OBJECTS, TOO_DEEP.format("tokenizer config"), id="tokenizer-deep"),
+    pytest.param("model.safetensors.index.json", DEEP_LISTS, TOO_DEEP.format("safetensors index"), id="index-deep"),
+    ("config.json", b'{"model_type": "llama",', "config {path} is not valid JSON (Expecting property name enclosed in "
+                                                 "double quotes: line 1 column 24 (char 23)); restore the file"),
+    # token ids of generation_config.json: an id or a list of ids of the vocabulary (128 tokens)
+    ("generation_config.json", b'{"eos_token_id": [[1, 2]]}',
+     "{path}: eos_token_id is [[1, 2]]; expected a token id or a list of token ids"),
+    ("generation_config.json", b'{"eos_token_id": 2.0}', "{path}: eos_token_id is 2.0; expected a token id or a list "
+                                                         "of token ids"),
+    ("generation_config.json", b'{"eos_token_id": {"id": 2}}',
+     "{path}: eos_token_id is {{'id': 2}}; expected a token id or a list of token ids"),
+    ("generation_config.json", b'{"eos_token_id": false}',
+     "{path}: eos_token_id is False; expected a token id or a list of token ids"),
+    ("generation_config.json", b'{"pad_token_id": "<pad>"}',
+     "{path}: pad_token_id is '<pad>'; expected a token id or a list of token ids"),
+    ("generation_config.json", b'{"eos_token_id": 128}',
+     "{path}: eos_token_id 128 is not a token of the model: vocab_size is 128; fix eos_token_id (or vocab_size)"),
+    ("generation_config.json", b'{"bos_token_id": [1, 5000]}',
+     "{path}: bos_token_id 5000 is not a token of the model: vocab_size is 128; fix bos_token_id (or vocab_size)"),
+    ("generation_config.json", b'{"pad_token_id": -1}',
+     "{path}: pad_token_id is -1; expected a token id or a list of token ids"),
+    pytest.param("generation_config.json", b'{"eos_token_id": [' + b"1, " * 100_000 + b'1.5]}',
+                 "{path}: eos_token_id is [" + "1, " * 26 + "1...; expected a token id or a list of token ids",
+                 id="generation-long-eos-list"),
 ])
 def test_malformed_json_file(filename, content, message, src, tmp_path):
     path = src / filename
@@ -181,6 +288,65 @@ def test_damaged_tokenizer_in_a_checkpoint(src, tmp_path):
     with pytest.raises(CheckpointError) as raised:
         edge.load(str(out))
     assert str(raised.value) == message
+
+
+# ------------------------------------------------------------------------- a checkpoint's files
+
+
+@pytest.fixture
+def checkpoint(src, tmp_path) -> Path:
+    out = tmp_path / "ckpt"
+    convert(str(src), str(out), QuantPlan(weights="int8"), progress=False)
+    return out
+
+
+def test_checkpoint_manifest_nested_too_deep(checkpoint):
+    manifest = checkpoint / "zllm.json"
+    manifest.write_bytes(DEEP_OBJECTS)
+    with pytest.raises(CheckpointError) as raised:
+        edge.load(str(checkpoint))
+    assert str(raised.value) == (f"{manifest} is not valid JSON (arrays and objects nest deeper than 64 levels); the "
+                                 "checkpoint is damaged, convert the model again")
+
+
+def test_checkpoint_tensors_sharing_bytes(checkpoint):
+    """The checkpoint's own safetensors file is held to the same layout; the file keeps its size (the
+    manifest records it), only the header changes."""
+    weights = checkpoint / "model.safetensors"
+    header_len, header = read_safetensors_header(weights)
+    shared = span(header, NORM1)
+    header[VICTIM]["data_offsets"] = list(shared)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    assert len(encoded) <= header_len
+    with open(weights, "r+b") as f:
+        f.seek(8)
+        f.write(encoded.ljust(header_len))
+    with pytest.raises(CheckpointError) as raised:
+        edge.load(str(checkpoint))
+    assert str(raised.value) == (
+        f"{checkpoint}: model.safetensors: the data of tensors {NORM1!r} (bytes [{shared[0]}, {shared[1]}) of the data "
+        f"buffer) and {VICTIM!r} (bytes [{shared[0]}, {shared[1]})) overlap; {CORRUPT}")
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"eos_token_id": "abc"}, 'tokenizer: eos_token_id is "abc"; expected a token id below vocab_size 128, or null'),
+    ({"eos_token_id": [2]}, "tokenizer: eos_token_id is [2]; expected a token id below vocab_size 128, or null"),
+    ({"bos_token_id": 128}, "tokenizer: bos_token_id is 128; expected a token id below vocab_size 128, or null"),
+    ({"eog_token_ids": 2}, "tokenizer: eog_token_ids is 2; expected a list of token ids below vocab_size 128, or null"),
+    ({"eog_token_ids": [[1, 2]]},
+     "tokenizer: eog_token_ids is [[1, 2]]; expected a list of token ids below vocab_size 128, or null"),
+    ({"eog_token_ids": [2, 1.0]},
+     "tokenizer: eog_token_ids is [2, 1.0]; expected a list of token ids below vocab_size 128, or null"),
+])
+def test_checkpoint_token_ids(entry, message, checkpoint):
+    """The manifest's special ids are tokens of the model (an integer eog_token_ids was a TypeError at load)."""
+    manifest_path = checkpoint / "zllm.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["tokenizer"].update(entry)
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as raised:
+        edge.load(str(checkpoint))
+    assert str(raised.value) == f"{manifest_path}: {message}; the checkpoint is damaged, convert the model again"
 
 
 # ------------------------------------------------------------------------------------- GGUF
@@ -299,6 +465,17 @@ def test_cli_subprocess_without_traceback(tmp_path):
     assert (result.returncode, result.stdout, result.stderr) == (2, "", (
         "error: no-heads.gguf: GGUF key 'llama.attention.head_count' is missing; the file does not describe the "
         "model, export it again with llama.cpp's convert_hf_to_gguf.py\n"))
+    assert_nothing_written(out)
+
+
+def test_cli_subprocess_for_a_config_nested_too_deep(src, tmp_path):
+    """100,000 nested lists in config.json ended in a RecursionError traceback."""
+    (src / "config.json").write_bytes(DEEP_LISTS)
+    out = tmp_path / "ckpt"
+    result = run_cli_subprocess("convert", src, out, "--quiet")
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", (
+        f"error: config {src / 'config.json'} is not valid JSON (arrays and objects nest deeper than 64 levels); "
+        "restore the file\n"))
     assert_nothing_written(out)
 
 

@@ -19,6 +19,7 @@ import weakref
 import numpy as np
 
 from devices.cpu.weights import CpuWeight, MissingKernelError, as_vector
+from edge.core.logits import check_finite_logits
 from kernels.cpu import formats as wf
 from kernels.cpu import forward as fk
 from kernels.cpu.attention import MAX_DECODE_SPLITS, scratch_floats
@@ -208,9 +209,12 @@ class FusedForward:
 
     def next_token(self, ids, cache) -> int:
         """Run ids like __call__ and return the greedy next token (the argmax of the last token's
-        logits, ties to the lowest id), read from the scratch logits without copying them."""
+        logits, ties to the lowest id), read from the scratch logits without copying them, once they are
+        checked to be finite (argmax of NaN logits is an arbitrary token)."""
         with self._lock:
-            return int(np.argmax(self._forward(ids, cache, False, None)[0]))
+            logits = self._forward(ids, cache, False, None)[0]
+            check_finite_logits(logits, cache.length - 1, self.backend.name)
+            return int(np.argmax(logits))
 
     def _forward(self, ids, cache, all_logits: bool, observer) -> np.ndarray:
         """Run ids (with the lock held); the logits stay in scratch (row 0: the last token's)."""

@@ -94,7 +94,8 @@ class ForwardExecutor(Protocol):
 
     def next_token(self, ids: np.ndarray, cache) -> int:
         """Only with `Capabilities.greedy_on_device`: run ids and return the argmax of the last token's
-        logits (ties to the lowest id) without reading the logits back."""
+        logits (ties to the lowest id) without reading the logits back. Logits held on the host are
+        checked first (edge/core/logits.py: NumericalError); device-side ones (gpu) are not."""
 
 
 class Backend(Protocol):

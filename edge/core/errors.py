@@ -21,6 +21,11 @@ class SessionError(ZllmError):
     """A session was asked for something its state does not allow (context or cache full)."""
 
 
+class NumericalError(ZllmError):
+    """A model computed NaN or infinite values (its logits): damaged weights or config, or a device that
+    computes wrongly."""
+
+
 class ExpertCacheError(ZllmError):
     """A device's expert cache cannot hold what the model needs at once (the message names the minimum)."""
 

@@ -11,7 +11,8 @@ and the checkpoint reader checks a checkpoint's tensors against it before the mo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple
+import re
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from edge.core.errors import ConversionError, UnsupportedModelError, ZllmError
 from edge.core.moe import MoeConfig
@@ -151,12 +152,20 @@ def spec_from_dict(config: dict[str, Any], where: str | None = None, strict: boo
 
 
 def _check_special_tokens(spec: LlamaSpec) -> None:
-    for key in ("bos_token_id", "eos_token_id"):
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(spec, key)
-        for token in value if isinstance(value, list) else [] if value is None else [value]:
-            if token >= spec.vocab_size:
-                raise ConversionError(f"{key} {token} is not a token of the model: vocab_size is {spec.vocab_size}; "
-                                      f"fix {key} (or vocab_size)")
+        problem = tokens_outside_vocab(key, value if isinstance(value, list) else [] if value is None else [value],
+                                       spec.vocab_size)
+        if problem:
+            raise ConversionError(problem)
+
+
+def tokens_outside_vocab(key: str, ids: list[int], vocab_size: int) -> str | None:
+    """What is wrong when token id field `key` names an id beyond the vocabulary; None when none does."""
+    outside = next((token for token in ids if token >= vocab_size), None)
+    if outside is None:
+        return None
+    return f"{key} {outside} is not a token of the model: vocab_size is {vocab_size}; fix {key} (or vocab_size)"
 
 
 def _require(fields: tuple[str, ...], values: dict[str, Any], family: str) -> None:
@@ -329,6 +338,32 @@ def spec_dense_tensors(spec: LlamaSpec) -> dict[str, ExpectedShape]:
     if not spec.tie_word_embeddings:
         tensors["lm_head.weight"] = embeddings
     return tensors
+
+
+# our names of a layer's tensors and of its routed experts': model.layers.L.... and model.layers.L.mlp.experts.E....
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.)?")
+
+
+def counts_beyond_tensors(spec: LlamaSpec, names: Iterable[str]) -> str | None:
+    """What the spec counts beyond the tensors named `names`: more layers than they hold, or a MoE layer
+    with more routed experts than they hold for it; None when neither. Checked before anything lists the
+    spec's tensors, a list that grows with layers times experts."""
+    experts: dict[str, set[str]] = {}  # layer -> its routed experts, as the names spell them
+    for name in names:
+        match = _LAYER_TENSOR.match(name)
+        if match:
+            found = experts.setdefault(match[1], set())
+            if match[2] is not None:
+                found.add(match[2])
+    if spec.num_hidden_layers > len(experts):
+        return (f"num_hidden_layers is {spec.num_hidden_layers}, but the weights hold the tensors of {len(experts)} "
+                "layers")
+    for layer in range(spec.num_hidden_layers):
+        moe, held = spec.moe_for_layer(layer), len(experts.get(str(layer), ()))
+        if moe is not None and moe.num_experts > held:
+            return (f"{spec.EXPERTS_FIELD} is {moe.num_experts}, but the weights hold {held} routed experts for "
+                    f"layer {layer}")
+    return None
 
 
 def spec_tensor_names(spec: LlamaSpec) -> list[str]:

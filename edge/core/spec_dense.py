@@ -18,8 +18,25 @@ from edge.core.moe import MoeConfig
 
 # --- field rules ----------------------------------------------------------------------------------
 
+# The largest value each kind of size may take: several times the largest released model's (126 layers,
+# hidden 18432, FFN 73728, 128 heads, vocabulary 262144, 512 experts, a 10M-token context), and small
+# enough that what loops over layers and experts, or sizes a table by the context, stays cheap. A value
+# beyond them is a damaged config, which would otherwise run until killed.
+MAX_LAYERS = 1024
+MAX_WIDTH = 1 << 18  # hidden, intermediate, head and latent dimensions
+MAX_HEADS = 1024
+MAX_VOCAB = 1 << 21
+MAX_POSITIONS = 1 << 24
+MAX_EXPERTS = 4096
+# rms_norm_eps: real models use 1e-5 or 1e-6; a huge one swamps mean(x^2) and scales every activation,
+# and so every logit, to 0
+MAX_NORM_EPS = 1.0
+
+
 def _is_layer_list(value, spec) -> bool:
-    return isinstance(value, (list, tuple)) and all(is_integer(v) and 0 <= v < spec.num_hidden_layers for v in value)
+    # bounded by the layer count: each layer of the model is tested for membership
+    return (isinstance(value, (list, tuple)) and len(value) <= spec.num_hidden_layers
+            and all(is_integer(v) and 0 <= v < spec.num_hidden_layers for v in value))
 
 
 # kind -> (test, what a value must be). The test also gets the spec, for ranges that depend on it.
@@ -30,7 +47,7 @@ FIELD_KINDS: dict[str, tuple[Any, str]] = {
     "non_negative": (lambda v, spec: is_number(v) and v >= 0, "a non-negative number"),
     "flag": (lambda v, spec: isinstance(v, bool), "true or false"),
     "text": (lambda v, spec: isinstance(v, str), "a string"),
-    "layers": (_is_layer_list, "a list of layer indices in [0, num_hidden_layers)"),
+    "layers": (_is_layer_list, "a list of at most num_hidden_layers layer indices in [0, num_hidden_layers)"),
     "layer_types": (lambda v, spec: isinstance(v, (list, tuple)) and all(isinstance(t, str) for t in v),
                     "a list of strings"),
     "token_ids": (lambda v, spec: is_integer(v, 0) or (isinstance(v, (list, tuple))
@@ -44,14 +61,33 @@ FIELD_KINDS: dict[str, tuple[Any, str]] = {
 class FieldRule:
     kind: str  # a key of FIELD_KINDS
     nullable: bool = False  # null (None) is allowed and means "absent"
+    maximum: float | None = None  # the largest value allowed (MAX_LAYERS, ...)
+
+
+def check_value(name: str, value, rule: FieldRule, spec) -> None:
+    """Refuse `value` unless it is of the rule's kind and at most its maximum (null is left to the caller)."""
+    test, what = FIELD_KINDS[rule.kind]
+    if not test(value, spec):
+        raise ConversionError(f"{name} must be {what}{' or null' if rule.nullable else ''}, got {show(value)}")
+    if rule.maximum is not None and value > rule.maximum:
+        raise ConversionError(f"{name} must be at most {show(rule.maximum)} (far above any real model's), "
+                              f"got {show(value)}")
+
+
+SHOWN_CHARACTERS = 80  # a message stays one readable line whatever a damaged config holds
+
+
+def clipped(text: str) -> str:
+    """`text`, cut to SHOWN_CHARACTERS for a message."""
+    return text if len(text) <= SHOWN_CHARACTERS else text[:SHOWN_CHARACTERS] + "..."
 
 
 def show(value) -> str:
-    """A config value as config.json spells it ("2", 2.0, [1, 2], true), for messages."""
+    """A config value as config.json spells it ("2", 2.0, [1, 2], true), for messages; long ones cut short."""
     try:
-        return json.dumps(value)
+        return clipped(json.dumps(value))
     except (TypeError, ValueError):
-        return repr(value)
+        return clipped(repr(value))
 
 
 def _normalized(value, kind: str):
@@ -84,10 +120,12 @@ ROPE_PARAMETERS: dict[str, tuple[str, ...]] = {
 # rope parameters that are lists of one positive divisor per rotary pair (head_dim / 2 values)
 ROPE_FACTOR_LISTS = {"freq_factors": ("factors",), "longrope": ("short_factor", "long_factor")}
 # optional numeric rope parameters and what they must be
-ROPE_NUMBERS = {"factor": "positive", "low_freq_factor": "positive", "high_freq_factor": "positive",
-                "original_max_position_embeddings": "count", "attention_factor": "positive",
-                "beta_fast": "positive", "beta_slow": "positive", "mscale": "non_negative",
-                "mscale_all_dim": "non_negative"}
+ROPE_NUMBERS = {"factor": FieldRule("positive"), "low_freq_factor": FieldRule("positive"),
+                "high_freq_factor": FieldRule("positive"),
+                "original_max_position_embeddings": FieldRule("count", maximum=MAX_POSITIONS),
+                "attention_factor": FieldRule("positive"), "beta_fast": FieldRule("positive"),
+                "beta_slow": FieldRule("positive"), "mscale": FieldRule("non_negative"),
+                "mscale_all_dim": FieldRule("non_negative")}
 
 
 def _check_rope_scaling(spec: "LlamaSpec") -> None:
@@ -103,13 +141,9 @@ def _check_rope_scaling(spec: "LlamaSpec") -> None:
         them = "it" if len(missing) == 1 else "them"
         raise ConversionError(f"rope_scaling of type {rope_type!r} needs {', '.join(missing)}; add {them} to the "
                               "config's rope_scaling (or rope_parameters)")
-    for key, kind in ROPE_NUMBERS.items():
-        value = scaling.get(key)
-        if value is None:
-            continue
-        test, what = FIELD_KINDS[kind]
-        if not test(value, spec):
-            raise ConversionError(f"rope_scaling.{key} must be {what}, got {show(value)}")
+    for key, rule in ROPE_NUMBERS.items():
+        if scaling.get(key) is not None:
+            check_value(f"rope_scaling.{key}", scaling[key], rule, spec)
     if rope_type == "llama3" and scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
         raise ConversionError(
             f"rope_scaling.low_freq_factor ({show(scaling['low_freq_factor'])}) must be below high_freq_factor "
@@ -148,22 +182,25 @@ class LlamaSpec:
     hidden_act: str = "silu"
     bos_token_id: int | list[int] | None = None
     eos_token_id: int | list[int] | None = None
+    pad_token_id: int | list[int] | None = None
 
+    # The field that counts a MoE layer's routed experts (None: a dense family)
+    EXPERTS_FIELD: ClassVar[str | None] = None
     # Fields a converted config must give: they decide the weights' shapes, so no default can stand in
     # for them. Fields needed only by some layouts are added by `required_fields`.
     REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     # Each class lists its own fields; `field_rules` merges them along the class hierarchy.
     FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
-        "vocab_size": FieldRule("count"),
-        "hidden_size": FieldRule("count"),
-        "intermediate_size": FieldRule("count"),
-        "num_hidden_layers": FieldRule("count"),
-        "num_attention_heads": FieldRule("count"),
-        "num_key_value_heads": FieldRule("count", nullable=True),
-        "head_dim": FieldRule("count", nullable=True),
-        "max_position_embeddings": FieldRule("count"),
-        "rms_norm_eps": FieldRule("positive"),
+        "vocab_size": FieldRule("count", maximum=MAX_VOCAB),
+        "hidden_size": FieldRule("count", maximum=MAX_WIDTH),
+        "intermediate_size": FieldRule("count", maximum=MAX_WIDTH),
+        "num_hidden_layers": FieldRule("count", maximum=MAX_LAYERS),
+        "num_attention_heads": FieldRule("count", maximum=MAX_HEADS),
+        "num_key_value_heads": FieldRule("count", nullable=True, maximum=MAX_HEADS),
+        "head_dim": FieldRule("count", nullable=True, maximum=MAX_WIDTH),
+        "max_position_embeddings": FieldRule("count", maximum=MAX_POSITIONS),
+        "rms_norm_eps": FieldRule("positive", maximum=MAX_NORM_EPS),
         "rope_theta": FieldRule("positive"),
         "rope_scaling": FieldRule("rope_scaling", nullable=True),
         "tie_word_embeddings": FieldRule("flag"),
@@ -172,6 +209,7 @@ class LlamaSpec:
         "hidden_act": FieldRule("text"),
         "bos_token_id": FieldRule("token_ids", nullable=True),
         "eos_token_id": FieldRule("token_ids", nullable=True),
+        "pad_token_id": FieldRule("token_ids", nullable=True),
     }
 
     def __post_init__(self) -> None:
@@ -196,10 +234,8 @@ class LlamaSpec:
             value = getattr(self, name)
             if value is None and rule.nullable:
                 continue
-            test, what = FIELD_KINDS[rule.kind]
             # layer lists are checked against num_hidden_layers, which is checked before them
-            if not test(value, self):
-                raise ConversionError(f"{name} must be {what}{' or null' if rule.nullable else ''}, got {show(value)}")
+            check_value(name, value, rule, self)
             setattr(self, name, _normalized(value, rule.kind))
 
     def _derive_fields(self) -> None:
@@ -269,7 +305,8 @@ class MistralSpec(LlamaSpec):
     model_type: str = "mistral"
     sliding_window: int | None = None
 
-    FIELD_RULES: ClassVar[dict[str, FieldRule]] = {"sliding_window": FieldRule("count", nullable=True)}
+    FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
+        "sliding_window": FieldRule("count", nullable=True, maximum=MAX_POSITIONS)}
 
     def _derive_fields(self) -> None:
         super()._derive_fields()
@@ -292,8 +329,8 @@ class Qwen2Spec(LlamaSpec):
 
     FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
         "use_sliding_window": FieldRule("flag"),
-        "sliding_window": FieldRule("size", nullable=True),  # 0 or null: no window
-        "max_window_layers": FieldRule("size"),
+        "sliding_window": FieldRule("size", nullable=True, maximum=MAX_POSITIONS),  # 0 or null: no window
+        "max_window_layers": FieldRule("size", maximum=MAX_LAYERS),
         "layer_types": FieldRule("layer_types", nullable=True),
     }
 

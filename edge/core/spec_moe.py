@@ -8,7 +8,16 @@ from typing import ClassVar
 
 from edge.core.errors import UnsupportedModelError
 from edge.core.moe import MoeConfig
-from edge.core.spec_dense import FieldRule, LlamaSpec, MistralSpec, Qwen2Spec, Qwen3Spec
+from edge.core.spec_dense import (
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    MAX_WIDTH,
+    FieldRule,
+    LlamaSpec,
+    MistralSpec,
+    Qwen2Spec,
+    Qwen3Spec,
+)
 
 
 def _with_dense_ffn(spec: LlamaSpec, fields: tuple[str, ...]) -> tuple[str, ...]:
@@ -43,25 +52,26 @@ class DeepseekV2Spec(LlamaSpec):
     norm_topk_prob: bool = False
     scoring_func: str = "softmax"
 
+    EXPERTS_FIELD: ClassVar[str] = "n_routed_experts"
     REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
         "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
-        "q_lora_rank": FieldRule("count", nullable=True),
-        "kv_lora_rank": FieldRule("count"),
-        "qk_nope_head_dim": FieldRule("size"),
-        "qk_rope_head_dim": FieldRule("count"),
-        "v_head_dim": FieldRule("count"),
-        "n_routed_experts": FieldRule("count"),
-        "n_shared_experts": FieldRule("size"),
-        "num_experts_per_tok": FieldRule("count", nullable=True),  # null: every layer dense
-        "moe_intermediate_size": FieldRule("count"),
-        "first_k_dense_replace": FieldRule("size"),
-        "moe_layer_freq": FieldRule("count"),
+        "q_lora_rank": FieldRule("count", nullable=True, maximum=MAX_WIDTH),
+        "kv_lora_rank": FieldRule("count", maximum=MAX_WIDTH),
+        "qk_nope_head_dim": FieldRule("size", maximum=MAX_WIDTH),
+        "qk_rope_head_dim": FieldRule("count", maximum=MAX_WIDTH),
+        "v_head_dim": FieldRule("count", maximum=MAX_WIDTH),
+        "n_routed_experts": FieldRule("count", maximum=MAX_EXPERTS),
+        "n_shared_experts": FieldRule("size", maximum=MAX_EXPERTS),
+        "num_experts_per_tok": FieldRule("count", nullable=True, maximum=MAX_EXPERTS),  # null: every layer dense
+        "moe_intermediate_size": FieldRule("count", maximum=MAX_WIDTH),
+        "first_k_dense_replace": FieldRule("size", maximum=MAX_LAYERS),
+        "moe_layer_freq": FieldRule("count", maximum=MAX_LAYERS),
         "routed_scaling_factor": FieldRule("positive"),
         "topk_method": FieldRule("text"),
-        "n_group": FieldRule("count", nullable=True),
-        "topk_group": FieldRule("count", nullable=True),
+        "n_group": FieldRule("count", nullable=True, maximum=MAX_EXPERTS),
+        "topk_group": FieldRule("count", nullable=True, maximum=MAX_EXPERTS),
         "norm_topk_prob": FieldRule("flag"),
         "scoring_func": FieldRule("text"),
     }
@@ -236,10 +246,12 @@ class MixtralSpec(MistralSpec):
     num_local_experts: int = 8
     num_experts_per_tok: int = 2
 
+    EXPERTS_FIELD: ClassVar[str] = "num_local_experts"
     REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = LlamaSpec.REQUIRED_FIELDS + (
         "num_local_experts", "num_experts_per_tok")
     FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
-        "num_local_experts": FieldRule("count"), "num_experts_per_tok": FieldRule("count")}
+        "num_local_experts": FieldRule("count", maximum=MAX_EXPERTS),
+        "num_experts_per_tok": FieldRule("count", maximum=MAX_EXPERTS)}
 
     def moe_for_layer(self, layer: int) -> MoeConfig | None:
         # every layer is sparse; softmax over all experts, top-k, renormalised to sum to 1
@@ -259,17 +271,18 @@ class Qwen2MoeSpec(Qwen2Spec):
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
 
+    EXPERTS_FIELD: ClassVar[str] = "num_experts"
     REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts", "num_experts_per_tok",
         "moe_intermediate_size", "shared_expert_intermediate_size")
     FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
         "qkv_bias": FieldRule("flag"),
-        "num_experts": FieldRule("size"),  # 0: every layer dense
-        "num_experts_per_tok": FieldRule("count"),
-        "moe_intermediate_size": FieldRule("count"),
-        "shared_expert_intermediate_size": FieldRule("size"),  # 0: no shared expert
+        "num_experts": FieldRule("size", maximum=MAX_EXPERTS),  # 0: every layer dense
+        "num_experts_per_tok": FieldRule("count", maximum=MAX_EXPERTS),
+        "moe_intermediate_size": FieldRule("count", maximum=MAX_WIDTH),
+        "shared_expert_intermediate_size": FieldRule("size", maximum=MAX_WIDTH),  # 0: no shared expert
         "norm_topk_prob": FieldRule("flag"),
-        "decoder_sparse_step": FieldRule("count"),
+        "decoder_sparse_step": FieldRule("count", maximum=MAX_LAYERS),
         "mlp_only_layers": FieldRule("layers"),
     }
 
@@ -302,15 +315,16 @@ class Qwen3MoeSpec(Qwen3Spec):
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
 
+    EXPERTS_FIELD: ClassVar[str] = "num_experts"
     REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts", "num_experts_per_tok",
         "moe_intermediate_size")
     FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
-        "num_experts": FieldRule("size"),  # 0: every layer dense
-        "num_experts_per_tok": FieldRule("count"),
-        "moe_intermediate_size": FieldRule("count"),
+        "num_experts": FieldRule("size", maximum=MAX_EXPERTS),  # 0: every layer dense
+        "num_experts_per_tok": FieldRule("count", maximum=MAX_EXPERTS),
+        "moe_intermediate_size": FieldRule("count", maximum=MAX_WIDTH),
         "norm_topk_prob": FieldRule("flag"),
-        "decoder_sparse_step": FieldRule("count"),
+        "decoder_sparse_step": FieldRule("count", maximum=MAX_LAYERS),
         "mlp_only_layers": FieldRule("layers"),
     }
 
@@ -337,10 +351,11 @@ class OlmoeSpec(LlamaSpec):
     norm_topk_prob: bool = False
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] after their projections
 
+    EXPERTS_FIELD: ClassVar[str] = "num_experts"
     REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = LlamaSpec.REQUIRED_FIELDS + ("num_experts", "num_experts_per_tok")
     FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
-        "num_experts": FieldRule("count"),
-        "num_experts_per_tok": FieldRule("count"),
+        "num_experts": FieldRule("count", maximum=MAX_EXPERTS),
+        "num_experts_per_tok": FieldRule("count", maximum=MAX_EXPERTS),
         "norm_topk_prob": FieldRule("flag"),
         "clip_qkv": FieldRule("positive", nullable=True),
     }
@@ -373,13 +388,14 @@ class LlamaMoeSpec(LlamaSpec):
     moe_intermediate_size: int = 0
     dense_layers: list[int] = field(default_factory=list)  # layers that keep their dense FFN
 
+    EXPERTS_FIELD: ClassVar[str] = "num_experts"
     REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts", "num_experts_per_tok",
         "moe_intermediate_size")
     FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
-        "num_experts": FieldRule("count"),
-        "num_experts_per_tok": FieldRule("count"),
-        "moe_intermediate_size": FieldRule("size"),
+        "num_experts": FieldRule("count", maximum=MAX_EXPERTS),
+        "num_experts_per_tok": FieldRule("count", maximum=MAX_EXPERTS),
+        "moe_intermediate_size": FieldRule("size", maximum=MAX_WIDTH),
         "dense_layers": FieldRule("layers"),
     }
 
