@@ -127,7 +127,8 @@ def read_manifest(path: str) -> dict:
             raise CheckpointError(f"{manifest_path}: the {key!r} entry should be an object, it is {found}; "
                                   "the checkpoint is damaged, convert the model again")
     experts = manifest.get("experts")
-    if experts is not None and (not isinstance(experts, dict) or experts.get("file") not in manifest["files"]):
+    if experts is not None and (not isinstance(experts, dict) or not isinstance(experts.get("file"), str)
+                                or experts["file"] not in manifest["files"]):
         raise CheckpointError(f"{manifest_path}: the experts entry does not name a file the manifest lists; "
                               "the checkpoint is damaged, convert the model again")
     return manifest

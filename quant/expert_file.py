@@ -130,13 +130,26 @@ class ExpertLayout:
 
     @classmethod
     def from_manifest(cls, entry: dict) -> "ExpertLayout":
+        """The layout a manifest entry describes; ValueError or TypeError when its values are not
+        counts (the checkpoint reader reports either as a damaged expert index)."""
         projections = {}
         for projection in PROJECTIONS:
             p = entry[projection]
-            arrays = {key: StoredArray(np.dtype(a["dtype"]), tuple(a["shape"]), int(a["offset"]))
+            arrays = {key: StoredArray(np.dtype(a["dtype"]), _counts(a["shape"]), _counts([a["offset"]])[0])
                       for key, a in p["arrays"].items()}
-            projections[projection] = ProjectionLayout(Scheme.parse(p["scheme"]), tuple(p["shape"]), arrays)
+            shape = _counts(p["shape"])
+            if len(shape) != 2:
+                raise ValueError(f"{projection} has shape {list(shape)}, not a matrix's")
+            projections[projection] = ProjectionLayout(Scheme.parse(p["scheme"]), shape, arrays)
         return cls(projections)
+
+
+def _counts(values) -> tuple[int, ...]:
+    """values as a tuple of non-negative ints (not bools, floats or strings)."""
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                               for v in values):
+        raise ValueError(f"expected a list of non-negative integers, found {values!r:.60}")
+    return tuple(values)
 
 
 def zstd_bound(raw_length: int) -> int:

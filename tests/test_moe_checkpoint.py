@@ -174,6 +174,25 @@ def test_an_edited_expert_index_is_refused_at_load(tiny_zoo, tmp_path, edit, com
         assert str(info.value) == f"{path}: {expected}; convert the model again"
 
 
+@pytest.mark.parametrize("edit, complaint", [  # found by tests/test_fuzz_readers.py
+    (lambda experts: experts["layers"]["1"]["projections"]["down_proj"]["shape"].__setitem__(1, ""),
+     "the manifest's experts entry is malformed (expected a list of non-negative integers, found [{rows}, ''])"),
+    (lambda experts: experts.__setitem__("file", []),
+     "the experts entry does not name a file the manifest lists; the checkpoint is damaged"),
+])
+def test_wrong_types_in_the_expert_index_are_refused(tiny_zoo, tmp_path, edit, complaint):
+    path = tmp_path / "edited"
+    shutil.copytree(tiny_zoo.converted("olmoe", MIXED), path)
+    manifest = json.loads((path / "zllm.json").read_text())
+    rows = manifest["experts"]["layers"]["1"]["projections"]["down_proj"]["shape"][0]
+    edit(manifest["experts"])
+    (path / "zllm.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as info:
+        edge.load(path, device="reference")
+    assert complaint.format(rows=rows) in str(info.value)
+    assert str(info.value).endswith("convert the model again")
+
+
 def test_truncated_expert_file_is_refused(tiny_zoo, tmp_path):
     path = tmp_path / "truncated"
     shutil.copytree(tiny_zoo.converted("olmoe", MIXED), path)
