@@ -41,7 +41,7 @@ def default_model_checkpoint(progress: bool = True) -> str:
         from converters.convert import QuantPlan, convert
 
         gguf_path = default_model_gguf()
-        print(f"converting the default model {DEFAULT_MODEL_NAME} into {path} (first use)", file=sys.stderr)
+        print(f"converting the default model {DEFAULT_MODEL_NAME} into {path} ({first_use(path)})", file=sys.stderr)
         summary = convert(gguf_path, path, QuantPlan(weights="source"), force=True, progress=progress)
         print(summary.format(), file=sys.stderr)
 
@@ -49,8 +49,29 @@ def default_model_checkpoint(progress: bool = True) -> str:
 
 
 def is_checkpoint(path: str) -> bool:
-    """Whether a converted checkpoint is there (convert renames a finished one into place)."""
-    return os.path.isfile(os.path.join(path, "zllm.json"))
+    """Whether a whole, undamaged checkpoint is there (convert renames a finished one into place)."""
+    return checkpoint_problem(path) is None
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why the checkpoint a home keeps at `path` cannot be used (None: it can): missing, or damaged as
+    opening it finds (files of the wrong size, a manifest or index that does not parse, NaN scales).
+    A damaged one is built again rather than reported at every use."""
+    from quant.checkpoint import open_checkpoint
+
+    if not os.path.isfile(os.path.join(path, "zllm.json")):
+        return "missing"
+    try:
+        open_checkpoint(path).close()
+    except ZllmError as exc:
+        return str(exc)
+    return None
+
+
+def first_use(path: str) -> str:
+    """How a build message says why `path` is being built."""
+    problem = checkpoint_problem(path)
+    return "first use" if problem == "missing" else f"the one there is damaged ({problem}); building it again"
 
 
 DEFAULT_MOE_NAME = "smollm2-135m-instruct-moefied"
@@ -69,7 +90,8 @@ def default_moe_checkpoint(progress: bool = True) -> str:
                         f"{DEFAULT_MOE_NAME}-e{DEFAULT_MOEFY.experts}k{DEFAULT_MOEFY.top_k}-dense{dense}")
 
     def build() -> None:
-        print(f"building the default MoE (SmolLM2 MoEfied {DEFAULT_MOEFY}) into {path} (first use)", file=sys.stderr)
+        print(f"building the default MoE (SmolLM2 MoEfied {DEFAULT_MOEFY}) into {path} ({first_use(path)})",
+              file=sys.stderr)
         summary = moefy_convert(default_model_gguf(), path, force=True, progress=progress)
         print(summary.format(), file=sys.stderr)
 

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from edge.core.files import built_once
-from edge.home import is_checkpoint
+from edge.home import first_use, is_checkpoint
 
 RANDOM_MOE_SEED = 0
 WEIGHT_STD = 0.02
@@ -142,7 +142,7 @@ def random_moe_checkpoint(home: str, shape: RandomMoeShape = RandomMoeShape(), p
 
     def build() -> None:
         plan = QuantPlan(weights="int8", overrides={"experts": "int4"})
-        print(f"building the random MoE {shape.name} into {path} (first use; "
+        print(f"building the random MoE {shape.name} into {path} ({first_use(path)}; "
               f"{shape.expert_int4_bytes / 1e9:.1f} GB of INT4 experts)", file=sys.stderr)
         if shape.label:
             from converters.source import SourceTensor

@@ -121,7 +121,8 @@ def test_default_model_is_converted_once_into_zllm_edge_home(tmp_path, monkeypat
     assert out.startswith(" Paris") and out.endswith("\n")
     assert f"converting the default model smollm2-135m-instruct into {checkpoint} (first use)\n" in err
     assert (checkpoint / "zllm.json").is_file()
-    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["smollm2-135m-instruct"]  # no .partial-*
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == [  # no .partial-*; the lock of its build
+        "smollm2-135m-instruct", "smollm2-135m-instruct.lock"]
     manifest_mtime = (checkpoint / "zllm.json").stat().st_mtime_ns
 
     # A second run, in a fresh process, finds the checkpoint and does not convert again.

@@ -91,3 +91,19 @@ def test_a_lock_left_by_a_dead_process_does_not_block(tmp_path):
     lock.write_text("999999999")  # a pid no process has: its owner died without removing the file
     with exclusive(os.fspath(lock), "building the model"):
         assert lock.read_text() == str(os.getpid())
+
+
+def test_a_damaged_model_in_the_home_is_built_again(tmp_path, capsys):
+    path = random_moe_checkpoint(os.fspath(tmp_path), TINY, progress=False)
+    expected = _digest(path)
+    weights = os.path.join(path, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) - 100)
+    capsys.readouterr()
+    assert random_moe_checkpoint(os.fspath(tmp_path), TINY, progress=False) == path
+    err = capsys.readouterr().err
+    assert f"building the random MoE {TINY.name} into {path} (the one there is damaged ({path}: model.safetensors has " \
+           in err and "building it again" in err
+    assert _digest(path) == expected
+    with edge.load(path, device="reference") as model:
+        assert np.isfinite(model.session(capacity=8).prefill([1, 2, 3])).all()
