@@ -216,6 +216,22 @@ def test_bad_thread_counts_and_variants_are_refused(tiny_zoo):
         edge.load(path, device="cpu:fast")
 
 
+@pytest.mark.parametrize("content", ["{garbage", '{"some cpu": "yes"}', "[]", "{" * 100_000])
+def test_a_damaged_probe_file_is_said_and_probed_again(monkeypatch, tmp_path, capsys, content):
+    from kernels.cpu import cpu_probe
+
+    monkeypatch.setenv("ZLLM_EDGE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_probe, "_verdicts", {})
+    monkeypatch.setattr(cpu_probe, "target_features", lambda: {"avx2": True})
+    monkeypatch.setattr(cpu_probe.subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(
+        args, 0, stdout="avx2 ok\n", stderr=""))
+    (tmp_path / "cpu-probe.json").write_text(content)
+    assert cpu_probe.runs("avx2")
+    err = capsys.readouterr().err
+    assert err.count(f"{tmp_path / 'cpu-probe.json'} ") == 1 and err.endswith("probing the CPU again\n")
+    assert list(json.loads((tmp_path / "cpu-probe.json").read_text()).values()) == [True]  # written anew
+
+
 def test_int8_dots_are_trusted_only_once_a_child_process_has_run_them(monkeypatch, tmp_path):
     """A CPU that advertises AVX-512 VNNI, AVX-VNNI and AVX2 but kills each probe (SIGILL) gets no
     int8 dot-product instruction: plain "cpu" then runs f32 activations (generic int8 code is the

@@ -74,17 +74,27 @@ def _probe_file() -> str:
     return os.path.join(zllm_home(), "cpu-probe.json")
 
 
-def _read_verdicts() -> dict:
+def _read_verdicts(report: bool = True) -> dict:
+    """The kept verdicts, {} when there are none; a damaged file is said so (`report`) and probed again."""
     try:
         with open(_probe_file()) as handle:
             data = json.load(handle)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError, RecursionError) as exc:
+        if report:
+            print(f"{_probe_file()} cannot be read ({exc}); probing the CPU again", file=sys.stderr)
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(v, bool) for v in data.values()):
+        if report:
+            print(f"{_probe_file()} is damaged (not an object of true/false verdicts); probing the CPU again",
+                  file=sys.stderr)
+        return {}
+    return data
 
 
 def _remember(key: str, verdict: bool) -> None:
-    verdicts = {**_read_verdicts(), key: verdict}
+    verdicts = {**_read_verdicts(report=False), key: verdict}
     path = _probe_file()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
