@@ -34,6 +34,7 @@ from edge.core.arguments import integer, is_integer, path_argument
 from edge.core.errors import SessionError
 from edge.core.files import write_atomically
 from quant.checkpoint import MANIFEST, sha256_file
+from quant.formats import first_non_finite
 
 MAGIC = b"ZLLMSESS"
 FORMAT_VERSION = 2
@@ -240,7 +241,7 @@ def restore_session(model, path, capacity: int | None = None):
     for entry in header["arrays"]:
         data = payload[entry["offset"]:entry["offset"] + entry["nbytes"]]
         array = np.frombuffer(data, dtype=np.dtype(entry["dtype"])).reshape(entry["shape"])
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
+        if array.dtype.kind == "f" and first_non_finite(array) is not None:
             raise SessionError(f"{shown}: layer {entry['layer']} {entry['part']} ({entry['array']} array) holds "
                                "NaN or infinite values; the file is damaged, save the session again")
         by_part.setdefault((entry["layer"], entry["part"]), {})[entry["array"]] = array
