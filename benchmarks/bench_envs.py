@@ -2,9 +2,11 @@
 
 Each peer that needs packages we do not want in the project's environment (a llama.cpp compiled
 for one instruction set, onnxruntime-genai and its model builder) gets a helper virtualenv of its own
-(devices/helper_envs.py: where it lives, what it inherits from the interpreter that creates it, and
-the marker that decides when it is rebuilt). A failed build, or a built one whose import check
-fails, raises PeerUnavailable with the reason, so the benchmark can report why.
+(devices/helper_envs.py: where it lives, what it inherits from the interpreter that creates it, the
+marker that decides when it is rebuilt, and the check that rebuilds a damaged one). A failed build, or
+a built one whose import check fails, raises PeerUnavailable with the reason, so the benchmark can
+report why; a folder of environments that cannot be written raises PeerEnvNotWritable, a
+PeerUnavailable that is also the ZllmError naming the folder and the variable that moves it.
 
 llama.cpp is compiled for the instruction-set level zllm-edge's kernels run at (kernels/cpu/isa.py:
 the host's, or the lower one ZLLM_EDGE_ISA asks for), one venv per level, named after it
@@ -32,12 +34,18 @@ from dataclasses import dataclass
 if __name__ == "__main__":  # run as a script: the project's packages from this checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from devices.helper_envs import HelperEnv, HelperEnvBroken, HelperEnvUnavailable  # noqa: E402
+from devices.helper_envs import HelperEnv, HelperEnvBroken, HelperEnvNotWritable, HelperEnvUnavailable  # noqa: E402
 from devices.helper_envs import ensure_env as ensure_helper_env  # noqa: E402
+from edge.core.files import NotWritableError  # noqa: E402
 
 
 class PeerUnavailable(RuntimeError):
     """A peer engine cannot be set up or run here; the message says why."""
+
+
+class PeerEnvNotWritable(PeerUnavailable, NotWritableError):
+    """The folder of helper environments cannot be written: a peer reported unavailable like any other,
+    and the ZllmError that names the folder and the variable that moves it."""
 
 
 LLAMA_CPP_VERSION = "0.3.36"
@@ -179,6 +187,8 @@ def ensure_env(spec: HelperEnv, progress=print) -> str:
     """The venv's python, building the venv first if it is missing or was built differently."""
     try:
         return str(ensure_helper_env(spec, progress))
+    except HelperEnvNotWritable as exc:
+        raise PeerEnvNotWritable(str(exc)) from None
     except (HelperEnvUnavailable, HelperEnvBroken) as exc:  # either way the peer's column says why
         raise PeerUnavailable(str(exc)) from exc
 

@@ -35,6 +35,7 @@ from edge.core.spec import (
     spec_tensor_names,
     tokens_outside_vocab,
 )
+from edge.core.spec_dense import clipped
 from quant import GROUP_SIZES, QuantizedTensor, Scheme, quantize
 from quant import checkpoint as ckpt
 from quant.expert_file import EXPERTS_FILE, PROJECTIONS, ExpertLayout
@@ -331,6 +332,31 @@ def _check_special_ids(source: SourceModel, spec: LlamaSpec) -> None:
             raise ConversionError(f"{where}: {problem}")
 
 
+def _check_tokenizer_ids(source: SourceModel, spec: LlamaSpec, src: str) -> None:
+    """Every id the tokenizer produces is a row of the embeddings: a prompt that held a larger one would be
+    refused at run time, and a generation could never stop at such an end-of-turn token."""
+    if not source.tokenizer.tokenizer_json:
+        return
+    token_id, token = _largest_token_id(source.tokenizer.tokenizer_json)
+    if token_id >= spec.vocab_size:
+        where = (os.path.join(src, "tokenizer.json") if os.path.isdir(src)
+                 else f"{src} (its 'tokenizer.ggml.tokens')" if os.path.isfile(src) else f"{src} (its tokenizer)")
+        raise ConversionError(f"{where}: token {clipped(repr(token))} has id {token_id}, but the model's vocab_size is "
+                              f"{spec.vocab_size}: no embedding holds it; the tokenizer and the weights disagree: "
+                              "convert the model with the tokenizer that came with its weights")
+
+
+def _largest_token_id(tokenizer_json: str) -> tuple[int, str]:
+    """The largest id a tokenizer produces, and its token: of its vocabulary, its added tokens, and the special
+    tokens its post-processor adds around every text (a template names their ids itself)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    framed = tokenizer.encode("", add_special_tokens=True)
+    ids = [(token_id, token) for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items()]
+    return max([*ids, *zip(framed.ids, framed.tokens)], default=(-1, ""))
+
+
 def _configured_away(by_name: dict[str, SourceTensor], required: set[str]) -> set[str]:
     """Tensors of blocks a config sizes to nothing, which transformers still saves: zero-size weights
     (n_shared_experts 0, shared_expert_intermediate_size 0), and the gate of such a shared expert,
@@ -431,6 +457,7 @@ def convert(src: str | SourceModel, out: str, plan: QuantPlan | None = None, for
         spec = _untie_differing_lm_head(source, _source_spec(source, src), src)
         tensors, experts = _tensors_in_checkpoint_order(source, spec, src)
         _check_special_ids(source, spec)
+        _check_tokenizer_ids(source, spec, src)
         schemes = {t.name: plan.scheme_for(t) for t in tensors}
         layout: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
         for t in tensors:

@@ -9,11 +9,12 @@ import zstandard
 from isal.isal_zlib import crc32
 
 from quant import QuantizedTensor
-from quant.expert_file import ALIGNMENT, COMPRESSIONS, ExpertLayout, ExpertRecord, align
+from quant.expert_file import ALIGNMENT, COMPRESSIONS, INDEX_SHA256, ExpertLayout, ExpertRecord, align, index_sha256
 
 
 class ExpertFileWriter:
-    """Appends expert records, aligned, optionally zstd-compressed; `entry()` is the manifest's index."""
+    """Appends expert records, aligned, optionally zstd-compressed; `entry()` is the manifest's index,
+    sealed with its sha256."""
 
     def __init__(self, path: str, compression: str | None = None, level: int = 3):
         if compression not in COMPRESSIONS:
@@ -50,11 +51,12 @@ class ExpertFileWriter:
                    for e, r in enumerate(info["records"]) if r is None]
         if missing:
             raise ValueError(f"experts never written, e.g. (layer, expert) {missing[:3]}")
-        return {"file": os.path.basename(self.path), "alignment": ALIGNMENT, "compression": self.compression,
-                "layers": {str(layer): {"num_experts": info["num_experts"], "raw_length": info["layout"].raw_length,
-                                        "projections": info["layout"].to_manifest(),
-                                        "records": [[r.offset, r.length, r.crc32] for r in info["records"]]}
-                           for layer, info in sorted(self._layers.items())}}
+        entry = {"file": os.path.basename(self.path), "alignment": ALIGNMENT, "compression": self.compression,
+                 "layers": {str(layer): {"num_experts": info["num_experts"], "raw_length": info["layout"].raw_length,
+                                         "projections": info["layout"].to_manifest(),
+                                         "records": [[r.offset, r.length, r.crc32] for r in info["records"]]}
+                            for layer, info in sorted(self._layers.items())}}
+        return entry | {INDEX_SHA256: index_sha256(entry)}
 
     def __enter__(self) -> "ExpertFileWriter":
         return self

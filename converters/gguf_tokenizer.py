@@ -24,6 +24,7 @@ Two tokenizer models are supported, named by `tokenizer.ggml.model`:
 """
 
 import logging
+import math
 from dataclasses import dataclass, fields
 
 import gguf
@@ -32,6 +33,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from converters.gguf_source import gguf_field
 from edge.core.arguments import is_integer
 from edge.core.errors import ConversionError, UnsupportedModelError
+from edge.core.spec_dense import clipped
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,43 @@ _EOG_CONTROL_TEXTS = frozenset({"</s>"})
 # Ids the metadata itself marks as ending generation; llama.cpp adds the FIM padding and
 # separator tokens too, so that infill stops at them.
 _EOG_ID_KEYS = (Keys.EOS_ID, Keys.EOT_ID, Keys.EOM_ID, Keys.FIM_PAD_ID, Keys.FIM_REP_ID, Keys.FIM_SEP_ID)
+_DAMAGED = "the file is damaged: export the GGUF again, or convert the model's Hugging Face tokenizer.json"
+
+
+def _described(value) -> str:
+    """A metadata value for a message: an array by its length and item type (a vocabulary's repr is huge)."""
+    if not isinstance(value, list):
+        return clipped(repr(value))
+    kinds = {bool: "booleans", int: "integers", float: "numbers", str: "strings", list: "arrays"}
+    return f"an array of {len(value)} {kinds.get(type(value[0]), 'values') if value else 'values'}"
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _checked_field(reader: gguf.GGUFReader, key: str, valid, expected: str, default=None):
+    """Metadata `key`, or `default` when the file lacks it; refused unless `valid(value)`: a value of
+    the wrong type would otherwise fail deep inside the tokenizers library, or change meaning (the
+    string "false" is true)."""
+    value = gguf_field(reader, key)
+    if value is None:
+        return default
+    if not valid(value):
+        raise ConversionError(f"The GGUF file's {key!r} is {_described(value)}; expected {expected}: {_DAMAGED}.")
+    return value
+
+
+def _array_of(valid):
+    return lambda value: isinstance(value, list) and all(valid(item) for item in value)
+
+
+def _is_string(value) -> bool:
+    return isinstance(value, str)
+
+
+def _is_flag(value) -> bool:
+    return isinstance(value, bool)
 
 
 @dataclass
@@ -107,16 +146,17 @@ class _GGUFVocab:
             )
         if not isinstance(model, str) or model not in _TOKENIZER_BUILDERS:
             raise UnsupportedModelError(
-                f"GGUF tokenizer model {model!r} is not supported; supported tokenizer models: "
+                f"GGUF tokenizer model {_described(model)} is not supported; supported tokenizer models: "
                 f"{', '.join(sorted(_TOKENIZER_BUILDERS))}. "
                 "Convert the tokenizer from the model's Hugging Face tokenizer.json instead."
             )
-        tokens = gguf_field(reader, Keys.LIST)
+        tokens = _checked_field(reader, Keys.LIST, _array_of(_is_string), "an array of strings (the vocabulary)")
         if not tokens:
             raise ConversionError(f"The GGUF file has tokenizer model {model!r} but no {Keys.LIST!r} vocabulary.")
         # Files without token types predate them; every token was then a normal one.
-        token_types = gguf_field(reader, Keys.TOKEN_TYPE, [gguf.TokenType.NORMAL] * len(tokens))
-        scores = gguf_field(reader, Keys.SCORES)
+        token_types = _checked_field(reader, Keys.TOKEN_TYPE, _array_of(is_integer), "an array of integers",
+                                     [gguf.TokenType.NORMAL] * len(tokens))
+        scores = _checked_field(reader, Keys.SCORES, _array_of(_is_number), "an array of numbers (none NaN)")
         for key, values in ((Keys.TOKEN_TYPE, token_types), (Keys.SCORES, scores)):
             if values is not None and len(values) != len(tokens):
                 raise ConversionError(
@@ -131,7 +171,8 @@ class _GGUFVocab:
                 continue
             if not is_integer(token_id):
                 raise ConversionError(
-                    f"The GGUF file's {key!r} is {token_id!r}; expected a token id (an integer in [0, {len(tokens)})).")
+                    f"The GGUF file's {key!r} is {_described(token_id)}; expected a token id (an integer in "
+                    f"[0, {len(tokens)})).")
             if not 0 <= token_id < len(tokens):
                 raise ConversionError(
                     f"The GGUF file names token {token_id} in {key!r}, but its vocabulary has {len(tokens)} tokens."
@@ -140,14 +181,14 @@ class _GGUFVocab:
 
         return cls(
             model=model,
-            pre=gguf_field(reader, Keys.PRE),
+            pre=_checked_field(reader, Keys.PRE, _is_string, "the name of a pre-tokenizer (a string)"),
             architecture=gguf_field(reader, gguf.Keys.General.ARCHITECTURE),
             tokens=tokens,
             token_types=[int(t) for t in token_types],
             scores=scores,
-            merges=gguf_field(reader, Keys.MERGES),
+            merges=_checked_field(reader, Keys.MERGES, _array_of(_is_string), "an array of strings (the merges)"),
             # llama.cpp prepends a space to sentencepiece input unless the file says not to.
-            add_space_prefix=bool(gguf_field(reader, Keys.ADD_PREFIX, True)),
+            add_space_prefix=_checked_field(reader, Keys.ADD_PREFIX, _is_flag, "true or false", True),
             special_ids=special_ids,
         )
 
@@ -160,8 +201,8 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> TokenizerInfo:
 
     # transformers' rule (`get_gguf_tokenizer`): the file's flag when it has one; otherwise a
     # sentencepiece vocabulary gets BOS, as llama.cpp gives it, and a byte-level one does not.
-    add_bos = bool(gguf_field(reader, Keys.ADD_BOS, vocab.model == "llama"))
-    add_eos = bool(gguf_field(reader, Keys.ADD_EOS, False))
+    add_bos = _checked_field(reader, Keys.ADD_BOS, _is_flag, "true or false", vocab.model == "llama")
+    add_eos = _checked_field(reader, Keys.ADD_EOS, _is_flag, "true or false", False)
     bos_id = vocab.special_token(Keys.BOS_ID)
     eos_id = vocab.special_token(Keys.EOS_ID)
     if add_bos and bos_id is None:
@@ -178,7 +219,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> TokenizerInfo:
         eos_token_id=eos_id,
         add_bos_token=add_bos,
         eog_token_ids=_eog_token_ids(vocab),
-        chat_template=gguf_field(reader, Keys.CHAT_TEMPLATE),
+        chat_template=_checked_field(reader, Keys.CHAT_TEMPLATE, _is_string, "a Jinja template string"),
         add_eos_token=add_eos,
     )
 
@@ -371,18 +412,23 @@ _UNSUPPORTED_SENTENCEPIECE_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3
 
 def _merges_from_scores(token_to_id: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
     """Every split of a piece into two pieces of the vocabulary is a merge, ranked by the score
-    of the piece it makes, best first; ties go to the shorter left piece, then the shorter right
+    of the piece it makes, best first; ties go to the longer left piece, then the longer right
     one. A sentencepiece BPE model applies its merges in exactly that order.
 
     This is transformers' `generate_merges(vocab, vocab_scores)`, kept step for step so that ties
     break the same way.
     """
+    # Both halves of a split are tokens, so a cut falls only where both halves have some token's length:
+    # trying every cut would copy a long piece once per character (a megabyte-long token: hours).
+    lengths = {len(token) for token in token_to_id}
+    cuts = sorted(lengths - {0})
     candidates = []
     for piece, score in scores.items():
         splits = [
             (piece[:cut], piece[cut:], score)
-            for cut in range(1, len(piece))
-            if piece[:cut] in token_to_id and piece[cut:] in token_to_id
+            for cut in cuts
+            if cut < len(piece) and len(piece) - cut in lengths
+            and piece[:cut] in token_to_id and piece[cut:] in token_to_id
         ]
         splits.sort(key=lambda s: (token_to_id[s[0]], token_to_id[s[1]]))
         candidates.extend(splits)

@@ -124,7 +124,7 @@ class HFSource:
         self.config = _read_json(config_path, "config")
         model_type = self.config.get("model_type")
         if model_type is not None and not isinstance(model_type, str):  # the model family is looked up by it
-            raise ConversionError(f"config {config_path}: model_type is {model_type!r}; "
+            raise ConversionError(f"config {config_path}: model_type is {clipped(repr(model_type))}; "
                                   "expected a string such as 'llama'")
         self.description = f"huggingface:{os.path.basename(os.path.abspath(folder))}"
         self._files: dict[str, SafetensorsFile] = {}
@@ -146,6 +146,12 @@ class HFSource:
                     parts = (stacked_expert_parts(stored_name, st.entries[stored_name].shape)
                              or [(sanitize_name(stored_name), None)])
                     for name, part in parts:
+                        if name in self._stored_name and self._stored_name[name] == stored_name:
+                            first = os.path.relpath(self._where[name].path, folder)
+                            raise ConversionError(
+                                f"{folder}: tensor {stored_name!r} is in both {first} and {filename}; a tensor "
+                                f"belongs to one shard: download the model again (every shard and the index "
+                                f"from one revision)")
                         if name in self._stored_name:
                             raise ConversionError(
                                 f"{folder} holds both {self._stored_name[name]!r} and {stored_name!r}, which name "
@@ -167,9 +173,9 @@ class HFSource:
         for stored_name, filename in self._weight_map.items():
             if stored_name not in self._files[filename].entries:
                 raise ConversionError(
-                    f"{os.path.join(self.folder, INDEX_FILE)} maps tensor {stored_name!r} to shard {filename}, but "
-                    f"that shard does not hold it; the index and the shards disagree: download the model again "
-                    f"(every shard and the index from one revision)")
+                    f"{os.path.join(self.folder, INDEX_FILE)} maps tensor {clipped(repr(stored_name))} to shard "
+                    f"{filename}, but that shard does not hold it; the index and the shards disagree: download the "
+                    f"model again (every shard and the index from one revision)")
 
     def _weight_files(self) -> list[str]:
         self._weight_map: dict[str, str] = {}  # the index's tensor name -> shard file, when sharded
@@ -181,10 +187,19 @@ class HFSource:
                                       "file names; restore the file")
             if not weight_map:
                 raise ConversionError(f"{index_path} maps no tensors; its weight_map is empty")
+            # one spelling per shard ("./a" is "a"), so that no shard is opened twice
+            weight_map = {name: os.path.normpath(f) if f else f for name, f in weight_map.items()}
+            outside = next(((name, f) for name, f in weight_map.items()
+                            if os.path.isabs(f) or f.split(os.sep)[0] == os.pardir), None)
+            if outside is not None:
+                raise ConversionError(f"{index_path} maps tensor {clipped(repr(outside[0]))} to "
+                                      f"{clipped(repr(outside[1]))}, which lies outside {self.folder}; shards are "
+                                      "files of the model's folder: restore the index")
             files = sorted(set(weight_map.values()))
             missing = [f for f in files if not os.path.isfile(os.path.join(self.folder, f))]
             if missing:
-                raise ConversionError(f"{INDEX_FILE} names shards that are missing from {self.folder}: {missing}")
+                raise ConversionError(f"{INDEX_FILE} names shards that are missing from {self.folder}: "
+                                      f"{clipped(repr(missing))}")
             self._weight_map = weight_map
         else:
             files = sorted(f for f in os.listdir(self.folder) if f.endswith(".safetensors"))

@@ -28,12 +28,17 @@ pip, paid once per machine rather than once per test session.
 Reuse: a marker file records what the environment was built from (requirements, pip arguments and
 environment, the creating interpreter and the site directories it inherits). An environment whose
 marker is missing (an interrupted build, one made by an older version of this module) or differs is
-cleared and built again. pip's output goes to <env>/install.log; a failed build raises
-HelperEnvUnavailable with the log's last lines, a finished one whose import check fails HelperEnvBroken.
+cleared and built again. Before one is reused it is checked (env_damage): its python is there and
+executable, the .pth that makes it inherit says what it should, and every file its own packages'
+RECORDs list with a size is there with that size; a damaged one is said in one line on stderr and
+built again. pip's output goes to <env>/install.log; a failed build raises HelperEnvUnavailable with
+the log's last lines, a finished one whose import check fails HelperEnvBroken, and a folder that
+cannot be written (read-only, full) HelperEnvNotWritable, which names it and the variable that moves it.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -45,7 +50,8 @@ import venv
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernels.cache_home import zllm_home
+from edge.core.files import NotWritableError, is_not_writable, not_writable
+from kernels.cache_home import HOME_VARIABLE, zllm_home
 
 MARKER = "zllm-helper-env.json"
 # Python reads a site-packages folder's .pth files in name order: this one sorts after those the
@@ -63,6 +69,17 @@ class HelperEnvUnavailable(RuntimeError):
 class HelperEnvBroken(RuntimeError):
     """A helper virtualenv was built but its import check fails there: what it installed or inherits
     does not work together, which another attempt would not change."""
+
+
+class HelperEnvNotWritable(HelperEnvUnavailable, NotWritableError):
+    """The folder of helper virtualenvs cannot be written (read-only, full): a HelperEnvUnavailable to
+    the callers that report why an environment is missing, a ZllmError naming the folder and the
+    variable that moves it to everyone else."""
+
+
+def _not_writable(folder: Path, error: OSError) -> HelperEnvNotWritable:
+    variable = VENVS_VARIABLE if os.environ.get(VENVS_VARIABLE) else HOME_VARIABLE
+    return HelperEnvNotWritable(str(not_writable(folder, error, variable)))
 
 
 @dataclass(frozen=True)
@@ -93,6 +110,13 @@ def python_in(folder: Path) -> Path:
     return folder / ("Scripts" if os.name == "nt" else "bin") / ("python.exe" if os.name == "nt" else "python")
 
 
+def site_packages_in(folder: Path) -> Path:
+    """A helper environment's own site-packages (it runs this interpreter's Python version)."""
+    if os.name == "nt":
+        return folder / "Lib" / "site-packages"
+    return folder / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
 def inherited_site_dirs() -> list[str]:
     """The site-packages folders of this interpreter that a helper it creates sees after its own."""
     dirs = list(site.getsitepackages())
@@ -111,19 +135,30 @@ def create_venv(folder: Path, inherit: bool = True, with_pip: bool = True) -> Pa
         raise HelperEnvUnavailable(f"cannot create a virtualenv at {folder}: {exc.cmd} exited {exc.returncode}: "
                                    f"{output[-400:]}") from exc
     except OSError as exc:
+        if is_not_writable(exc):
+            raise _not_writable(folder, exc) from None
         raise HelperEnvUnavailable(f"cannot create a virtualenv at {folder}: {exc}") from exc
     python = python_in(folder)
     if inherit:
-        dirs = inherited_site_dirs()
         own = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
                              capture_output=True, text=True)
         if own.returncode:
             raise HelperEnvUnavailable(f"the new virtualenv's python {python} does not start: {own.stderr[-400:]}")
-        # One line: site runs a .pth line that starts with "import"; addsitedir processes each folder's
-        # own .pth files too (editable installs), where a path line would only be appended.
-        calls = "; ".join(f"site.addsitedir({d!r})" for d in dirs)
-        Path(own.stdout.strip(), INHERIT_PTH).write_text(f"import site; {calls}\n")
+        try:
+            Path(own.stdout.strip(), INHERIT_PTH).write_text(inherit_line())
+        except OSError as exc:
+            if is_not_writable(exc):
+                raise _not_writable(folder, exc) from None
+            raise
     return python
+
+
+def inherit_line() -> str:
+    """The .pth line that makes a helper see this interpreter's packages after its own. One line:
+    site runs a .pth line that starts with "import"; addsitedir processes each folder's own .pth files
+    too (editable installs), where a path line would only be appended."""
+    calls = "; ".join(f"site.addsitedir({d!r})" for d in inherited_site_dirs())
+    return f"import site; {calls}\n"
 
 
 def marker_record(spec: HelperEnv) -> dict:
@@ -136,12 +171,70 @@ def marker_record(spec: HelperEnv) -> dict:
 
 
 def is_ready(spec: HelperEnv) -> bool:
+    """Whether `spec`'s environment is built, from what it asks for, and undamaged."""
     folder = env_folder(spec)
     try:
         recorded = json.loads((folder / MARKER).read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):
         return False
-    return recorded == marker_record(spec) and python_in(folder).exists()
+    return recorded == marker_record(spec) and env_damage(spec) is None
+
+
+def env_damage(spec: HelperEnv) -> str | None:
+    """What is damaged in `spec`'s environment (None: nothing found). One that is not there is not
+    damaged, nor is one built from something else (it is rebuilt as stale); one whose build never
+    finished (no marker) is."""
+    folder = env_folder(spec)
+    if not folder.is_dir():
+        return None
+    marker = folder / MARKER
+    try:
+        recorded = json.loads(marker.read_text())
+    except FileNotFoundError:
+        return f"its build did not finish: {MARKER} is missing"
+    except (OSError, ValueError, RecursionError) as exc:
+        return f"{marker} cannot be read ({exc})"
+    if recorded != marker_record(spec):
+        return None
+    python = python_in(folder)
+    if not python.exists():  # (a link to an interpreter that is gone counts)
+        return f"its python {python} is missing"
+    if not os.access(python, os.X_OK):
+        return f"its python {python} is not executable"
+    own = site_packages_in(folder)
+    if spec.inherit:
+        pth = own / INHERIT_PTH
+        try:
+            inherits = pth.read_text() == inherit_line()
+        except OSError:
+            inherits = False
+        if not inherits:
+            return f"{pth} is missing or does not say what this interpreter's environment inherits"
+    return _package_damage(own)
+
+
+def _package_damage(site_packages: Path) -> str | None:
+    """A file an installed package's RECORD lists with a size that is missing or of another size (an
+    install cut short, a file removed or truncated since); None when every one is there."""
+    for info in sorted(site_packages.glob("*.dist-info")):
+        dist, name = importlib.metadata.PathDistribution(info), info.name.removesuffix(".dist-info")
+        try:
+            files = dist.files
+        except (ValueError, TypeError) as exc:  # (importlib's reading of a RECORD that is no CSV of 3 columns)
+            return f"package {name} is damaged: {info / 'RECORD'} cannot be read ({exc})"
+        if files is None:
+            return f"package {name} is half-installed: {info / 'RECORD'} is missing"
+        for file in files:
+            if file.size is None:  # RECORD itself, and the bytecode Python writes again when it must
+                continue
+            location = Path(dist.locate_file(file))
+            try:
+                size = location.stat().st_size
+            except OSError:
+                return f"package {name} is half-installed: {location} is missing"
+            if size != file.size:
+                return f"package {name} is half-installed: {location} has {size} bytes, its RECORD says {file.size}"
+    return None
 
 
 def _log_tail(path: Path) -> str:
@@ -158,6 +251,9 @@ def ensure_env(spec: HelperEnv, progress=None) -> Path:
     python = python_in(folder)
     if is_ready(spec):
         return python
+    damage = env_damage(spec)
+    if damage is not None:
+        print(f"helper environment {folder} is damaged ({damage}); building it again", file=sys.stderr)
     log_path = folder / "install.log"
     requirements = " ".join(spec.requirements)
     if progress:
@@ -176,6 +272,10 @@ def ensure_env(spec: HelperEnv, progress=None) -> Path:
     except subprocess.TimeoutExpired:
         raise HelperEnvUnavailable(f"pip install {requirements} into {folder} did not finish within "
                                    f"{spec.pip_timeout_s:.0f} s; log: {log_path}") from None
+    except OSError as exc:
+        if is_not_writable(exc):
+            raise _not_writable(folder, exc) from None
+        raise
     if done.returncode:
         raise HelperEnvUnavailable(f"cannot install {requirements} into {folder} (pip exit {done.returncode}); "
                                    f"last lines of {log_path}:\n{_log_tail(log_path)}")
@@ -184,7 +284,12 @@ def ensure_env(spec: HelperEnv, progress=None) -> Path:
         if check.returncode:
             raise HelperEnvBroken(f"{folder} was built but `{spec.import_check}` fails there:\n"
                                   f"{check.stderr[-2000:]}")
-    (folder / MARKER).write_text(json.dumps(marker_record(spec), indent=1))
+    try:
+        (folder / MARKER).write_text(json.dumps(marker_record(spec), indent=1))
+    except OSError as exc:
+        if is_not_writable(exc):
+            raise _not_writable(folder, exc) from None
+        raise
     if progress:
         progress(f"helper environment {folder.name} ready after {time.perf_counter() - started:.0f} s")
     return python

@@ -16,7 +16,7 @@ from edge.core.errors import (
     ZllmError,
 )
 
-__all__ = ["load", "Model", "ZllmError", "ConversionError", "UnsupportedModelError", "CheckpointError",
+__all__ = ["load", "Model", "Grammar", "ZllmError", "ConversionError", "UnsupportedModelError", "CheckpointError",
            "SessionError", "ExpertCacheError", "InvalidArgumentError", "NumericalError", "TokenizerError"]
 __version__ = "0.1.0"
 
@@ -28,6 +28,10 @@ def __getattr__(name: str):
         from edge import api
 
         return getattr(api, name)
+    if name == "Grammar":
+        from edge.constrained import Grammar
+
+        return Grammar
     if name == "TokenizerError":  # lives beside the tokenizer, which imports the tokenizers package
         from edge.tokenizer import TokenizerError
 

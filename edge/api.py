@@ -13,7 +13,8 @@ import threading
 import weakref
 
 from devices.base import DeviceUnavailableError, create_backend
-from edge.core.arguments import integer
+from edge.constrained import Grammar
+from edge.core.arguments import integer, path_argument, shown
 from edge.core.errors import (
     CheckpointError,
     ExpertCacheError,
@@ -62,7 +63,10 @@ def load_tokenizer(path: str | None, config: dict) -> tuple[Tokenizer | None, in
 class Model:
     def __init__(self, path: str, options: LoadOptions):
         if not isinstance(path, (str, os.PathLike)):
-            raise InvalidArgumentError(f"path must be a checkpoint directory (a str or os.PathLike), got {path!r}")
+            raise InvalidArgumentError(f"path must be a checkpoint directory (a str or os.PathLike), got {shown(path)}")
+        if not os.fspath(path):  # not the current directory
+            raise InvalidArgumentError("path is empty; name a checkpoint directory made by `zllm-edge convert`")
+        path_argument("path", path)  # a name the operating system can take
         self._closed = False
         # one forward pass at a time: threads sharing the model interleave their sessions step by step,
         # and the backend, its scratch and the expert source see one caller (edge/session.py)
@@ -91,8 +95,12 @@ class Model:
         )
         experts = self.checkpoint.experts
         if experts is None and streaming.expert_strategy is not None:
-            raise ZllmError(f"expert_strategy {streaming.expert_strategy!r} applies to Mixture-of-Experts models; "
-                            f"{self.path} is a dense {self.spec.model_type} model")
+            raise InvalidArgumentError(f"expert_strategy {shown(streaming.expert_strategy)} applies to "
+                                       f"Mixture-of-Experts models; {self.path} is a dense {self.spec.model_type} model")
+        context = self.spec.max_position_embeddings
+        if options.kv_capacity is not None and options.kv_capacity > context:
+            raise InvalidArgumentError(f"kv_capacity must be in [1, {context}] (the model's context), "
+                                       f"got {options.kv_capacity}")
         self.expert_strategy = streaming.expert_strategy or (
             "predictive" if options.memory_budget is not None else "resident")
         self.tokenizer, self._tokenizer_bytes = load_tokenizer(self.checkpoint.tokenizer_path,
@@ -100,7 +108,9 @@ class Model:
         try:
             with runtime_memory.measure(f"backend {options.device}"):
                 self.backend = create_backend(options.device, threads=options.threads)
-        except (ValueError, DeviceUnavailableError) as exc:
+        except ValueError as exc:  # a variant or thread count the device does not take
+            raise InvalidArgumentError(str(exc)) from None
+        except DeviceUnavailableError as exc:
             raise ZllmError(str(exc)) from None
         self.compute_threads = self.backend.compute_threads(self.spec, SCRATCH_TOKENS)  # each with its own scratch
         # one budget: runtime + dense weights + tokenizer + KV reservation + scratch + expert cache
@@ -168,8 +178,8 @@ class Model:
         and schemes: bytes, a size ("64MB") or "P%" of every expert's device bytes; None: its default."""
         if not self.backend.capabilities.expert_cache or self.experts is None:
             if size is not None:
-                raise ZllmError(f"gpu_expert_cache applies to Mixture-of-Experts models on device 'gpu'; "
-                                f"{self.path} on device {self.device!r} has no GPU expert cache")
+                raise InvalidArgumentError(f"gpu_expert_cache applies to Mixture-of-Experts models on device 'gpu'; "
+                                           f"{self.path} on device {self.device!r} has no GPU expert cache")
             return
 
         try:
@@ -226,7 +236,8 @@ class Model:
         if capacity is None:
             capacity = self.kv_capacity if self.kv_capacity is not None else min(limit, DEFAULT_SESSION_CAPACITY)
         if not 0 < capacity <= limit:
-            raise SessionError(f"session capacity must be in [1, {limit}] (the model's context), got {capacity}")
+            raise InvalidArgumentError(f"session capacity must be in [1, {limit}] (the model's context), "
+                                       f"got {capacity}")
         session = Session(self, capacity)
         self._sessions.add(session)
         return session
@@ -243,7 +254,7 @@ class Model:
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
-            raise InvalidArgumentError(f"encode takes text (a str), got {type(text).__name__} {text!r}")
+            raise InvalidArgumentError(f"encode takes text (a str), got {type(text).__name__} {shown(text)}")
         check_unicode("the text", text)
         return self._require_tokenizer().encode(text)
 
@@ -253,19 +264,23 @@ class Model:
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
-                 seed: int | None = None, stop: str | list[str] | None = None) -> Generation:
+                 seed: int | None = None, stop: str | list[str] | None = None, min_p: float = 0.0,
+                 grammar: Grammar | None = None) -> Generation:
         """Stream text pieces: `for piece in model.generate(...)`; `.result` has ids and timings.
         seed None or -1: a random seed; stop: a string or a list of strings (the text ends before
-        the first one that appears; GenerationResult says what `tokens` then hold)."""
+        the first one that appears; GenerationResult says what `tokens` then hold); min_p: keep the
+        tokens at least min_p times as likely as the likeliest; grammar: an edge.Grammar the text must
+        match (a JSON schema, any JSON object, a regular expression, a Lark grammar)."""
         self.require_open()
-        options = GenerationOptions.of(max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop)
+        options = GenerationOptions.of(max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop,
+                                       min_p, grammar)
         if options.stop and self.tokenizer is None:  # without text there is nothing a stop string could match
             raise InvalidArgumentError(f"stop strings need text, and {self.path} has no tokenizer; stop on token ids "
                                        "instead: iterate generation.steps() and close() it at the ids you want")
         if isinstance(prompt, str):
             ids = self.encode(prompt)
         elif prompt is None or isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__len__"):
-            raise InvalidArgumentError(f"prompt must be text (a str) or a list of token ids, got {prompt!r}")
+            raise InvalidArgumentError(f"prompt must be text (a str) or a list of token ids, got {shown(prompt)}")
         else:
             ids = check_token_ids(prompt, self.spec.vocab_size, InvalidArgumentError).tolist()
         return Generation(self, ids, options)
@@ -278,7 +293,7 @@ class Model:
         for i, message in enumerate(messages):
             for key, value in message.items():
                 if isinstance(value, str):
-                    check_unicode(f"messages[{i}][{key!r}]", value)
+                    check_unicode(f"messages[{i}][{shown(key)}]", value)
         text = render_chat(tokenizer, messages)
         check_unicode("the chat template's output", text)  # e.g. a text part of a list content
         return self.generate(tokenizer.encode(text, add_special_tokens=False), **kwargs)
@@ -292,7 +307,7 @@ class Model:
         ring = self._ring_buffer_note()
         if ring is not None:
             info["forward_long_sessions"] = ring
-        if self.expert_strategy == "predictive":
+        if self.expert_strategy == "predictive" and self.experts is not None:  # (a dense model has no experts)
             info["expert_forecast"] = self.experts.forecast_path()
         return info
 
@@ -353,23 +368,23 @@ def _check_messages(messages) -> None:
     culprit named, rather than as a template engine's error about an undefined attribute."""
     shape = 'a list of {"role": ..., "content": ...} dicts'
     if not isinstance(messages, (list, tuple)):
-        raise InvalidArgumentError(f"messages must be {shape}, got {type(messages).__name__} {messages!r:.80}")
+        raise InvalidArgumentError(f"messages must be {shape}, got {type(messages).__name__} {shown(messages)}")
     if not messages:
         raise InvalidArgumentError(f"messages is empty; give {shape}, "
                                    'e.g. [{"role": "user", "content": "Hi"}]')
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidArgumentError(f"messages must be {shape}; messages[{i}] is {type(message).__name__} "
-                                       f"{message!r:.80}")
+                                       f"{shown(message)}")
         if not isinstance(message.get("role"), str):
-            found = "has none" if "role" not in message else f"is {message['role']!r:.80}"
+            found = "has none" if "role" not in message else f"is {shown(message['role'])}"
             raise InvalidArgumentError(f"messages[{i}] needs a string 'role'; its 'role' {found}")
         # content: text, a list of parts, or None beside tool calls, as chat templates take them
         if "content" not in message and "tool_calls" not in message:
             raise InvalidArgumentError(f"messages[{i}] has no 'content'")
         if not isinstance(message.get("content"), (str, list, type(None))):
             raise InvalidArgumentError(f"messages[{i}]'s 'content' must be text, a list of parts or null; "
-                                       f"it is {message['content']!r:.80}")
+                                       f"it is {shown(message['content'])}")
 
 
 def check_unicode(what: str, text: str) -> None:
@@ -430,8 +445,8 @@ def _text_content(messages) -> list[dict] | None:
                     texts.append(part["text"])
                 else:
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise InvalidArgumentError(f"messages[{i}]['content'][{j}] is a {kind!r} part; this model's chat "
-                                               f"template takes text only: give text parts "
+                    raise InvalidArgumentError(f"messages[{i}]['content'][{j}] is a {shown(kind)} part; this "
+                                               f"model's chat template takes text only: give text parts "
                                                '({"type": "text", "text": ...}) or a string')
             content = "\n".join(texts)
         flat.append({**message, "content": content})
@@ -451,5 +466,5 @@ def load(path, *positional, options: LoadOptions | None = None, **settings) -> M
         options = LoadOptions.from_settings(positional, settings)
     elif not isinstance(options, LoadOptions) or positional or settings:
         raise InvalidArgumentError(f"edge.load takes settings or options=LoadOptions(...), not both; "
-                                   f"got options={options!r} and {len(positional)} positional, {sorted(settings)}")
+                                   f"got options={shown(options)} and {len(positional)} positional, {sorted(settings)}")
     return Model(path, options)

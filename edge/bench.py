@@ -51,6 +51,7 @@ WARMUP_PROMPT_TOKENS = 8  # the runtime warm-up's prompt (_warm_up_runtime), sho
 # Thread pools a backend may draw on. `--threads N` caps all of them, so that a device cannot win
 # by quietly using more cores than another.
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+MAX_REPEATS = 100  # timed runs per device: a median of more tells nothing new
 
 
 def load_threads(device: str, threads: int | None) -> int | None:
@@ -69,6 +70,9 @@ def check_counts(prompt_tokens: int, new_tokens: int, repeats: int) -> None:
     check_prompt_tokens(prompt_tokens)
     if new_tokens < 1 or repeats < 1:
         raise BenchError(f"--new-tokens and --repeats must be at least 1, got {new_tokens} and {repeats}")
+    if repeats > MAX_REPEATS:
+        raise BenchError(f"--repeats must be at most {MAX_REPEATS}, got {repeats}: the median of more runs says "
+                         "nothing new, and a count that large would run for days")
 
 
 def check_device_names(devices: list[str]) -> None:
@@ -468,13 +472,14 @@ def run_bench(checkpoint_path: str, devices: list[str], threads: int | None = No
 
     manifest = read_manifest(checkpoint_path)
     context = manifest["model"]["max_position_embeddings"]
+    n_prompt = prompt_tokens if prompt_ids is None else len(prompt_ids)
+    if n_prompt + new_tokens > context:  # before a prompt of that many tokens is made
+        raise BenchError(f"{n_prompt} prompt + {new_tokens} new tokens exceed the model's context of "
+                         f"{context} tokens; lower --prompt-tokens or --new-tokens")
     if prompt_ids is None:
         prompt_ids, prompt_source = benchmark_prompt(checkpoint_path, prompt_tokens)
     else:
         prompt_source = "token ids given by the caller"
-    if len(prompt_ids) + new_tokens > context:
-        raise BenchError(f"{len(prompt_ids)} prompt + {new_tokens} new tokens exceed the model's context of "
-                         f"{context} tokens; lower --prompt-tokens or --new-tokens")
 
     labels = device_labels(devices)
     workers: dict[str, DeviceWorker] = {}

@@ -71,14 +71,20 @@ def _check_recording(args) -> int:
 def _record(path: str, args):
     import edge
     from edge.bench import id_prompt
+    from edge.core.spec import spec_from_dict
     from quant.checkpoint import read_manifest
     from streaming.calibration import record_trace
 
     per_request = _check_recording(args)
-    context = read_manifest(path)["model"]["max_position_embeddings"]
+    spec = spec_from_dict(read_manifest(path)["model"])
+    context = spec.max_position_embeddings
     if per_request > context:
         raise ZllmError(f"--tokens {args.tokens} over --requests {args.requests} makes requests of {per_request} "
                         f"tokens, beyond the model's context of {context}; lower --tokens or raise --requests")
+    moe_layers = sum(spec.moe_for_layer(i) is not None for i in range(spec.num_hidden_layers))
+    if 0 < moe_layers < args.depth:  # the trace keeps each lookahead apart: one beyond the layers is all empty
+        raise ZllmError(f"--depth {args.depth} looks further ahead than the model's {moe_layers} MoE layers; "
+                        f"give --depth of at most {moe_layers}")
     model = edge.load(path, device=args.device)
     try:
         if model.tokenizer is not None:

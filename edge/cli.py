@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from edge.core.errors import ZllmError
+from edge.core.errors import InvalidArgumentError, ZllmError
 from streaming.options import IO_ENGINES
 
 
@@ -114,7 +114,10 @@ def cmd_formats(args) -> int:
 def _resolve_model(path: str | None, quiet: bool) -> str:
     from edge.home import default_model_checkpoint
 
-    return path if path else default_model_checkpoint(progress=not quiet)
+    if path == "":  # an empty word (an unset shell variable) is a mistake, not a request for the default
+        raise InvalidArgumentError("MODEL is empty; name a checkpoint directory, or leave MODEL out for the "
+                                   "default model")
+    return path if path is not None else default_model_checkpoint(progress=not quiet)
 
 
 def _stream(generation, args) -> int:
@@ -131,22 +134,29 @@ def _stream(generation, args) -> int:
 
 def _generation_kwargs(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                 stop=args.stop or None)
 
 
 def _load_for_text(model_path: str | None, args):
     """generate/chat: check the options (the checks edge.load and generate run themselves) before the
     default model is converted or any model is loaded, then load one that can take text."""
-    import edge
     from edge.generation import GenerationOptions
-    from edge.options import LoadOptions
 
     GenerationOptions.of(**_generation_kwargs(args))
     if getattr(args, "system", None):
         from edge.api import check_unicode
 
         check_unicode("--system", args.system)
+    return _load_model(model_path, args)
+
+
+def _load_model(model_path: str | None, args):
+    """Load the model the load options (_add_load_args) ask for, checked before the default model is
+    converted or any model is loaded; one that cannot take text is refused."""
+    import edge
+    from edge.options import LoadOptions
+
     options = LoadOptions.of(device=args.device, threads=args.threads, kv_cache=args.kv_cache,
                              kv_capacity=args.kv_capacity, verify=args.verify, **_memory_options(args))
     path = _resolve_model(model_path, args.quiet)
@@ -185,12 +195,21 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    from edge.api import check_unicode
+
     model = _load_for_text(args.model, args)
     if not model.tokenizer.chat_template:  # refused before the user types a first message, not after it
         model.close()
         raise ZllmError(f"{model.path} has no chat template, so it cannot chat; use zllm-edge generate with a "
                         "plain prompt")
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    if args.temperature > 0 and args.seed in (None, -1):  # one seed for the conversation, said so it can be repeated
+        import numpy as np
+
+        args.seed = int(np.random.SeedSequence().generate_state(1)[0])
+    if args.temperature > 0 and not args.quiet:
+        print(f"[chat] sampling: temperature {args.temperature:g}, top-k {args.top_k}, top-p {args.top_p:g}, "
+              f"min-p {args.min_p:g}, seed {args.seed} (--temperature 0: greedy)", file=sys.stderr, flush=True)
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
@@ -201,6 +220,7 @@ def cmd_chat(args) -> int:
             return 0
         if not line.strip():
             continue
+        check_unicode("the line read from stdin", line)  # before the tokenizer counts the conversation's tokens
         messages.append({"role": "user", "content": line.rstrip("\n")})
         _fit_conversation(model, messages, args.max_new_tokens, quiet=args.quiet)
         generation = model.chat(messages, **_generation_kwargs(args))
@@ -241,7 +261,14 @@ def _memory_options(args) -> dict:
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="reference", help="reference (default)")
+    _add_load_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    _add_sampling_args(p)
+
+
+def _add_load_args(p: argparse.ArgumentParser, default_device: str = "reference") -> None:
+    """How the model is loaded: device, threads, KV cache, memory budget and MoE streaming."""
+    p.add_argument("--device", default=default_device, help=f"{default_device} (default)")
     p.add_argument("--threads", type=int, default=None,
                    help="compute threads of the cpu and npu devices (the reference and gpu devices take none)")
     p.add_argument("--kv-cache", default="f32", choices=("f32", "f16", "int8"),
@@ -249,7 +276,6 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-capacity", type=int, default=None, metavar="N",
                    help="KV cache positions, prompt included (like llama.cpp's --ctx-size); with --memory-budget "
                         "the budget reserves this many (default 1024), else default: the model's context")
-    p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--memory-budget", default=None,
                    help="one budget for weights, KV cache, scratch and expert cache: 512MB, bytes, or P%% (MoE: "
                         "everything but the experts plus P%% of the expert bytes)")
@@ -268,19 +294,26 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-expert-cache", default=None,
                    help="MoE on --device gpu: bytes of experts kept on the GPU: 64MB, bytes, or P%% of all experts "
                         "(default: every expert if they take at most half the adapter's memory)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--verify", action="store_true",
+                   help="check every file's sha256 (and each MoE expert's crc32) before running: finds a damaged "
+                        "checkpoint whose sizes are intact, at the cost of reading it all once")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (generate's default); chat samples by default with temperature 0.8, top-k 40, "
+                        "top-p 0.95, min-p 0.05, as llama.cpp and Ollama do")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep the tokens at least this many times as likely as the likeliest (0 = no limit)")
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the sampler, for reproducible sampling; -1 (as in llama.cpp) or none: a random seed")
     p.add_argument("--stop", action="append", default=[],
                    help="stop string (repeatable): the text ends before it; --json's tokens keep every generated "
                         "token (as llama.cpp's do) and stop_string names the one that matched")
-    p.add_argument("--verify", action="store_true",
-                   help="check every file's sha256 (and each MoE expert's crc32) before running: finds a damaged "
-                        "checkpoint whose sizes are intact, at the cost of reading it all once")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -320,16 +353,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat on stdin/stdout with the model's chat template")
+    from edge.sampling import CONVERSATION_SAMPLING
+
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("--system", default=None)
     _add_generation_args(p)
-    p.set_defaults(func=cmd_chat)
+    p.set_defaults(func=cmd_chat, **CONVERSATION_SAMPLING)  # a conversation samples (--temperature 0: greedy)
 
     from edge import bench, diff
 
     p = sub.add_parser("bench", help="load time, prefill/decode tokens/s, first-token time, peak RSS; devices side by side")
     bench.add_arguments(p)
     p.set_defaults(func=bench.cmd_bench)
+
+    from edge import serve
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions")
+    serve.add_arguments(p)
+    p.set_defaults(func=serve.cmd_serve)
 
     from edge import calibrate
 
@@ -361,7 +402,12 @@ class _Parser(argparse.ArgumentParser):
     """Usage mistakes print one `error:` line, like every other error, and exit with status 2."""
 
     def error(self, message: str):
-        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"error: {self.prog}: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(message: str) -> str:
+    """A message on the one line an error gets: a line break in it (a path's, a value's as typed) escaped."""
+    return message.replace("\r", "\\r").replace("\n", "\\n")
 
 
 class Terminated(BaseException):
@@ -374,6 +420,13 @@ def _terminate(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A command line's bytes that are not UTF-8 reach Python as U+DC80-U+DCFF (surrogateescape); a path
+    # made of them is printed back as the same bytes, a line read from stdin is taken the same way (its
+    # text is then refused by name), and an error message shows them escaped: never a UnicodeError.
+    for stream, errors in ((sys.stdout, "surrogateescape"), (sys.stdin, "surrogateescape"),
+                           (sys.stderr, "backslashreplace")):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors=errors)
     args = build_parser().parse_args(_bare_moefy(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
     in_main_thread = threading.current_thread() is threading.main_thread()
@@ -381,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ZllmError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

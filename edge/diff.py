@@ -500,6 +500,10 @@ def cmd_diff(args) -> int:
             prompt_ids = [int(word) for word in prompt.replace(",", " ").split()]
         except ValueError:
             raise DiffError(f"--ids expects comma-separated integers, got {prompt!r}") from None
+    else:
+        from edge.api import check_unicode
+
+        check_unicode("the text", prompt)  # before the default model is converted
     path = args.words[0] if len(args.words) == 2 else default_model_checkpoint(progress=not args.quiet)
     if not args.ids:
         from edge.tokenizer import Tokenizer, TokenizerError

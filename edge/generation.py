@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge.core.arguments import integer
+from edge.core.arguments import integer, shown
 from edge.core.errors import InvalidArgumentError, SessionError
+from edge.constrained import Constraint, Grammar
 from edge.sampling import SamplingParams, sample_token
 from edge.tokenizer import IncrementalDecoder
 
@@ -51,14 +52,14 @@ def _stop_strings(stop) -> tuple[str, ...]:
     try:
         strings = list(stop)
     except TypeError:
-        raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}") from None
+        raise InvalidArgumentError(f"stop must be a string or a list of strings, got {shown(stop)}") from None
     for s in strings:
         if not isinstance(s, str):
-            raise InvalidArgumentError(f"stop must be a string or a list of strings, got {s!r} in {stop!r}")
+            raise InvalidArgumentError(f"stop must be a string or a list of strings, got {shown(s)} in {shown(stop)}")
         try:  # a lone surrogate (a byte that is not UTF-8 on the command line) could never match decoded text
             s.encode("utf-8")
         except UnicodeEncodeError:
-            raise InvalidArgumentError(f"stop string {s!r} is not valid Unicode (it holds a lone surrogate, such as "
+            raise InvalidArgumentError(f"stop string {shown(s)} is not valid Unicode (it holds a lone surrogate, such as "
                                        "a byte that is not UTF-8 on the command line); give UTF-8 text") from None
     return tuple(s for s in strings if s)
 
@@ -72,9 +73,13 @@ class GenerationOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None  # None or -1: a random seed
     stop: tuple[str, ...] = ()
+    grammar: Grammar | None = None  # the language the text must belong to (edge/constrained.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_new_tokens", integer("max_new_tokens", self.max_new_tokens, minimum=0))
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise InvalidArgumentError(f"grammar must be an edge.Grammar (Grammar.json_schema(...), .json_object(), "
+                                       f".regex(...), .lark(...)), got {type(self.grammar).__name__}")
         if self.seed is not None:
             seed = integer("seed", self.seed, minimum=RANDOM_SEED, note=f" ({RANDOM_SEED}: a random seed)")
             object.__setattr__(self, "seed", None if seed == RANDOM_SEED else seed)
@@ -82,9 +87,11 @@ class GenerationOptions:
 
     @classmethod
     def of(cls, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           repetition_penalty: float = 1.0, seed: int | None = None, stop=None) -> "GenerationOptions":
+           repetition_penalty: float = 1.0, seed: int | None = None, stop=None, min_p: float = 0.0,
+           grammar: Grammar | None = None) -> "GenerationOptions":
         """From Model.generate's keyword arguments."""
-        return cls(max_new_tokens, SamplingParams(temperature, top_k, top_p, repetition_penalty), seed, stop)
+        return cls(max_new_tokens, SamplingParams(temperature, top_k, top_p, repetition_penalty, min_p), seed, stop,
+                   grammar)
 
 
 @dataclass(frozen=True)
@@ -111,10 +118,12 @@ class Generation:
         self.options = options
         self.result = GenerationResult(prompt_tokens=list(prompt_ids))
         capacity = min(len(prompt_ids) + options.max_new_tokens, limit)
+        # compiled now, so that a grammar that cannot be is refused by this call, before any session opens
+        constraint = options.grammar.start(model) if options.grammar is not None else None
         # The loop is a module-level generator that does not refer to this object: no reference cycle,
         # so an abandoned generation is closed (and its session with it) as soon as it is dropped,
         # not when the garbage collector next runs, which a memory budget's next session cannot wait for.
-        self._steps = _generate(model, self.result, options, capacity)
+        self._steps = _generate(model, self.result, options, capacity, constraint)
 
     def steps(self):
         return self._steps
@@ -150,15 +159,15 @@ def _held_back(text: str, stop: tuple[str, ...]) -> int:
     return longest
 
 
-def _generate(model, result: GenerationResult, options: GenerationOptions, capacity: int):
+def _generate(model, result: GenerationResult, options: GenerationOptions, capacity: int, constraint: Constraint | None):
     if options.max_new_tokens == 0:  # nothing to compute: no session, no KV reservation
         result.finish_reason = "length"
         return
     with model.session(capacity=capacity) as session:
-        yield from _run(model, session, result, options)
+        yield from _run(model, session, result, options, constraint)
 
 
-def _run(model, session, result: GenerationResult, options: GenerationOptions):
+def _run(model, session, result: GenerationResult, options: GenerationOptions, constraint: Constraint | None):
     params, stop = options.sampling, options.stop
     # a random seed is drawn here and reported (llama.cpp prints its own), so that any run can be repeated
     result.seed = options.seed if options.seed is not None else int(np.random.SeedSequence().generate_state(1)[0])
@@ -166,14 +175,16 @@ def _run(model, session, result: GenerationResult, options: GenerationOptions):
     decoder = IncrementalDecoder(model.tokenizer, result.prompt_tokens) if model.tokenizer else None
     history = np.asarray(result.prompt_tokens, dtype=np.int64)
     # plain greedy decoding needs only each step's argmax, which a device may pick without
-    # returning the logits; sampling and the repetition penalty need the logits.
-    greedy = params.temperature == 0.0 and params.repetition_penalty == 1.0
+    # returning the logits; sampling, the repetition penalty and a grammar's mask need the logits.
+    greedy = params.temperature == 0.0 and params.repetition_penalty == 1.0 and constraint is None
 
     def step(ids) -> int:
         """Run ids through the model and choose the next token."""
         if greedy:
             return session.next_token(ids)
         logits = session.prefill(ids)
+        if constraint is not None:
+            logits = constraint.mask(logits)
         seen = np.concatenate([history, np.asarray(result.tokens, dtype=np.int64)])
         return sample_token(logits, params, rng, seen)
 
@@ -183,6 +194,8 @@ def _run(model, session, result: GenerationResult, options: GenerationOptions):
     result.prefill_seconds = time.perf_counter() - started
     while True:
         result.tokens.append(token)
+        if constraint is not None:
+            constraint.advance(token)
         if token in model.eog_token_ids:
             result.finish_reason = "eos"
             break
@@ -200,6 +213,9 @@ def _run(model, session, result: GenerationResult, options: GenerationOptions):
         yield Step(token, released)  # outside the timed regions: the consumer's time is not the model's
         if len(result.tokens) >= options.max_new_tokens or session.position >= session.capacity:
             result.finish_reason = "length"
+            break
+        if constraint is not None and constraint.finished:  # the text is complete: nothing may follow
+            result.finish_reason = "stop"
             break
         started = time.perf_counter()
         token = step([token])

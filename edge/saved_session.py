@@ -30,7 +30,7 @@ import struct
 import numpy as np
 
 from devices.cache_buffers import CacheBuffer
-from edge.core.arguments import integer, is_integer, path_argument
+from edge.core.arguments import integer, is_integer, path_argument, printable
 from edge.core.errors import SessionError
 from edge.core.files import write_atomically
 from quant.checkpoint import MANIFEST, sha256_file
@@ -105,7 +105,8 @@ def save_session(session, path) -> None:
     header_bytes = json.dumps(header).encode()
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise SessionError(f"cannot save the session to {path}: the directory {folder} does not exist; create it first")
+        raise SessionError(f"cannot save the session to {printable(path)}: the directory {printable(folder)} does not "
+                           "exist; create it first")
     checksum = _checksum(FORMAT_VERSION, header_bytes, payload)
 
     def write(f) -> None:
@@ -116,7 +117,7 @@ def save_session(session, path) -> None:
     try:  # a crash mid-write never leaves a half-written session under `path`
         write_atomically(path, write, binary=True)
     except OSError as exc:
-        raise SessionError(f"cannot save the session to {path}: {exc.strerror or exc}") from None
+        raise SessionError(f"cannot save the session to {printable(path)}: {exc.strerror or exc}") from None
 
 
 def read_session_file(path) -> tuple[dict, bytes]:
@@ -124,22 +125,23 @@ def read_session_file(path) -> tuple[dict, bytes]:
     checked against the file's size before anything is read, so that a damaged length field cannot
     ask for more memory than the file holds."""
     path = os.fspath(path)
+    name = printable(path)  # in messages
     if not os.path.isfile(path):
-        raise SessionError(f"{path}: no saved session there; save one with session.save(path)")
+        raise SessionError(f"{name}: no saved session there; save one with session.save(path)")
     size = os.path.getsize(path)
-    truncated = f"{path}: the saved session is truncated"
+    truncated = f"{name}: the saved session is truncated"
     with open(path, "rb") as f:
         preamble = f.read(_PREAMBLE.size)
         if not preamble:
-            raise SessionError(f"{path} is empty, not a saved zllm session; save one with session.save(path)")
+            raise SessionError(f"{name} is empty, not a saved zllm session; save one with session.save(path)")
         if not preamble.startswith(MAGIC[:len(preamble)]):
-            raise SessionError(f"{path} is not a saved zllm session (magic {preamble[:8]!r}, expected {MAGIC!r})")
+            raise SessionError(f"{name} is not a saved zllm session (magic {preamble[:8]!r}, expected {MAGIC!r})")
         if len(preamble) < _PREAMBLE.size:
             raise SessionError(f"{truncated}: {size} bytes, fewer than its {_PREAMBLE.size}-byte preamble; "
                                "save the session again")
         _, version, header_length, checksum = _PREAMBLE.unpack(preamble)
         if version not in SUPPORTED_VERSIONS:
-            raise SessionError(f"{path}: saved session format version {version} is not supported; supported: "
+            raise SessionError(f"{name}: saved session format version {version} is not supported; supported: "
                                f"{', '.join(map(str, SUPPORTED_VERSIONS))}; save the session again with this version")
         if header_length > size - _PREAMBLE.size:
             raise SessionError(f"{truncated} (or its header length is damaged): the header should take "
@@ -153,14 +155,14 @@ def read_session_file(path) -> tuple[dict, bytes]:
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
             expected = None
         if expected is not None and len(payload) != expected:
-            raise SessionError(f"{path}: the saved session is truncated or padded: {len(payload)} bytes of KV data, "
+            raise SessionError(f"{name}: the saved session is truncated or padded: {len(payload)} bytes of KV data, "
                                f"expected {expected}; save the session again")
-        raise SessionError(f"{path}: the saved session fails its sha256 checksum (the file is corrupted); "
+        raise SessionError(f"{name}: the saved session fails its sha256 checksum (the file is corrupted); "
                            f"save the session again")
     try:
         header = json.loads(header_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise SessionError(f"{path}: the saved session's header is not valid JSON ({exc}); save the session again") \
+        raise SessionError(f"{name}: the saved session's header is not valid JSON ({exc}); save the session again") \
             from None
     return header, payload
 
@@ -219,7 +221,7 @@ def restore_session(model, path, capacity: int | None = None):
         capacity = integer("capacity", capacity, minimum=1)
     path = path_argument("path", path)
     header, payload = read_session_file(path)
-    shown = os.fspath(path)
+    shown = printable(path)  # in messages
     header = _checked_header(shown, header, payload, model.spec.vocab_size)
     identity = model_identity(model)
     if header["model"] != identity:

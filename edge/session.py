@@ -8,20 +8,41 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge.core.errors import SessionError, ZllmError
+from edge.core.arguments import flag, is_integer, shown
+from edge.core.errors import InvalidArgumentError, SessionError, ZllmError
 from edge.core.logits import check_finite_logits
 
 
 def check_token_ids(ids, vocab_size: int, error: type[ZllmError] = SessionError) -> np.ndarray:
-    """ids as an int64 vector [T], refused (`error`) unless they are integers in [0, vocab_size)."""
-    ids = np.asarray(ids).reshape(-1)
-    if ids.size and ids.dtype.kind not in "iu":
-        raise error(f"token ids must be integers, got {ids.dtype} values such as {ids[0]!r}")
-    ids = ids.astype(np.int64)
-    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    """ids (one id, a list of ids or a 1-D integer array) as an int64 vector [T]. What is not a
+    sequence of integers is refused as an argument (InvalidArgumentError); an id outside
+    [0, vocab_size) as `error`."""
+    if isinstance(ids, (str, bytes, bytearray, memoryview)):  # characters and bytes are not token ids
+        raise InvalidArgumentError(f"token ids must be integers, got {type(ids).__name__} {shown(ids)}")
+    try:
+        array = np.asarray(ids)
+    except ValueError:  # nested lists of different lengths
+        raise InvalidArgumentError(f"token ids must be one flat sequence of integers, got {shown(ids)}") from None
+    if array.ndim > 1:  # a batch, or a row of one: which sequence was meant is not guessed
+        raise InvalidArgumentError(f"token ids must be one sequence (a list or a 1-D array), got an array of "
+                                   f"shape {array.shape}")
+    array = array.reshape(-1)
+    if array.dtype == object:  # ints beyond int64, or values of several types
+        odd = [value for value in array if not is_integer(value)]
+        if odd:
+            raise InvalidArgumentError(f"token ids must be integers, got object values such as {shown(odd[0])}")
+        outside = [int(value) for value in array if not 0 <= value < vocab_size]
+        if outside:
+            raise error(f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+        return array.astype(np.int64)
+    if array.size == 0:  # of any dtype (np.asarray([]) is float64): the caller says what it needs
+        return np.zeros(0, dtype=np.int64)
+    if array.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"token ids must be integers, got {array.dtype} values such as {shown(array[0])}")
+    bad = array[(array < 0) | (array >= vocab_size)]  # compared before the cast: a uint64 id may exceed int64
     if bad.size:
         raise error(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
-    return ids
+    return array.astype(np.int64)
 
 
 class Session:
@@ -76,10 +97,13 @@ class Session:
 
     def prefill(self, ids, all_logits: bool = False, observer=None) -> np.ndarray:
         """Run ids after the current history. Logits [V] for the last token, or [T, V] with all_logits."""
-        return self._run(ids, all_logits, observer)
+        return self._run(ids, flag("all_logits", all_logits), observer)
 
     def decode(self, token_id: int) -> np.ndarray:
         """Run one token; logits [V]."""
+        if isinstance(token_id, (list, tuple, range)) or getattr(token_id, "ndim", 0) != 0:
+            raise InvalidArgumentError(f"decode takes one token id (an int), got {shown(token_id)}; "
+                                       "run several with prefill")
         return self._run([token_id], all_logits=False)  # a float or None is refused, not truncated
 
     def next_token(self, ids) -> int:

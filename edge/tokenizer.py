@@ -9,6 +9,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from edge.core.errors import CheckpointError, ZllmError
+from edge.core.spec_dense import clipped
 
 
 class TokenizerError(ZllmError):
@@ -24,6 +25,7 @@ class Tokenizer:
         except Exception as exc:  # tokenizers raises a plain Exception for a missing, corrupt or foreign file
             raise CheckpointError(f"{path} cannot be loaded by the tokenizers library ({exc}); "
                                   "the checkpoint is damaged, convert the model again") from None
+        self.path = path
         self.config = config
         self.bos_token_id = config.get("bos_token_id")
         self.eos_token_id = config.get("eos_token_id")
@@ -34,14 +36,27 @@ class Tokenizer:
         self.chat_template = config.get("chat_template")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as exc:  # tokenizers raises a plain Exception, e.g. for a character without a token
+            raise TokenizerError(f"{self.path} cannot encode the text ({_one_line(exc)}); pass token ids "
+                                 "instead, or convert the model again from a tokenizer that can") from None
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
         return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        try:
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        except Exception as exc:  # tokenizers raises a plain Exception
+            raise TokenizerError(f"{self.path} cannot decode the token ids {clipped(str(ids))} ({_one_line(exc)}); "
+                                 "convert the model again from a tokenizer that can") from None
+
+    def to_json(self) -> str:
+        """The whole tokenizer as Hugging Face tokenizers' JSON (what a grammar engine reads)."""
+        return self._tok.to_str()
 
     def token_text(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
@@ -64,10 +79,22 @@ class Tokenizer:
         token = lambda tid: self._tok.id_to_token(tid) if tid is not None else ""  # noqa: E731
         # a template that does not parse or fails on these messages raises jinja2.TemplateError or
         # TypeError: edge/api.py `render_chat` retries with text-only contents, then names the failure
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=token(self.bos_token_id), eos_token=token(self.eos_token_id),
-        )
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=token(self.bos_token_id), eos_token=token(self.eos_token_id),
+            )
+        except (TypeError, jinja2.TemplateError, ZllmError):
+            raise
+        except Exception as exc:  # the template is a program from the model's files: any error of its is its own
+            raise TokenizerError(f"the checkpoint's chat template failed ({type(exc).__name__}: {_one_line(exc)}); "
+                                 "generate with a plain prompt, or convert the model from a source with a working "
+                                 "template") from None
+
+
+def _one_line(error: Exception) -> str:
+    """An error's message for ours, on one line and cut short."""
+    return clipped(" ".join(str(error).split()))
 
 
 def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:

@@ -6,7 +6,8 @@
     model.safetensors dense weights; a quantized tensor W is stored as W.qweight, W.scales
                       and (affine) W.offsets, laid out as quant/formats.py documents
     experts.bin       MoE models only: the routed experts, one aligned record per (layer, expert)
-                      (quant/expert_file.py; indexed by the manifest's "experts" entry)
+                      (quant/expert_file.py; indexed by the manifest's "experts" entry, which
+                      carries the sha256 of its canonical form, "index_sha256", verified at load)
 
 Writers create the directory under a temporary name beside its destination and rename it
 when complete, so a directory named like a checkpoint is always a whole one.
@@ -171,7 +172,13 @@ def open_checkpoint(path: str, verify: bool = False) -> Checkpoint:
             if verify:
                 _verify_experts(path, experts, manifest["files"][os.path.basename(experts.path)]["sha256"])
         spec = check_shapes_against_spec(path, manifest, tensors, experts)
-        _check_token_ids(path, manifest, spec.vocab_size)
+        if experts is not None:
+            # last: the checks above name what they find; the digest refuses the edits they cannot see
+            # (two entries swapped with their crc32s, a layout's arrays exchanged)
+            from quant.expert_file import check_index_sha256
+
+            check_index_sha256(path, manifest["experts"])
+        _check_tokenizer_entry(path, manifest, spec.vocab_size)
     except BaseException:
         for f in files.values():
             f.close()
@@ -224,9 +231,10 @@ def _open_tensors(path: str, manifest: dict, verify: bool, files: dict[str, Safe
         raise CheckpointError(f"{path}: manifest and weights disagree ({exc!r}); convert the model again") from None
 
 
-def _check_token_ids(path: str, manifest: dict, vocab_size: int) -> None:
-    """The manifest's tokenizer entry is an object whose special ids are tokens of the model: generation
-    stops at eos_token_id and eog_token_ids, and a prompt may start with bos_token_id."""
+def _check_tokenizer_entry(path: str, manifest: dict, vocab_size: int) -> None:
+    """The manifest's tokenizer entry is an object whose special ids are tokens of the model (generation
+    stops at eos_token_id and eog_token_ids, and a prompt may start with bos_token_id), and whose flags and
+    chat template are of their types."""
     from edge.core.arguments import is_integer
     from edge.core.spec_dense import show
 
@@ -244,6 +252,15 @@ def _check_token_ids(path: str, manifest: dict, vocab_size: int) -> None:
             raise CheckpointError(f"{where}: tokenizer: {key} is {show(value)}; expected "
                                   f"{'a list of token ids' if listed else 'a token id'} below vocab_size {vocab_size}, "
                                   f"or null; {damaged}")
+    # what the tokenizer reads besides ids: a flag of another type would change meaning ("false" is true),
+    # a template of another type fail only when a chat is rendered
+    for key, valid, expected in (("add_bos_token", lambda v: isinstance(v, bool), "true or false"),
+                                 ("add_eos_token", lambda v: isinstance(v, bool), "true or false"),
+                                 ("chat_template", lambda v: isinstance(v, str), "a Jinja template string")):
+        value = tokenizer.get(key)
+        if value is not None and not valid(value):
+            raise CheckpointError(f"{where}: tokenizer: {key} is {show(value)}; expected {expected}, or null; "
+                                  f"{damaged}")
 
 
 def check_shapes_against_spec(path: str, manifest: dict, tensors: dict, experts: "ExpertIndex | None") -> "LlamaSpec":

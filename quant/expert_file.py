@@ -15,10 +15,21 @@ The manifest's "experts" entry indexes every record:
                                        "projections": {"gate_proj": {"scheme": ..., "shape": [I, D],
                                                                       "arrays": {"qweight": {"dtype", "shape", "offset"}, ...}},
                                                        "up_proj": ..., "down_proj": ...},
-                                       "records": [[offset, length, crc32], ...]}}}
+                                       "records": [[offset, length, crc32], ...]}}},
+                "index_sha256": "<64 hex digits>"}
+
+A record's crc32 says its bytes are whole, not whose they are: two index entries swapped together
+with their crcs would pass it, and so would plausible edits of a layout (two arrays' offsets
+exchanged). index_sha256, the sha256 of the entry's canonical JSON without that key (`index_sha256`
+below), is written by the converter and verified at load once the index's own checks have passed,
+so that any edit of the index is refused. It was added within format version 1: a checkpoint
+written before it has no index_sha256 and loads as before, with only the structural checks and
+the records' crc32s.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -39,6 +50,7 @@ ALIGNMENT = 4096
 ARRAY_ALIGNMENT = 64
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 COMPRESSIONS = (None, "zstd")
+INDEX_SHA256 = "index_sha256"  # the key of the experts entry's digest
 
 
 def expert_tensor_name(layer: int, expert: int, projection: str) -> str:
@@ -155,6 +167,31 @@ def _counts(values) -> tuple[int, ...]:
 def zstd_bound(raw_length: int) -> int:
     """The most bytes zstd's frame of raw_length bytes can take (ZSTD_COMPRESSBOUND)."""
     return raw_length + (raw_length >> 8) + ((128 << 10) - raw_length >> 11 if raw_length < 128 << 10 else 0)
+
+
+def index_sha256(entry: dict) -> str:
+    """The sha256 of an experts entry: of its JSON with keys sorted, no spaces and ASCII only, its own
+    INDEX_SHA256 key left out, so that the entry as written and as parsed back give the same text."""
+    canonical = json.dumps({key: value for key, value in entry.items() if key != INDEX_SHA256},
+                           sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+def check_index_sha256(path: str, entry: dict) -> None:
+    """Refuse an experts entry that is not the one the converter wrote: its index_sha256 is not a
+    digest, or not the digest of the rest of the entry. An entry without the key (a checkpoint
+    written before it existed) passes."""
+    from edge.core.spec_dense import show
+
+    if INDEX_SHA256 not in entry:
+        return
+    stored = entry[INDEX_SHA256]
+    if not (isinstance(stored, str) and len(stored) == 64 and all(c in "0123456789abcdef" for c in stored)):
+        raise CheckpointError(f"{path}: the experts entry's {INDEX_SHA256} is {show(stored)}, not a sha256 digest "
+                              "(64 lowercase hexadecimal digits); the checkpoint is damaged, convert the model again")
+    if index_sha256(entry) != stored:
+        raise CheckpointError(f"{path}: the expert index fails its sha256 check ({INDEX_SHA256}): its records or "
+                              "layouts were edited or damaged after conversion; convert the model again")
 
 
 def _index_integer(value) -> int:

@@ -37,9 +37,9 @@ import numbers
 import re
 from dataclasses import asdict, dataclass
 
-from edge.core.arguments import parse_size
+from edge.core.arguments import parse_size, shown
 from edge.core.contract import ComputeThreads
-from edge.core.errors import ZllmError
+from edge.core.errors import InvalidArgumentError, ZllmError
 from edge.core.spec import widest_ffn
 from edge.core.kv import kv_bytes_per_token
 from quant.expert_file import ExpertIndex
@@ -69,24 +69,25 @@ def parse_budget(value: "int | float | str | None") -> Budget | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
-        raise ZllmError(f"memory budget {value!r} not understood; use bytes, a size such as 512MB, or a share "
-                        "of the expert bytes such as 50%")
+        raise InvalidArgumentError(f"memory budget {shown(value)} not understood; use bytes, a size such as 512MB, "
+                                   "or a share of the expert bytes such as 50%")
     if isinstance(value, str):
         percent = re.fullmatch(rf"\s*{_NUMBER}\s*%\s*", value)
         if percent:
             share = float(percent.group(1))
             if not 0 < share <= 100:
-                raise ZllmError(f"memory budget {value!r}: a share of the expert bytes must be in (0%, 100%]")
+                raise InvalidArgumentError(f"memory budget {shown(value)}: a share of the expert bytes must be in "
+                                           "(0%, 100%]")
             return Budget(expert_percent=share)
         size = parse_size(value)
         if size is None:
-            raise ZllmError(f"memory budget {value!r} not understood; use bytes, a size such as 512MB or 2GiB, or a "
-                            "share of the expert bytes such as 50%")
+            raise InvalidArgumentError(f"memory budget {shown(value)} not understood; use bytes, a size such as 512MB "
+                                       "or 2GiB, or a share of the expert bytes such as 50%")
     else:
         size = int(value) if isinstance(value, numbers.Integral) else float(value)
     if not math.isfinite(size) or size < 1:  # -1 would plan a negative cache; 0 holds nothing
-        raise ZllmError(f"memory budget {value!r} must be a positive number of bytes, such as 512MB or 2GiB, or a "
-                        "share of the expert bytes such as 50%")
+        raise InvalidArgumentError(f"memory budget {shown(value)} must be a positive number of bytes, such as 512MB "
+                                   "or 2GiB, or a share of the expert bytes such as 50%")
     return Budget(bytes=int(size))
 
 

@@ -278,11 +278,12 @@ class ExpertCache:
 
     def pin_cached(self, layer: int, experts: list[int]) -> tuple[dict[int, Entry], list[int]]:
         """Pin and touch the entries of these experts of `layer` that are cached (ready or loading):
-        -> ({expert: entry}, the experts not cached). A layer's whole route in one pass, for the hits."""
+        -> ({expert: entry}, the experts not cached). A layer's whole route in one pass, for the hits.
+        An entry whose load failed counts as not cached: the caller loads it again (`discard_failed`)."""
         cached, found, missing = self.by_layer.get(layer, {}), {}, []
         for expert in experts:
             entry = cached.get(expert)
-            if entry is None:
+            if entry is None or entry.state == FAILED:
                 missing.append(expert)
                 continue
             entry.pins += 1
@@ -376,6 +377,14 @@ class ExpertCache:
             admitted(entry)
         self.peak_charged = max(self.peak_charged, self._charged)
         return entry
+
+    def discard_failed(self, key: Key) -> None:
+        """Forget key's entry if its load failed and no layer holds it: a prefetch that failed before any
+        layer needed its expert is not that layer's error; the layer reads the expert again, and reports
+        what that read finds."""
+        entry = self.entries.get(key)
+        if entry is not None and entry.state == FAILED and not entry.pins:
+            self.remove(entry)
 
     def remove(self, entry: Entry) -> None:
         """Forget an entry (evicted, or failed and reported); its buffer goes to the free list."""

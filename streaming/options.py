@@ -3,16 +3,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edge.core.arguments import integer
+from edge.core.arguments import choice, integer, shown
 from edge.core.errors import InvalidArgumentError
 
 IO_ENGINES = ("auto", "io_uring", "threads")  # auto: io_uring where the kernel allows it, else threads
+# Each loading thread is an operating system thread with a read of its own in flight; a count beyond
+# what any storage queue serves only adds threads that wait (and a huge one would never finish starting).
+MAX_PREFETCH_THREADS = 256
 
 
 def check_io_engine(name: str) -> str:
-    if name not in IO_ENGINES:
-        raise InvalidArgumentError(f"io_engine {name!r} is not known; choose one of {', '.join(IO_ENGINES)}")
-    return name
+    return choice("io_engine", name, IO_ENGINES)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,21 @@ class StreamingOptions:
     io_engine: str = "auto"
 
     def __post_init__(self) -> None:
+        """Every setting checked when made (InvalidArgumentError), whether or not the strategy uses it:
+        a misspelt policy or storage is refused, not ignored until another strategy reads it."""
+        from streaming.budget import STRATEGIES  # imported here: they pull in the expert file format
+        from streaming.cache import POLICIES
+        from streaming.storage import StorageModel, parse_storage
+
         check_io_engine(self.io_engine)
-        object.__setattr__(self, "prefetch_threads", integer("prefetch_threads", self.prefetch_threads, minimum=1))
+        if self.expert_strategy is not None:
+            choice("expert_strategy", self.expert_strategy, STRATEGIES)
+        if self.expert_policy is not None:
+            choice("expert_policy", self.expert_policy, POLICIES)
+        if self.storage is not None and not isinstance(self.storage, (str, StorageModel)):
+            raise InvalidArgumentError(f"storage must be a name such as 'nvme' or 'custom:bw=500MB,lat=200us', "
+                                       f"got {shown(self.storage)}")
+        parse_storage(self.storage)
+        object.__setattr__(self, "prefetch_threads", integer("prefetch_threads", self.prefetch_threads, minimum=1,
+                                                             maximum=MAX_PREFETCH_THREADS))
         object.__setattr__(self, "prefetch_depth", integer("prefetch_depth", self.prefetch_depth, minimum=1))

@@ -24,9 +24,9 @@ room may have been made; the pool threads wait on a second condition over the sa
 """
 from __future__ import annotations
 
-import errno
 import heapq
 import itertools
+import logging
 import os
 import threading
 import time
@@ -50,6 +50,7 @@ DEMAND = (0, 0.0)  # ahead of every prefetch, whose priority is (distance >= 1, 
 # 50% budget, 4 threads decoded 17.4-18.2 tok/s against 16.0-17.9 with 2 (benchmarks/moe_stream_cpu.py
 # --prefetch-threads).
 DEFAULT_THREADS = 4
+log = logging.getLogger(__name__)
 
 
 @dataclass(order=True)
@@ -85,6 +86,7 @@ class LoadQueue:
         self._in_flight = 0
         self.prefetches_queued = self.prefetches_loaded = self.prefetches_cancelled = 0
         self.prefetches_skipped = self.demand_loads = 0
+        self.reads_refused = 0  # reads io_uring did not take, read by the model's thread instead
         self.io_seconds = 0.0  # summed wall time of loads (read + decompress + prepare)
 
     # --- scheduling (the model's thread) -------------------------------------------------------
@@ -117,7 +119,8 @@ class LoadQueue:
     def demand(self, key: Key) -> tuple[Entry, bool]:
         """The entry of an expert the current layer needs, pinned: the cached or loading one, else a new
         one reserved now and queued ahead of every prefetch (then the flag is True). The caller holds
-        `lock` (a layer pins its experts under one hold)."""
+        `lock` (a layer pins its experts under one hold). An entry whose load failed is loaded again."""
+        self.cache.discard_failed(key)
         entry = self.cache.entries.get(key)
         if entry is not None:
             entry.pins += 1
@@ -145,11 +148,13 @@ class LoadQueue:
     def _take_prefetch(self) -> Entry | None:
         """The next queued prefetch still worth loading, taken off the queue with its entry reserved;
         None when the queue holds none (or a demand load comes first). The lock is held."""
+        dropped = False
         while self._queue and self._queue[0].entry is None:
             task = heapq.heappop(self._queue)
             if task.cancelled:
                 continue
             del self._queued[task.key]
+            dropped = True
             if task.target < self.position:
                 self.prefetches_cancelled += 1
                 continue
@@ -165,6 +170,8 @@ class LoadQueue:
                 continue
             self._in_flight += 1
             return entry
+        if dropped and not self._queued:  # the queue emptied without a load to publish: wake wait_idle
+            self.lock.notify_all()
         return None
 
     def _publish(self, outcomes: list[tuple[Entry, ExpertWeights | None, BaseException | None]],
@@ -212,7 +219,8 @@ class LoadQueue:
             return {"prefetches_queued": self.prefetches_queued, "prefetches_loaded": self.prefetches_loaded,
                     "prefetches_cancelled": self.prefetches_cancelled,
                     "prefetches_skipped_full": self.prefetches_skipped, "demand_loads": self.demand_loads,
-                    "prefetch_threads": self.threads, "io_engine": self.engine, "io_seconds": self.io_seconds}
+                    "prefetch_threads": self.threads, "io_engine": self.engine, "io_seconds": self.io_seconds,
+                    "io_uring_reads_refused": self.reads_refused}
 
     def close(self) -> None:
         with self.lock:
@@ -334,6 +342,7 @@ class RingLoader(LoadQueue):
         self._crcs = np.zeros(depth, np.uint32)
         self._done = np.zeros(depth, np.int64)
         self._finished = np.zeros(depth, np.int64)
+        self._refused = np.zeros(1, np.int64)  # why ring_submit's last call left reads out (an errno)
         self._free_tags = list(range(depth - 1, -1, -1))
         self._flight: dict[int, tuple[Entry, bool, float, float | None]] = {}  # tag -> (entry, prefetch, start, due)
         self._arrived: list[tuple[float, Entry, ExpertWeights | None, BaseException | None, bool]] = []
@@ -379,15 +388,29 @@ class RingLoader(LoadQueue):
             offsets[i], spans[i], addresses[i], tags[i] = offset, span, entry.buffer.ctypes.data, tag
             self._addresses[tag], self._lengths[tag] = addresses[i], length
             self._flight[tag] = (entry, prefetched, now, self.store.book(length, now))
-        queued = self._uring.ring_submit(self._ring.ctypes.data, self.store.fd, offsets, spans, addresses, tags,
-                                         self._done)
-        if queued != len(batch):  # the ring holds twice the tags: only an OS error leaves reads out
-            for tag in tags[max(queued, 0):].tolist():
-                entry, prefetched, _, _ = self._flight.pop(tag)
-                self._free_tags.append(tag)
-                self._in_flight -= 1
-                error = self._read_error(entry, queued if queued < 0 else -errno.EAGAIN)
-                self._arrived.append((0.0, entry, None, error, prefetched))
+        taken = self._uring.ring_submit(self._ring.ctypes.data, self.store.fd, offsets, spans, addresses, tags,
+                                        self._done, self._refused)
+        if taken < len(batch):
+            self._read_refused(tags[taken:].tolist(), int(self._refused[0]))
+
+    def _read_refused(self, tags: list[int], error: int) -> None:
+        """Reads the kernel did not take (out of resources, interrupted: errno `error`) are read here, by
+        this thread, rather than failed: a submission refused is no fault of the expert's record."""
+        self.reads_refused += len(tags)
+        log.warning("io_uring did not take %d expert read(s) (%s); the model's thread reads them", len(tags),
+                    os.strerror(error))
+        for tag in tags:
+            entry, prefetched, started, _ = self._flight.pop(tag)
+            self._free_tags.append(tag)
+            self._in_flight -= 1
+            layer, expert = entry.key
+            try:
+                raw = self.store.read(layer, expert, entry.buffer)
+            except Exception as exc:  # stored on the entry and raised where it is needed
+                raw = exc
+            _, weights, failure = self._prepared(entry, raw)
+            self.io_seconds += time.monotonic() - started
+            self._arrived.append((0.0, entry, weights, failure, prefetched))
 
     def _read_error(self, entry: Entry, negative_errno: int) -> BaseException:
         """The typed error (naming layer and expert) of entry's read that failed with -negative_errno."""
@@ -402,7 +425,6 @@ class RingLoader(LoadQueue):
             return
         if self._completion_error:  # the completion thread has stopped: what is in flight fails with its error
             finished = list(self._flight)
-            self._results[finished] = self._completion_error
         else:
             flight = np.fromiter(self._flight, np.int64, len(self._flight))
             finished = self._finished[:self._uring.ring_finished(self._done, flight, self._finished)].tolist()
@@ -413,10 +435,13 @@ class RingLoader(LoadQueue):
             self._free_tags.append(tag)
             self._in_flight -= 1
             layer, expert = entry.key
-            try:
-                raw = self.store.finish_read(layer, expert, entry.buffer, result, crc, now - started)
-            except Exception as exc:  # stored on the entry and raised where it is needed
-                raw = exc
+            if self._completion_error:  # no read of the ring is trusted any more: no second read either
+                raw = self._read_error(entry, self._completion_error)
+            else:
+                try:
+                    raw = self.store.finish_read(layer, expert, entry.buffer, result, crc, now - started)
+                except Exception as exc:  # stored on the entry and raised where it is needed
+                    raw = exc
             _, weights, error = self._prepared(entry, raw)
             self.io_seconds += now - started
             self._arrived.append((due or 0.0, entry, weights, error, prefetched))

@@ -268,7 +268,7 @@ class StreamingExperts:
                       "prefetch_lookahead": self.depth,
                       "prefetch_lookahead_changes": self.lookahead.changes if self.lookahead is not None else 0,
                       **prefetch, "expert_reads": store["reads"],
-                      "expert_read_calls": store["read_calls"],
+                      "expert_read_calls": store["read_calls"], "expert_reads_again": store["reads_again"],
                       "emulated_wait_seconds": store["emulated_wait_seconds"]})
         if self.predictor is not None:
             stats.update(self.predictor.stats())

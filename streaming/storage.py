@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from edge.core.arguments import parse_size
-from edge.core.errors import ZllmError
+from edge.core.arguments import parse_size, shown
+from edge.core.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,10 @@ PRESETS: dict[str, StorageModel] = {
 NATIVE = "native"  # no emulation: the real device only
 
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+# The slowest device an emulation models: beyond these a tiny model's reads would take hours, and
+# time.sleep cannot take what a lying latency or a vanishing bandwidth would ask for.
+MIN_BANDWIDTH = 1e6  # bytes per second
+MAX_LATENCY = 1.0  # seconds
 _USAGE = ("use one of native, " + ", ".join(PRESETS) +
           ", or custom:bw=SIZE,lat=TIME such as custom:bw=500MB,lat=200us (bandwidth per second)")
 
@@ -54,17 +58,26 @@ _USAGE = ("use one of native, " + ", ".join(PRESETS) +
 def _bandwidth(text: str, spec: str) -> float:
     value = parse_size(text.removesuffix("/s"))
     if value is None:
-        raise ZllmError(f"storage {spec!r}: bandwidth {text!r} not understood; {_USAGE}")
+        raise InvalidArgumentError(f"storage {shown(spec)}: bandwidth {shown(text)} not understood; {_USAGE}")
     if value <= 0:
-        raise ZllmError(f"storage {spec!r}: bandwidth must be positive; {_USAGE}")
+        raise InvalidArgumentError(f"storage {shown(spec)}: bandwidth must be positive; {_USAGE}")
+    if value < MIN_BANDWIDTH:
+        raise InvalidArgumentError(f"storage {shown(spec)}: bandwidth {shown(text)} is below the slowest an emulated "
+                                   f"device may be, {MIN_BANDWIDTH / 1e6:g}MB per second; {_USAGE}")
+    if value == float("inf"):
+        raise InvalidArgumentError(f"storage {shown(spec)}: bandwidth {shown(text)} is not a finite size; {_USAGE}")
     return value
 
 
 def _latency(text: str, spec: str) -> float:
     match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-zµ]*)", text.strip().lower())
     if not match or match.group(2) not in _TIME_UNITS:
-        raise ZllmError(f"storage {spec!r}: latency {text!r} not understood; {_USAGE}")
-    return float(match.group(1)) * _TIME_UNITS[match.group(2)]
+        raise InvalidArgumentError(f"storage {shown(spec)}: latency {shown(text)} not understood; {_USAGE}")
+    latency = float(match.group(1)) * _TIME_UNITS[match.group(2)]
+    if latency > MAX_LATENCY:
+        raise InvalidArgumentError(f"storage {shown(spec)}: latency {shown(text)} is longer than an emulated device "
+                                   f"may take to start a read, {MAX_LATENCY:g}s; {_USAGE}")
+    return latency
 
 
 def parse_storage(value: "str | StorageModel | None") -> StorageModel | None:
@@ -83,11 +96,12 @@ def parse_storage(value: "str | StorageModel | None") -> StorageModel | None:
             key, _, text = part.partition("=")
             fields[key.strip().lower()] = text
         if set(fields) != {"bw", "lat"}:
-            raise ZllmError(f"storage {spec!r}: expected the fields bw and lat, found {sorted(fields)}; {_USAGE}")
+            raise InvalidArgumentError(f"storage {shown(spec)}: expected the fields bw and lat, found "
+                                       f"{sorted(fields)}; {_USAGE}")
         bandwidth = _bandwidth(fields["bw"], spec)
         latency = _latency(fields["lat"], spec)
         return StorageModel(spec, bandwidth, latency)
-    raise ZllmError(f"storage {spec!r} is not known; {_USAGE}")
+    raise InvalidArgumentError(f"storage {shown(spec)} is not known; {_USAGE}")
 
 
 class EmulatedDevice:

@@ -7,6 +7,11 @@ first read), the store reads through the page cache and then drops the range it 
 posix_fadvise(POSIX_FADV_DONTNEED), so the next read of that expert goes to the disk again.
 Which of the two happens is reported as `io_mode` ("direct" | "buffered+dontneed"), never hidden.
 
+A read that fails, comes back short or fails its crc32 is read once more, whole, before its typed
+error is raised (ExpertReadError, ExpertChecksumError, naming the layer and the expert): a fault on
+the way (a transient I/O error, a read cut short, a bit flipped in transfer) passes, a record damaged
+on disk does not. Such second reads are counted (`reads_again`).
+
 A StorageModel (streaming/storage.py) can be laid on top of the real read.
 """
 from __future__ import annotations
@@ -42,6 +47,19 @@ def aligned_empty(n_bytes: int, alignment: int = PAGE) -> np.ndarray:
     return block[skip: skip + n_bytes]
 
 
+def _read_until_end(fd: int, target: np.ndarray, length: int, offset: int, direct: bool) -> int:
+    """Positional reads into target until `length` bytes are in or the file ends: -> the bytes read."""
+    got = 0
+    while got < length:
+        # an O_DIRECT read starts on a page: one that stopped inside a page reads that page again
+        start = got - got % PAGE if direct else got
+        n = os.preadv(fd, [memoryview(target[start:])], offset + start)
+        if start + n <= got:  # nothing new: the end of the file
+            break
+        got = start + n
+    return got
+
+
 class ExpertReadError(CheckpointError):
     """The operating system failed to read an expert record (I/O error, file gone)."""
 
@@ -71,6 +89,7 @@ class ExpertStore:
         self.bytes_read = 0
         self.read_seconds = 0.0       # wall time of reads, emulated waits included
         self.emulated_seconds = 0.0   # of which spent sleeping for the storage model
+        self.reads_again = 0          # records read a second time after a failed, short or damaged read
 
     # --- opening ------------------------------------------------------------------------------
     def _open(self, direct: bool) -> None:
@@ -118,12 +137,14 @@ class ExpertStore:
 
     # --- reading ------------------------------------------------------------------------------
     def _pread(self, target: np.ndarray, length: int, offset: int) -> int:
-        """Read `length` bytes at `offset` into target; returns the bytes that belong to the record."""
+        """Read `length` bytes at `offset` into target; returns the bytes that belong to the record. A read
+        that returns fewer bytes than asked (the OS may, short of the file's end) is continued where it
+        stopped, so only the end of the file leaves a record short."""
         while True:
             fd, mode = self.fd, self.io_mode
             span = aligned_length(length) if mode == IO_DIRECT else length
             try:
-                got = os.preadv(fd, [memoryview(target[:span])], offset)
+                got = _read_until_end(fd, target[:span], length, offset, mode == IO_DIRECT)
             except OSError as exc:
                 if exc.errno == errno.EINVAL and mode == IO_DIRECT:
                     self._fall_back_to_buffered(fd)
@@ -144,7 +165,10 @@ class ExpertStore:
         target = self._staging() if compressed else out
         started = self.clock()
         done = self.device.schedule(record.length, started) if self.device else None
-        got = self._read_or_raise(layer, expert, target, record)
+        try:
+            got = self._read_checked(layer, expert, target, record)
+        except CheckpointError:
+            got = self._read_again(layer, expert, target, record)
         slept = self.device.wait_until(done) if self.device else 0.0
         elapsed = self.clock() - started
         with self._lock:
@@ -154,7 +178,6 @@ class ExpertStore:
             self.read_seconds += elapsed
             self.emulated_seconds += slept
         stored = target[:got]
-        check_stored_record(self.index, layer, expert, stored, self.verify)
         if compressed:
             return raw_record(self.index, layer, expert, stored, out)
         return out[:raw_length]
@@ -233,16 +256,12 @@ class ExpertStore:
     def finish_read(self, layer: int, expert: int, out: np.ndarray, result: int, crc: int,
                     elapsed: float) -> np.ndarray:
         """The raw record view of a read another engine completed into `out` (result: bytes read or
-        -errno; crc: the crc32 of what was read); a failed, short or damaged read raises its typed error
-        (an O_DIRECT refusal switches the store to buffered reads and reads the record again here)."""
+        -errno; crc: the crc32 of what was read). A read that failed, came back short or damaged is read
+        again here (`_read_again`, which also switches the store to buffered reads where O_DIRECT was
+        refused), and raises its typed error if it fails again."""
         record = self.index.record(layer, expert)
-        if result < 0:
-            if result == -errno.EINVAL and self.io_mode == IO_DIRECT:
-                self._fall_back_to_buffered(self.fd)
-                return self.read(layer, expert, out)
-            raise self.read_error(layer, expert, record, OSError(-result, os.strerror(-result)))
-        got = min(result, record.length)
-        if self.io_mode == IO_BUFFERED:
+        got = max(min(result, record.length), 0)
+        if self.io_mode == IO_BUFFERED and got:
             os.posix_fadvise(self.fd, record.offset, record.length, os.POSIX_FADV_DONTNEED)
         with self._lock:
             self.reads += 1
@@ -250,29 +269,43 @@ class ExpertStore:
             self.bytes_read += got
             self.read_seconds += elapsed
         if got != record.length or (self.verify and crc != record.crc32):
-            check_stored_record(self.index, layer, expert, out[:got], self.verify)  # raises the typed error
+            again = self._read_again(layer, expert, out, record)
+            with self._lock:
+                self.bytes_read += again
         return out[:self.index.layout(layer).raw_length]
 
     def _check_batch(self, requests, records, got: np.ndarray, crcs: np.ndarray) -> tuple[list, int]:
-        """read_batch's results record by record: a failed read is read again to report its OS error,
-        buffered reads drop their pages, short or damaged records become their typed errors."""
+        """read_batch's results record by record: buffered reads drop their pages, and a record whose
+        read failed, came back short or damaged is read again (`_read_again`): its raw view, or the
+        typed error the second read raised."""
         fd, mode = self.fd, self.io_mode
         results, n_bytes = [], 0
         for (layer, expert, out), record, n, crc in zip(requests, records, got.tolist(), crcs.tolist()):
+            n = min(n, record.length)
+            if n > 0 and mode == IO_BUFFERED:
+                os.posix_fadvise(fd, record.offset, record.length, os.POSIX_FADV_DONTNEED)
+            n_bytes += max(n, 0)
             try:
-                if n < 0:  # read it again here, where the OS error can be reported (or O_DIRECT refused)
-                    n, crc = self._read_or_raise(layer, expert, out, record), None
-                else:
-                    n = min(n, record.length)
-                    if mode == IO_BUFFERED:
-                        os.posix_fadvise(fd, record.offset, record.length, os.POSIX_FADV_DONTNEED)
-                n_bytes += n
                 if n != record.length or (self.verify and crc != record.crc32):
-                    check_stored_record(self.index, layer, expert, out[:n], self.verify)  # raises the typed error
+                    n_bytes += self._read_again(layer, expert, out, record)
                 results.append(out[:self.index.layout(layer).raw_length])
             except CheckpointError as exc:
                 results.append(exc)
         return results, n_bytes
+
+    def _read_checked(self, layer: int, expert: int, out: np.ndarray, record) -> int:
+        """Read the record into `out` and check it: its length, or its typed error."""
+        got = self._read_or_raise(layer, expert, out, record)
+        check_stored_record(self.index, layer, expert, out[:got], self.verify)
+        return got
+
+    def _read_again(self, layer: int, expert: int, out: np.ndarray, record) -> int:
+        """A read of the record failed, came back short or failed its crc32: read it once more, whole, so
+        that a fault on the way (a transient I/O error, a read cut short) passes, while a record damaged
+        on disk raises its typed error (ExpertReadError, ExpertChecksumError)."""
+        with self._lock:
+            self.reads_again += 1
+        return self._read_checked(layer, expert, out, record)
 
     def _read_or_raise(self, layer: int, expert: int, out: np.ndarray, record) -> int:
         try:
@@ -289,7 +322,7 @@ class ExpertStore:
         with self._lock:
             return {"io_mode": self.io_mode, "storage": self.storage.describe() if self.storage else "native",
                     "reads": self.reads, "read_calls": self.read_calls, "bytes_read": self.bytes_read,
-                    "read_seconds": self.read_seconds,
+                    "read_seconds": self.read_seconds, "reads_again": self.reads_again,
                     "emulated_wait_seconds": self.emulated_seconds}
 
     def close(self) -> None:

@@ -285,7 +285,7 @@ def test_load_arguments_are_typed_errors(dense_path, kwargs, message):
 
 
 def test_moe_prefetch_threads_must_be_positive(moe_path):
-    with pytest.raises(InvalidArgumentError, match="prefetch_threads must be a positive integer, got 0"):
+    with pytest.raises(InvalidArgumentError, match=r"prefetch_threads must be an integer in \[1, 256\], got 0"):
         edge.load(moe_path, memory_budget="50%", prefetch_threads=0)
 
 

@@ -12,7 +12,10 @@ import struct
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
+from gguf_files import finish
+from safetensors.numpy import load_file, save_file
 from test_bad_input import (
     assert_nothing_written,
     read_safetensors_header,
@@ -21,7 +24,7 @@ from test_bad_input import (
     write_tiny_gguf,
     write_tiny_llama,
 )
-from tokenizers import Tokenizer, models
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
 
 import edge
 from converters.convert import QuantPlan, convert
@@ -29,6 +32,7 @@ from converters.gguf_source import GGUFSource
 from converters.hf_source import HFSource
 from edge.core.errors import CheckpointError, ConversionError, UnsupportedModelError
 from edge.tokenizer import Tokenizer as EdgeTokenizer
+from edge.tokenizer import TokenizerError
 
 VICTIM = "model.norm.weight"  # a [64] float32 tensor of the tiny Llama
 # JSON nested far past any real file's 4-8 levels: json's parser recursed until RecursionError
@@ -271,6 +275,121 @@ def test_named_chat_templates_keep_the_default(src):
     assert source.tokenizer.config["chat_template"] == "chat"
 
 
+# --------------------------------------------------------------------------- sharded weights
+
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+@pytest.fixture
+def sharded(src) -> Path:
+    """src with its weights in two shards and an index, as save_pretrained writes a large model (VICTIM, the
+    last name, is in the second shard)."""
+    weights = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    names = sorted(weights)
+    halves = {SHARDS[0]: names[:len(names) // 2], SHARDS[1]: names[len(names) // 2:]}
+    for shard, shard_names in halves.items():
+        save_file({name: weights[name] for name in shard_names}, src / shard)
+    write_index(src, {name: shard for shard, shard_names in halves.items() for name in shard_names})
+    return src
+
+
+def write_index(folder: Path, weight_map: dict) -> None:
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_a_shard_named_two_ways_is_read_once(sharded, tmp_path):
+    """The names "./a" and "a" are one shard; opened under both, its tensors were each said to be stored twice."""
+    weight_map = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    first = next(name for name, shard in weight_map.items() if shard == SHARDS[0])
+    write_index(sharded, {**weight_map, first: "./" + SHARDS[0]})
+    convert(str(sharded), str(tmp_path / "ckpt"), QuantPlan(weights="int8"), progress=False)
+    with edge.load(str(tmp_path / "ckpt")) as model:
+        assert model.checkpoint.tensors.keys() == set(weight_map)
+
+
+@pytest.mark.parametrize("shard", ["../model.safetensors", "/elsewhere/model.safetensors"])
+def test_a_shard_outside_the_folder_is_refused(shard, sharded, tmp_path):
+    weight_map = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    write_index(sharded, {**weight_map, VICTIM: shard})
+    assert refused(sharded, ConversionError, tmp_path) == (
+        f"{sharded / 'model.safetensors.index.json'} maps tensor {VICTIM!r} to {shard!r}, which lies outside "
+        f"{sharded}; shards are files of the model's folder: restore the index")
+
+
+def test_a_tensor_in_two_shards_is_refused(sharded, tmp_path):
+    first = load_file(sharded / SHARDS[0])
+    first[VICTIM] = load_file(sharded / SHARDS[1])[VICTIM]
+    save_file(first, sharded / SHARDS[0])
+    assert refused(sharded, ConversionError, tmp_path) == (
+        f"{sharded}: tensor {VICTIM!r} is in both {SHARDS[0]} and {SHARDS[1]}; a tensor belongs to one shard: "
+        "download the model again (every shard and the index from one revision)")
+
+
+# ------------------------------------------------------------------ tokens beyond the vocabulary
+
+
+def character_tokenizer() -> dict:
+    """tokenizer.json of a character tokenizer of 98 ids (the tiny Llama has 128): <unk>, <s>, </s> and
+    printable ASCII, BOS before every text."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(c): 3 + i for i, c in enumerate(range(ord(" "), ord("~") + 1))}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return json.loads(tokenizer.to_str())
+
+
+def _add_tokens(tokenizer: dict) -> None:
+    """31 added tokens that are not in the vocabulary: tokenizers gives them the next ids (98 to 128), whatever
+    ids the file says, as a fine-tune that added tokens without resizing the embeddings does."""
+    tokenizer["added_tokens"] += [{**tokenizer["added_tokens"][0], "id": 0, "content": f"<tool{i}>"} for i in range(31)]
+
+
+@pytest.mark.parametrize("edit, token, token_id", [
+    pytest.param(lambda t: t["model"]["vocab"].update(a=128), "a", 128, id="vocabulary"),
+    pytest.param(_add_tokens, "<tool30>", 128, id="added-tokens"),
+    pytest.param(lambda t: t["post_processor"]["special_tokens"]["<s>"].update(ids=[1000]), "<s>", 1000,
+                 id="post-processor"),
+])
+def test_tokenizer_ids_beyond_the_vocabulary_are_refused(edit, token, token_id, src, tmp_path):
+    """Such a tokenizer converted, and its prompts were refused at run time (or a generation never stopped at
+    an end-of-turn token it could not produce)."""
+    tokenizer = character_tokenizer()
+    edit(tokenizer)
+    (src / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert refused(src, ConversionError, tmp_path) == (
+        f"{src / 'tokenizer.json'}: token {token!r} has id {token_id}, but the model's vocab_size is 128: no "
+        "embedding holds it; the tokenizer and the weights disagree: convert the model with the tokenizer that "
+        "came with its weights")
+
+
+def test_gguf_with_more_tokens_than_embeddings_is_refused(tmp_path):
+    """A GGUF whose vocabulary lists tokens past its vocab_size (the embeddings' rows): an end-of-turn token
+    among them made a checkpoint that could not load (its eog_token_ids beyond the vocabulary)."""
+    tiny = gguf.GGUFReader(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    writer = gguf.GGUFWriter(str(tmp_path / "more.gguf"), "llama")
+    for field in tiny.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        if field.name == gguf.Keys.Tokenizer.LIST:
+            value += ["<|im_end|>"]
+        elif field.name == gguf.Keys.Tokenizer.TOKEN_TYPE:
+            value += [gguf.TokenType.CONTROL]
+        writer.add_key_value(field.name, value, field.types[0],
+                             sub_type=field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    writer.add_vocab_size(260)
+    for tensor in tiny.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data))
+    finish(writer)
+    path = tmp_path / "more.gguf"
+    assert refused(path, ConversionError, tmp_path) == (
+        f"{path} (its 'tokenizer.ggml.tokens'): token '<|im_end|>' has id 260, but the model's vocab_size is 260: no "
+        "embedding holds it; the tokenizer and the weights disagree: convert the model with the tokenizer that came "
+        "with its weights")
+
+
 # ------------------------------------------------------------------------- tokenizer loader
 
 
@@ -288,6 +407,35 @@ def test_damaged_tokenizer_in_a_checkpoint(src, tmp_path):
     with pytest.raises(CheckpointError) as raised:
         edge.load(str(out))
     assert str(raised.value) == message
+
+
+def test_text_the_tokenizer_cannot_encode(src, tmp_path):
+    """A WordLevel tokenizer whose unknown token is not in its vocabulary cannot encode a character outside it;
+    the tokenizers library's bare Exception was a traceback."""
+    tokenizer = character_tokenizer()
+    del tokenizer["model"]["vocab"]["<unk>"]
+    (src / "tokenizer.json").write_text(json.dumps(tokenizer))
+    convert(str(src), str(tmp_path / "ckpt"), QuantPlan(weights="int8"), progress=False)
+    with edge.load(str(tmp_path / "ckpt")) as model:
+        assert model.encode("Hi") == [1, 43, 76]  # <s>, then a character's id
+        with pytest.raises(TokenizerError) as raised:
+            model.encode("caf\u00e9")
+    assert str(raised.value) == (
+        f"{tmp_path / 'ckpt' / 'tokenizer.json'} cannot encode the text (WordLevel error: Missing [UNK] token from "
+        "the vocabulary); pass token ids instead, or convert the model again from a tokenizer that can")
+
+
+def test_chat_template_that_fails_with_a_python_error(src, tmp_path):
+    """A template is a program: one dividing by zero raised ZeroDivisionError out of model.chat."""
+    (src / "tokenizer.json").write_text(json.dumps(character_tokenizer()))
+    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages | length / 0 }}"}))
+    convert(str(src), str(tmp_path / "ckpt"), QuantPlan(weights="int8"), progress=False)
+    with edge.load(str(tmp_path / "ckpt")) as model:
+        with pytest.raises(TokenizerError) as raised:
+            model.chat([{"role": "user", "content": "Hi"}])
+    assert str(raised.value) == (
+        "the checkpoint's chat template failed (ZeroDivisionError: division by zero); generate with a plain prompt, "
+        "or convert the model from a source with a working template")
 
 
 # ------------------------------------------------------------------------- a checkpoint's files
@@ -337,9 +485,16 @@ def test_checkpoint_tensors_sharing_bytes(checkpoint):
      "tokenizer: eog_token_ids is [[1, 2]]; expected a list of token ids below vocab_size 128, or null"),
     ({"eog_token_ids": [2, 1.0]},
      "tokenizer: eog_token_ids is [2, 1.0]; expected a list of token ids below vocab_size 128, or null"),
+    # a template of another type failed only when a chat was rendered; a flag "false" was true
+    ({"chat_template": 5}, "tokenizer: chat_template is 5; expected a Jinja template string, or null"),
+    ({"chat_template": ["{{ x }}"]},
+     'tokenizer: chat_template is ["{{ x }}"]; expected a Jinja template string, or null'),
+    ({"add_bos_token": "false"}, 'tokenizer: add_bos_token is "false"; expected true or false, or null'),
+    ({"add_eos_token": 1}, "tokenizer: add_eos_token is 1; expected true or false, or null"),
 ])
 def test_checkpoint_token_ids(entry, message, checkpoint):
-    """The manifest's special ids are tokens of the model (an integer eog_token_ids was a TypeError at load)."""
+    """The manifest's special ids are tokens of the model (an integer eog_token_ids was a TypeError at load), its
+    flags and chat template of their types."""
     manifest_path = checkpoint / "zllm.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["tokenizer"].update(entry)

@@ -138,7 +138,7 @@ def test_default_model_is_converted_once_into_zllm_edge_home(tmp_path, monkeypat
 
 
 def test_chat_answers_each_line_of_stdin(smollm2):
-    result = run_cli_subprocess("chat", smollm2, "--max-new-tokens", "2", "--quiet",
+    result = run_cli_subprocess("chat", smollm2, "--max-new-tokens", "2", "--quiet", "--temperature", "0",
                                 input="Hello!\nWhat is the capital of France?\n")
     assert (result.returncode, result.stderr) == (0, "")
     replies = result.stdout.split("\n")

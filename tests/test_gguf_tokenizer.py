@@ -15,7 +15,7 @@ import pytest
 from gguf_files import byte_alphabet
 from tokenizers import Tokenizer
 
-from converters.gguf_tokenizer import tokenizer_from_gguf
+from converters.gguf_tokenizer import _merges_from_scores, tokenizer_from_gguf
 from edge.core.errors import ConversionError, UnsupportedModelError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -395,3 +395,52 @@ def test_chat_templates_render_as_in_transformers(tmp_path):
     messages = [{"role": "user", "content": "café <b> & 'x'"}, {"role": "stop", "content": ""},
                 {"role": "user", "content": "unseen"}]
     assert tokenizer.apply_chat_template(messages) == 'user:"café <b> & \'x\'";'
+
+
+DAMAGED = "the file is damaged: export the GGUF again, or convert the model's Hugging Face tokenizer.json."
+
+
+@pytest.mark.parametrize("key, value, value_type, found, expected", [
+    # were tracebacks (TypeError, ValueError) inside the converter or the tokenizers library
+    ("tokenizer.ggml.tokens", [1, 2], gguf.GGUFValueType.ARRAY, "an array of 2 integers",
+     "an array of strings (the vocabulary)"),
+    ("tokenizer.ggml.tokens", 7, gguf.GGUFValueType.UINT32, "7", "an array of strings (the vocabulary)"),
+    ("tokenizer.ggml.token_type", ["a"] * 261, gguf.GGUFValueType.ARRAY, "an array of 261 strings",
+     "an array of integers"),
+    ("tokenizer.ggml.scores", 1.5, gguf.GGUFValueType.FLOAT32, "1.5", "an array of numbers (none NaN)"),
+    ("tokenizer.ggml.merges", "Ġ t", gguf.GGUFValueType.STRING, "'Ġ t'", "an array of strings (the merges)"),
+    ("tokenizer.ggml.pre", ["gpt-2"], gguf.GGUFValueType.ARRAY, "an array of 1 strings",
+     "the name of a pre-tokenizer (a string)"),
+    # NaN scores leave the order of the merges undefined
+    ("tokenizer.ggml.scores", [float("nan")] * 261, gguf.GGUFValueType.ARRAY, "an array of 261 numbers",
+     "an array of numbers (none NaN)"),
+    # a template of another type failed only when a chat was rendered
+    ("tokenizer.chat_template", 5, gguf.GGUFValueType.UINT32, "5", "a Jinja template string"),
+    # the string "false" was true
+    ("tokenizer.ggml.add_bos_token", "false", gguf.GGUFValueType.STRING, "'false'", "true or false"),
+    ("tokenizer.ggml.add_space_prefix", 0, gguf.GGUFValueType.UINT8, "0", "true or false"),
+])
+def test_tokenizer_key_of_the_wrong_type(key, value, value_type, found, expected, tmp_path):
+    path = _write_byte_level_gguf(tmp_path / "bad.gguf", "gpt-2", extra={key: (value, value_type)})
+    with pytest.raises(ConversionError) as raised:
+        tokenizer_from_gguf(gguf.GGUFReader(path))
+    assert str(raised.value) == f"The GGUF file's {key!r} is {found}; expected {expected}: {DAMAGED}"
+
+
+def test_merges_from_scores_seek_only_cuts_into_two_tokens():
+    """The merges recovered from scores are those of every cut of a piece into two tokens (transformers'
+    `generate_merges`), though only cuts at tokens' lengths are tried: a megabyte-long piece took hours."""
+    tokens = ["", "a", "b", "ab", "ba", "abab", "aba", "bab", "x" * 1000]
+    token_to_id = {token: index for index, token in enumerate(tokens)}
+    scores = {token: -float(index) for index, token in enumerate(tokens)}
+    every_cut = []
+    for piece, score in scores.items():
+        splits = [(piece[:cut], piece[cut:], score) for cut in range(1, len(piece))
+                  if piece[:cut] in token_to_id and piece[cut:] in token_to_id]
+        every_cut += sorted(splits, key=lambda s: (token_to_id[s[0]], token_to_id[s[1]]))
+    every_cut.sort(key=lambda s: (s[2], len(s[0]), len(s[1])), reverse=True)
+    assert _merges_from_scores(token_to_id, scores) == [(left, right) for left, right, _ in every_cut]
+    # best score first; a tie goes to the longer left piece, then the longer right one
+    assert _merges_from_scores(token_to_id, scores) == [
+        ("a", "b"), ("b", "a"), ("aba", "b"), ("ab", "ab"), ("a", "bab"), ("ab", "a"), ("a", "ba"), ("ba", "b"),
+        ("b", "ab")]

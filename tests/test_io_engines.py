@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
+import shutil
 import threading
 import time
 
@@ -17,7 +18,7 @@ from edge.core.errors import InvalidArgumentError, ZllmError
 from edge.core.moe import MoeConfig
 from kernels.cpu import uring
 from quant.expert_file import ExpertChecksumError
-from streaming.cache import ENTRY_OVERHEAD
+from streaming.cache import ENTRY_OVERHEAD, FAILED
 from streaming.options import StreamingOptions
 from streaming.source import StreamingExperts
 from streaming.store import ExpertReadError, ExpertStore
@@ -40,7 +41,8 @@ def engine(request):
 
 def _source(index, cache_entries, engine, **kwargs):
     configs = {layer: MoeConfig(num_experts=n, top_k=2, intermediate_size=64) for layer, n in LAYERS.items()}
-    buffer = ExpertStore(index).buffer_bytes(0)
+    with ExpertStore(index) as store:
+        buffer = store.buffer_bytes(0)
     return StreamingExperts(index, ReferenceBackend().prepare_weight, configs, cache_entries * (buffer + ENTRY_OVERHEAD),
                             io_engine=engine, **kwargs)
 
@@ -62,13 +64,16 @@ def test_both_engines_load_the_same_experts_with_the_same_hits(expert_file, engi
         source.close()
     assert stats["io_engine"] == engine
     assert (stats["expert_hits"], stats["expert_misses"], stats["expert_reads"]) == (0, 14, 14)  # LRU over 4 entries
-    reference = ReferenceBackend()
     for (layer, ids), loaded in zip(ROUTES, seen):
-        layout = expert_file.layout(layer)
         for expert, got in zip(sorted(ids), loaded):
-            record = layout.decode(np.frombuffer(raw_bytes(expert_file, layer, expert), np.uint8).copy())
-            expected = [reference.prepare_weight(record[name]) for name in ("gate_proj", "up_proj", "down_proj")]
-            assert got == b"".join(w.qweight.tobytes() + w.scales.tobytes() for w in expected)
+            assert got == _expected_bytes(expert_file, layer, expert)
+
+
+def _expected_bytes(index, layer, expert) -> bytes:
+    """_weights_bytes of an expert prepared from its expected raw record."""
+    record = index.layout(layer).decode(np.frombuffer(raw_bytes(index, layer, expert), np.uint8).copy())
+    expected = [ReferenceBackend().prepare_weight(record[name]) for name in ("gate_proj", "up_proj", "down_proj")]
+    return b"".join(w.qweight.tobytes() + w.scales.tobytes() for w in expected)
 
 
 @pytest.mark.parametrize("how", ["corrupt", "truncate"])
@@ -84,6 +89,24 @@ def test_a_damaged_record_is_reported_where_its_expert_is_needed(expert_file, tm
         # the failed entry is dropped: the next request reads it again, and fails again
         with pytest.raises(ExpertChecksumError):
             source.experts(2, np.array([[5, 1]]), np.zeros((1, 64), np.float32))[5]
+    finally:
+        source.close()
+
+
+def test_a_prefetch_that_failed_is_read_again_when_its_expert_is_needed(expert_file, tmp_path, engine):
+    """A prefetch whose read failed before any layer needed its expert is not that layer's error: the
+    layer reads the expert again (here, once the record was put right) and gets its weights."""
+    index = damaged_copy(copy.copy(expert_file), tmp_path, 2, 5, "corrupt")
+    source = _source(index, 4, engine)
+    try:
+        with source.cache.lock:
+            assert source.prefetcher.prefetch((2, 5), 10, 1, 1.0)
+        source.prefetcher.wait_idle()
+        assert source.cache.get((2, 5)).state == FAILED
+        shutil.copyfile(expert_file.path, index.path)  # put right, in the file the store has open
+        chosen = source.experts(2, np.array([[5, 1]]), np.zeros((1, 64), np.float32))
+        assert _weights_bytes(chosen, 5) == _expected_bytes(index, 2, 5)
+        assert source.stats()["expert_misses"] == 2
     finally:
         source.close()
 
@@ -132,6 +155,70 @@ def test_reads_after_the_completion_thread_stopped_fail_where_their_experts_are_
             chosen[2]
     finally:
         source.close()
+
+
+def _io_uring_descriptors() -> set[int]:
+    """This process's file descriptors of io_uring instances."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[io_uring]":
+                found.add(int(fd))
+        except OSError:  # the descriptor of the listing itself, closed since
+            continue
+    return found
+
+
+def test_reads_the_kernel_did_not_take_never_run_later(expert_file):
+    """A submission the kernel refuses (here the ring's descriptor is swapped for /dev/null, where
+    io_uring_enter answers EOPNOTSUPP) says how many reads it took and why not the rest, and turns the
+    rest into no-ops: the next submission sends them out as no-ops, not as reads into buffers whose
+    callers were told that they failed."""
+    if (reason := uring.unavailable_reason()) is not None:
+        pytest.skip(f"io_uring cannot run here: {reason}")
+    record = expert_file.record(0, 1)
+    n = record.length
+    buffers = np.zeros((2, n), np.uint8)
+    addresses = np.array([buffers[0].ctypes.data, buffers[1].ctypes.data], np.uint64)
+    lengths = np.array([n, n], np.int64)
+    done, results = np.zeros(2, np.int64), np.zeros(2, np.int64)
+    crcs, refused = np.zeros(2, np.uint32), np.zeros(1, np.int64)
+    offsets, spans = np.array([record.offset], np.int64), np.array([n], np.int64)
+    rings_before = _io_uring_descriptors()
+    ring = np.zeros(uring.RING_BYTES, np.uint8)
+    assert uring.ring_init(ring.ctypes.data, 4) == 0
+    (ring_fd,) = _io_uring_descriptors() - rings_before
+    fd, saved, null = os.open(expert_file.path, os.O_RDONLY), os.dup(ring_fd), os.open(os.devnull, os.O_RDONLY)
+    try:
+        os.dup2(null, ring_fd)
+        try:
+            taken = uring.ring_submit(ring.ctypes.data, fd, offsets, spans, addresses[:1], np.array([0]), done, refused)
+        finally:
+            os.dup2(saved, ring_fd)
+        assert (taken, int(refused[0])) == (0, errno.EOPNOTSUPP)
+        completer = threading.Thread(target=uring.ring_complete, daemon=True,
+                                     args=(ring.ctypes.data, addresses, lengths, True, results, crcs, done))
+        completer.start()
+        taken = uring.ring_submit(ring.ctypes.data, fd, offsets, spans, addresses[1:], np.array([1]), done, refused)
+        assert (taken, int(refused[0])) == (1, 0)
+        assert uring.ring_wait(done, 1, 50_000)
+        assert uring.ring_stop(ring.ctypes.data) == 0
+        completer.join(timeout=10)
+        assert not completer.is_alive()
+        # the read refused never ran (its no-op went out first, and completed as nothing)
+        assert done[0] == 0 and not buffers[0].any()
+        assert results[1] == n and buffers[1].tobytes() == expert_file_bytes(expert_file, record)
+        assert crcs[1] == record.crc32
+    finally:
+        uring.ring_exit(ring.ctypes.data)
+        for descriptor in (fd, saved, null):
+            os.close(descriptor)
+
+
+def expert_file_bytes(index, record) -> bytes:
+    with open(index.path, "rb") as f:
+        f.seek(record.offset)
+        return f.read(record.length)
 
 
 def test_a_demand_load_waits_out_a_cache_full_of_loads_in_flight(expert_file, engine):

@@ -25,7 +25,7 @@ from devices.cpu.executor import FusedForward
 from edge.core.errors import CheckpointError, ConversionError, NumericalError
 from edge.model import Transformer
 from quant.checkpoint import sha256_file
-from quant.expert_file import EXPERTS_FILE
+from quant.expert_file import EXPERTS_FILE, INDEX_SHA256, index_sha256
 
 NAN, INF, MINUS_INF = 0x7E00, 0x7C00, 0xFC00  # float16 bits
 VICTIM = "model.layers.1.mlp.up_proj.weight"  # [96, 64]: two blocks of 32 per row, rows not permuted
@@ -119,8 +119,8 @@ def test_a_checkpoint_edited_to_non_finite_is_refused_at_load(tiny_zoo, tmp_path
 
 
 def moe_with_non_finite_scales(source: str, destination: Path, layer: int, experts: list[int]) -> Path:
-    """A copy of a MoE checkpoint whose experts' up_proj scale [0, 1] is NaN, every record's crc32 and the
-    file's sha256 updated, so that only the values tell."""
+    """A copy of a MoE checkpoint whose experts' up_proj scale [0, 1] is NaN, every record's crc32, the
+    index's sha256 and the file's sha256 updated, so that only the values tell."""
     path = Path(shutil.copytree(source, destination))
     manifest = json.loads((path / "zllm.json").read_text())
     entry = manifest["experts"]["layers"][str(layer)]
@@ -132,6 +132,7 @@ def moe_with_non_finite_scales(source: str, destination: Path, layer: int, exper
         np.frombuffer(data, np.float16, count=size // 2, offset=start).reshape(scales["shape"])[0, 1] = np.nan
         entry["records"][expert][2] = zlib.crc32(data[offset:offset + length])
     (path / EXPERTS_FILE).write_bytes(bytes(data))
+    manifest["experts"][INDEX_SHA256] = index_sha256(manifest["experts"])
     manifest["files"][EXPERTS_FILE]["sha256"] = sha256_file(str(path / EXPERTS_FILE))
     (path / "zllm.json").write_text(json.dumps(manifest))
     return path

@@ -350,3 +350,116 @@ def test_calibrate_writes_its_trace_whole(capsys, moe_path, tmp_path, monkeypatc
                              "--depth", 1, "--no-save", "--quiet", "--trace", trace)
     assert (code, err) == (130, "interrupted\n")
     assert os.listdir(tmp_path) == []  # a later run records again instead of replaying half a trace
+
+
+# ---------------------------------------------------------------------------------- what argument fuzzing found
+# (tests/test_fuzz_arguments.py): each was a traceback, a hang, a value silently taken for another, or a refusal of
+# another type than InvalidArgumentError
+
+_STORAGE_USAGE = ("use one of native, nvme, ufs, emmc, sd, or custom:bw=SIZE,lat=TIME such as "
+                  "custom:bw=500MB,lat=200us (bandwidth per second)")
+
+
+@pytest.mark.parametrize("moe, settings, message", [
+    (True, dict(memory_budget="50%", storage="custom:bw=1GB,lat=99999999999999999999s"),  # time.sleep's OverflowError
+     f"storage 'custom:bw=1GB,lat=99999999999999999999s': latency '99999999999999999999s' is longer than an emulated "
+     f"device may take to start a read, 1s; {_STORAGE_USAGE}"),
+    (True, dict(memory_budget="50%", storage="custom:bw=1,lat=1us"),  # 1 byte/s: the first read never ended
+     f"storage 'custom:bw=1,lat=1us': bandwidth '1' is below the slowest an emulated device may be, 1MB per second; "
+     f"{_STORAGE_USAGE}"),
+    (True, dict(memory_budget="50%", prefetch_threads=2**63, io_engine="threads"),  # started threads for ever
+     "prefetch_threads must be an integer in [1, 256], got 9223372036854775808"),
+    (True, dict(expert_strategy=""),  # "", 0, [] and {} were the default strategy
+     "expert_strategy '' is not known; choose one of predictive, ondemand, mmap, resident"),
+    (True, dict(memory_budget="50%", expert_strategy="mmap", expert_policy="x"),  # ignored by mmap and resident
+     "expert_policy 'x' is not known; choose one of lru, lfu, forecast, cycle, nextuse"),
+    (False, dict(storage="x"), f"storage 'x' is not known; {_STORAGE_USAGE}"),  # ignored by a dense model
+    (False, dict(verify="no"), "verify must be True or False, got 'no'"),  # a string taken as True
+    (False, dict(memory_budget=[1]),  # a ZllmError
+     "memory budget [1] not understood; use bytes, a size such as 512MB, or a share of the expert bytes such as 50%"),
+    (False, dict(kv_capacity=2**63), "kv_capacity must be in [1, 64] (the model's context), got 9223372036854775808"),
+    (False, dict(device="reference:x"), "device 'reference' has no variants, got 'reference:x'"),  # a ZllmError
+    (True, dict(gpu_expert_cache="lots"),  # refused only on a gpu
+     "gpu_expert_cache: memory budget 'lots' not understood; use bytes, a size such as 512MB or 2GiB, or a share of "
+     "the expert bytes such as 50%"),
+])
+def test_load_settings_the_fuzzing_found(dense_path, moe_path, moe, settings, message):
+    with pytest.raises(InvalidArgumentError) as error:
+        edge.load(moe_path if moe else dense_path, **settings)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("call, error_type, message", [
+    (lambda s: s.prefill([[1, 2], [3]]), InvalidArgumentError,  # numpy's ValueError
+     "token ids must be one flat sequence of integers, got [[1, 2], [3]]"),
+    (lambda s: s.prefill(np.array([[1, 2]])), InvalidArgumentError,  # flattened
+     "token ids must be one sequence (a list or a 1-D array), got an array of shape (1, 2)"),
+    (lambda s: s.prefill(bytearray(b"\x01")), InvalidArgumentError,  # taken as the id 1
+     "token ids must be integers, got bytearray bytearray(b'\\x01')"),
+    (lambda s: s.prefill(2**63), edge.SessionError,  # named -9223372036854775808
+     "token id 9223372036854775808 is outside the vocabulary [0, 160)"),
+    (lambda s: s.prefill([10**30]), edge.SessionError,  # "token ids must be integers"
+     "token id 1000000000000000000000000000000 is outside the vocabulary [0, 160)"),
+    (lambda s: s.prefill([1], all_logits="no"), InvalidArgumentError,  # a string taken as True
+     "all_logits must be True or False, got 'no'"),
+    (lambda s: s.decode([1, 2]), InvalidArgumentError,  # ran two tokens
+     "decode takes one token id (an int), got [1, 2]; run several with prefill"),
+    (lambda s: s.save("\ud800"), InvalidArgumentError,  # UnicodeEncodeError
+     "path '\\ud800' cannot be a file name: character 0 is the lone surrogate U+D800; give a path the file system "
+     "can encode"),
+    (lambda s: s.save("a\x00b"), InvalidArgumentError,  # ValueError: embedded null byte
+     "path 'a\\x00b' holds a NUL character, which no file name can; give a path without it"),
+    (lambda s: s.save("/no\nsuch/s.zsession"), edge.SessionError,  # the path's line break split the message
+     "cannot save the session to '/no\\nsuch/s.zsession': the directory '/no\\nsuch' does not exist; create it first"),
+    (lambda s: s.model.session(capacity=0), InvalidArgumentError,  # a SessionError, with no session open
+     "session capacity must be in [1, 64] (the model's context), got 0"),
+    (lambda s: s.model.generate([1], stop=np.array([[1], [2]])), InvalidArgumentError,  # numpy's repr: two lines
+     "stop must be a string or a list of strings, got array([1]) in array([[1], [2]])"),
+])
+def test_session_arguments_the_fuzzing_found(llama, call, error_type, message):
+    with llama.session(capacity=8) as session:
+        with pytest.raises(error_type) as error:
+            call(session)
+        assert str(error.value) == message
+        assert session.tokens == []
+
+
+@pytest.mark.parametrize("path, message", [
+    ("", "path is empty; name a checkpoint directory made by `zllm-edge convert`"),  # tried the current directory
+    ("\ud800", "path '\\ud800' cannot be a file name: character 0 is the lone surrogate U+D800; give a path the file "
+                "system can encode"),  # "is not a directory"
+])
+def test_load_paths_the_fuzzing_found(path, message):
+    with pytest.raises(InvalidArgumentError) as error:
+        edge.load(path)
+    assert str(error.value) == message
+
+
+def test_a_repetition_penalty_that_overflows_still_samples():
+    """A subnormal penalty divides a logit to +inf: inf - inf was NaN probabilities, numpy's ValueError."""
+    logits = np.array([1.0, -2.0, 0.5, 3.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(5):
+            token = sample_token(logits, SamplingParams(temperature=1.0, repetition_penalty=1e-320),
+                                 np.random.default_rng(seed), seen=np.array([0, 2]))
+            assert token in (0, 2)  # both +inf: shared, the others have probability 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "{dense}", "--prompt-tokens", "99999999999999"],  # made that prompt first: MemoryError
+     "99999999999999 prompt + 128 new tokens exceed the model's context of 64 tokens; lower --prompt-tokens or "
+     "--new-tokens"),
+    (["bench", "{dense}", "--repeats", "1000000000000000000"],  # ran for ever
+     "--repeats must be at most 100, got 1000000000000000000: the median of more runs says nothing new, and a count "
+     "that large would run for days"),
+    (["calibrate", "{moe}", "--depth", "99999999999999999", "--tokens", "64", "--requests", "2", "--prompt-tokens",
+      "4", "--no-save"],  # replayed 10**17 lookaheads
+     "--depth 99999999999999999 looks further ahead than the model's 2 MoE layers; give --depth of at most 2"),
+    (["inspect", "no\nsuch"],  # the path's line break split the error line
+     "no\\nsuch is not a directory; a zllm checkpoint is a directory made by `zllm-edge convert`"),
+    (["generate", "", "Hi"], "MODEL is empty; name a checkpoint directory, or leave MODEL out for the default model"),
+])
+def test_command_lines_the_fuzzing_found(capsys, dense_path, moe_path, no_default_models, argv, message):
+    argv = [a.format(dense=dense_path, moe=moe_path) for a in argv]
+    assert_cli_error(capsys, [*argv, *(["--quiet"] if argv[0] in ("bench", "calibrate") else [])], message)

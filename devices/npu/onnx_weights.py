@@ -32,6 +32,7 @@ which embeds them in the model (small graphs built on the fly).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from quant import QuantizedTensor
 
 AFFINE_INT4_MODES = ("zero_point", "group_offset")
 _ALIGNMENT = 4096  # byte alignment of each array in the weight file (page-aligned for mmap readers)
+_HASH_BLOCK = 1 << 24  # bytes read at a time when the weight file is hashed
 
 _ONNX_TYPES = {
     np.dtype(np.float32): TensorProto.FLOAT,
@@ -51,6 +53,9 @@ _ONNX_TYPES = {
     np.dtype(np.int64): TensorProto.INT64,
     np.dtype(np.int32): TensorProto.INT32,
 }
+
+
+_DTYPE_NAMES = {dtype.name for dtype in _ONNX_TYPES}
 
 
 def onnx_type(dtype) -> int:
@@ -149,12 +154,62 @@ class WeightFileError(RuntimeError):
     """The weight file beside cached graphs does not match its index (interrupted or damaged)."""
 
 
+def file_sha256(path: str, size: int) -> str:
+    """The sha256 of the first `size` bytes of the file at `path`."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        left = size
+        while left:
+            block = f.read(min(left, _HASH_BLOCK))
+            if not block:
+                break
+            digest.update(block)
+            left -= len(block)
+    return digest.hexdigest()
+
+
+def index_sha256(index: dict) -> str:
+    """The sha256 an index records of itself: of its fields but "sha256", as canonical JSON."""
+    fields = {key: value for key, value in index.items() if key != "sha256"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def index_problem(index) -> str | None:
+    """What is wrong with a parsed weight index (None: nothing): its own sha256 (an offset changed in
+    place would otherwise point new graphs at other bytes), every field the cache reads, of its type,
+    and every entry inside the data size it records."""
+    if not isinstance(index, dict) or not isinstance(index.get("fingerprint"), dict):
+        return "not an object with a fingerprint"
+    if index.get("sha256") != index_sha256(index):
+        return "its sha256 does not match its contents"
+    data, entries, graphs = index.get("data"), index.get("entries"), index.get("graphs")
+    if not (isinstance(data, dict) and type(data.get("size")) is int and data["size"] >= 0
+            and isinstance(data.get("sha256"), str)):
+        return "no size and sha256 of the weight file"
+    if not isinstance(graphs, dict) or not all(isinstance(v, str) for v in graphs.values()):
+        return "no sha256 of each graph"
+    if not isinstance(entries, dict):
+        return "no entries"
+    for name, raw in entries.items():
+        if not (isinstance(raw, dict) and set(raw) == {"offset", "length", "dtype", "shape"}
+                and type(raw["offset"]) is int and type(raw["length"]) is int and raw["offset"] >= 0
+                and raw["length"] >= 0 and raw["offset"] + raw["length"] <= data["size"]
+                and raw["dtype"] in _DTYPE_NAMES and isinstance(raw["shape"], list)
+                and all(type(d) is int and d >= 0 for d in raw["shape"])):
+            return f"entry {name!r} is malformed or lies outside the {data['size']} bytes recorded"
+    return None
+
+
 class ExternalWeightFile:
     """Append-only weight file shared by every cached graph of one model: `weights.bin` + `weights.json`.
 
     `tensor(name, make_array)` returns an initializer that points into the file (ONNX external
     data, location relative to the graph), writing the array the first time its name is asked for.
     make_array is called only then, so a weight already in the file costs nothing to reference.
+
+    The index records, beside each array's place, the size and sha256 of the data it covers, the
+    sha256 of each graph (`record_graph`) and its own sha256, so that a reader can tell a damaged file
+    from a good one.
     """
 
     DATA = "weights.bin"
@@ -166,7 +221,10 @@ class ExternalWeightFile:
         self.data_path = os.path.join(folder, self.DATA)
         self.index_path = os.path.join(folder, self.INDEX)
         self.entries: dict[str, _Entry] = {}
+        self.graphs: dict[str, str] = {}  # graph file name -> sha256
+        self.data = {"size": 0, "sha256": hashlib.sha256().hexdigest()}
         self._dirty = False
+        self._appended = False
         if os.path.isfile(self.index_path):
             self._load_index()
         self._file = open(self.data_path, "ab")
@@ -174,21 +232,26 @@ class ExternalWeightFile:
     def _load_index(self) -> None:
         with open(self.index_path, encoding="utf-8") as f:
             index = json.load(f)
-        if index.get("fingerprint") != self.fingerprint:
-            raise WeightFileError(f"{self.index_path} was written for {index.get('fingerprint')}, expected {self.fingerprint}")
+        problem = index_problem(index)
+        if problem is not None:
+            raise WeightFileError(f"{self.index_path} is damaged: {problem}")
+        if index["fingerprint"] != self.fingerprint:
+            raise WeightFileError(f"{self.index_path} was written for {index['fingerprint']}, "
+                                  f"expected {self.fingerprint}")
         size = os.path.getsize(self.data_path) if os.path.isfile(self.data_path) else 0
-        for name, raw in index["entries"].items():
-            entry = _Entry(**raw)
-            if entry.offset + entry.length > size:
-                raise WeightFileError(f"{self.data_path} is shorter ({size} bytes) than its index says for {name}")
-            self.entries[name] = entry
+        if size < index["data"]["size"]:
+            raise WeightFileError(f"{self.data_path} is shorter ({size} bytes) than its index records "
+                                  f"({index['data']['size']})")
+        self.entries = {name: _Entry(**raw) for name, raw in index["entries"].items()}
+        self.graphs = dict(index["graphs"])
+        self.data = dict(index["data"])
 
     def tensor(self, name: str, make_array) -> TensorProto:
         entry = self.entries.get(name)
         if entry is None:
             entry = self._append(np.ascontiguousarray(make_array()))
             self.entries[name] = entry
-            self._dirty = True
+            self._dirty = self._appended = True
         tensor = TensorProto()
         tensor.name = name
         tensor.data_type = onnx_type(entry.dtype)
@@ -198,6 +261,11 @@ class ExternalWeightFile:
             item = tensor.external_data.add()
             item.key, item.value = key, value
         return tensor
+
+    def record_graph(self, name: str, sha256: str) -> None:
+        """Record the sha256 of a graph about to be published beside the file."""
+        self.graphs[name] = sha256
+        self._dirty = True
 
     def _append(self, array: np.ndarray) -> _Entry:
         self._file.seek(0, os.SEEK_END)
@@ -209,21 +277,30 @@ class ExternalWeightFile:
         self._file.write(memoryview(array.reshape(-1)).cast("B"))
         return _Entry(offset, array.nbytes, array.dtype.name, list(array.shape))
 
+    def index(self) -> dict:
+        """The index as the file holds it once flushed."""
+        index = {"fingerprint": self.fingerprint, "data": dict(self.data), "graphs": dict(self.graphs),
+                 "entries": {name: vars(entry) for name, entry in self.entries.items()}}
+        return {**index, "sha256": index_sha256(index)}
+
     def flush(self) -> None:
         """Make the data durable, then publish the index that points into it (atomic replace)."""
         self._file.flush()
         os.fsync(self._file.fileno())
         if not self._dirty:
             return
-        index = {"fingerprint": self.fingerprint,
-                 "entries": {name: vars(entry) for name, entry in self.entries.items()}}
+        if self._appended:  # (appends go at the end: what lies before them was hashed when written)
+            size = self._file.tell()
+            self.data = {"size": size, "sha256": file_sha256(self.data_path, size)}
         temporary = self.index_path + ".tmp"
         with open(temporary, "w", encoding="utf-8") as f:
-            json.dump(index, f)
+            json.dump(self.index(), f)
         os.replace(temporary, self.index_path)
-        self._dirty = False
+        self._dirty = self._appended = False
 
     def close(self) -> None:
         if not self._file.closed:
-            self.flush()
-            self._file.close()
+            try:
+                self.flush()
+            finally:
+                self._file.close()

@@ -8,7 +8,9 @@ onnx and this project come from the interpreter that creates it, and its own onn
 npu:openvino` and the provider tests run their ONNX Runtime code with that environment's python.
 
 A provider whose wheel cannot be installed here (pip fails, no network) raises
-ProviderEnvUnavailable with pip's error; nothing runs on another provider in its place.
+ProviderEnvUnavailable with pip's error; nothing runs on another provider in its place. A folder of
+helper environments that cannot be written (read-only, full) raises ProviderEnvNotWritable, which is
+also the ZllmError that names the folder and the variable that moves it.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import subprocess
 from pathlib import Path
 
 from devices.base import DeviceUnavailableError
-from devices.helper_envs import HelperEnv, HelperEnvUnavailable, ensure_env, env_folder
+from devices.helper_envs import HelperEnv, HelperEnvNotWritable, HelperEnvUnavailable, ensure_env, env_folder
+from edge.core.files import NotWritableError
 
 # The wheels, pinned: the versions this project's provider tests pass with.
 PROVIDER_REQUIREMENTS = {"openvino": "onnxruntime-openvino==1.24.1", "qnn": "onnxruntime-qnn==2.7.0"}
@@ -25,6 +28,10 @@ PROVIDER_REQUIREMENTS = {"openvino": "onnxruntime-openvino==1.24.1", "qnn": "onn
 
 class ProviderEnvUnavailable(DeviceUnavailableError):
     """A provider's virtualenv cannot be built here; the message carries pip's reason."""
+
+
+class ProviderEnvNotWritable(ProviderEnvUnavailable, NotWritableError):
+    """The folder of helper environments cannot be written; the message names it and the variable."""
 
 
 def provider_env_spec(provider: str) -> HelperEnv:
@@ -45,6 +52,8 @@ def provider_env_python(provider: str, progress=None) -> Path:
     spec = provider_env_spec(provider)
     try:
         return ensure_env(spec, progress)
+    except HelperEnvNotWritable as exc:
+        raise ProviderEnvNotWritable(str(exc)) from None
     except HelperEnvUnavailable as exc:
         raise ProviderEnvUnavailable(str(exc)) from exc
 

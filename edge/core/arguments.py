@@ -12,6 +12,8 @@ import re
 
 from edge.core.errors import InvalidArgumentError
 
+SHOWN_CHARACTERS = 80  # of a caller's value in a message
+
 
 def _bounds(minimum, maximum, above) -> str:
     low = f"({above}" if above is not None else (f"[{minimum}" if minimum is not None else None)
@@ -34,12 +36,25 @@ def is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def shown(value) -> str:
+    """repr(value) for a message, on one line (a numpy array's repr spans several) and cut short: a
+    caller's megabyte string must not become a megabyte message."""
+    text = re.sub(r"\s*\n\s*", " ", repr(value))
+    return text if len(text) <= SHOWN_CHARACTERS else text[:SHOWN_CHARACTERS] + "..."
+
+
+def printable(text: str) -> str:
+    """A path or name for a message: as written, or as its repr when it holds a line break, a control
+    character or a byte that is not UTF-8, which would split or garble the message's one line."""
+    return text if text.isprintable() else repr(text)
+
+
 def integer(name: str, value, minimum: int | None = None, maximum: int | None = None, note: str = "") -> int:
     """An int (numpy integers too; not a bool, a float or a string) within [minimum, maximum]."""
     kind = "a positive integer" if minimum == 1 and maximum is None else f"an integer{_bounds(minimum, maximum, None)}"
     wanted = f"{name} must be {kind}{note}"
     if not is_integer(value):
-        raise InvalidArgumentError(f"{wanted}, got {value!r}")
+        raise InvalidArgumentError(f"{wanted}, got {shown(value)}")
     value = int(value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise InvalidArgumentError(f"{wanted}, got {value}")
@@ -51,7 +66,7 @@ def number(name: str, value, minimum: float | None = None, maximum: float | None
     """A finite real number within the bounds: nan passes every comparison, so it is refused by name."""
     wanted = f"{name} must be a finite number{_bounds(minimum, maximum, above)}{note}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidArgumentError(f"{wanted}, got {value!r}")
+        raise InvalidArgumentError(f"{wanted}, got {shown(value)}")
     value = float(value)
     if (not math.isfinite(value) or (minimum is not None and value < minimum)
             or (maximum is not None and value > maximum) or (above is not None and value <= above)):
@@ -59,11 +74,39 @@ def number(name: str, value, minimum: float | None = None, maximum: float | None
     return value
 
 
+def choice(name: str, value, choices: tuple[str, ...]) -> str:
+    """One of the names in `choices` (a str: a list or a number is not a name, and None is the
+    caller's to allow before asking)."""
+    if not isinstance(value, str) or value not in choices:
+        raise InvalidArgumentError(f"{name} {shown(value)} is not known; choose one of {', '.join(choices)}")
+    return value
+
+
+def flag(name: str, value) -> bool:
+    """True or False (numpy's bool too): a string, a number or None is not a yes or no ("False" is true)."""
+    if isinstance(value, bool) or (getattr(value, "dtype", None) is not None and value.dtype.kind == "b"
+                                   and getattr(value, "shape", None) == ()):
+        return bool(value)
+    raise InvalidArgumentError(f"{name} must be True or False, got {shown(value)}")
+
+
 def path_argument(name: str, value) -> str:
-    """A file system path (a str or os.PathLike, not empty) as a str."""
-    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-        raise InvalidArgumentError(f"{name} must be a file path (a str or os.PathLike), got {value!r}")
-    return os.fspath(value)
+    """A file system path (a str or os.PathLike, not empty) as a str that the operating system can
+    name: not a NUL character, and no lone surrogate other than the U+DC80-U+DCFF that stand for a
+    command line's bytes that are not UTF-8 (os.fsencode gives those bytes back)."""
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(path, str) or not path:
+        raise InvalidArgumentError(f"{name} must be a file path (a str or os.PathLike), got {shown(value)}")
+    if "\x00" in path:
+        raise InvalidArgumentError(f"{name} {shown(path)} holds a NUL character, which no file name can; "
+                                   "give a path without it")
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(f"{name} {shown(path)} cannot be a file name: character {exc.start} is the lone "
+                                   f"surrogate U+{ord(path[exc.start]):04X}; give a path the file system can "
+                                   "encode") from None
+    return path
 
 
 def writable_file(option: str, path: str | None, suffix: str | None = None) -> None:

@@ -7,7 +7,8 @@ that list AMX). So each instruction is used only when the kernels' target has it
 (isa.py: the host's, or a lower level asked for) *and* a child process has run it on known data and
 got the right sums; an illegal instruction kills the child, not the caller. The verdicts are kept
 per CPU (name, target features, LLVM version) in <ZLLM_EDGE_HOME>/cpu-probe.json, so only the first
-load on a machine pays the ~2 s per instruction.
+load on a machine pays the ~2 s per instruction. A damaged file is said and the CPU probed again; a
+home that cannot take a new verdict is an error naming the file and ZLLM_EDGE_HOME.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import threading
 import warnings
 from dataclasses import dataclass
 
-from kernels.cache_home import zllm_home
+from edge.core.files import write_atomically
+from kernels.cache_home import home_not_writable, zllm_home
 
 PROBE_TIMEOUT_SECONDS = 300
 
@@ -94,16 +96,15 @@ def _read_verdicts(report: bool = True) -> dict:
 
 
 def _remember(key: str, verdict: bool) -> None:
+    """Keep a verdict in the probe file; a home that cannot take it is a NotWritableError (probing
+    again at every load instead would make every load pay for the probes, unsaid)."""
     verdicts = {**_read_verdicts(report=False), key: verdict}
     path = _probe_file()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "w") as handle:
-            json.dump(verdicts, handle, indent=1)
-        os.replace(temporary, path)
-    except OSError:
-        pass  # a read-only home: probe again next time rather than fail the load
+        write_atomically(path, lambda handle: json.dump(verdicts, handle, indent=1))
+    except OSError as exc:
+        raise home_not_writable(path, exc) from None
 
 
 def _run_child(probe: str) -> bool | None:
@@ -144,9 +145,9 @@ def _runs(probe: str) -> bool:
                 _verdicts[key] = stored
             else:
                 verdict = _run_child(probe)
-                _verdicts[key] = bool(verdict)
                 if verdict is not None:
                     _remember(key, verdict)
+                _verdicts[key] = bool(verdict)
         return _verdicts[key]
 
 

@@ -2,26 +2,34 @@
 lazily compiled, explicitly typed kernel wrapper.
 
 Numba's cache goes to `<ZLLM_EDGE_HOME or ~/.cache/zllm-edge>/numba-cache/<digest of these
-sources>`. Numba picks a cache locator per function when its decorator runs and tries a
-user-provided `numba.config.CACHE_DIR` first; without one it would write `__pycache__` beside the
-sources, which fails on a read-only install. Every cached kernel here is decorated lazily, right
-after `use_cache_dir()` sets that directory.
+sources>`, and only there: Numba's own locators would fall back to `__pycache__` beside the sources
+(which fails on a read-only install) when that folder cannot be written. Every cached kernel here is
+created lazily, right after `use_cache_dir()` sets that directory, with a cache whose files carry a
+checksum (see "The disk cache, checked" below): a damaged file is said and its kernel compiled again.
+A home that cannot be written costs a warning line and a compile in each process, nothing else.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import os
+import pickle
+import sys
 import threading
 
 import llvmlite.binding as llvm
 import numba
 from numba import types
+from numba.core import sigutils
+from numba.core.caching import (CompileResultCacheImpl, FunctionCache, IndexDataCacheFile, UserProvidedCacheLocator,
+                                _cache_log)
+from numba.core.ccallback import CFunc
 from numba.core.codegen import JITCodeLibrary
 from numba.core.registry import CPUDispatcher
+from numba.core.serialize import dumps
 
 from edge.core.process_memory import runtime_memory
-from kernels.cache_home import zllm_home
+from kernels.cache_home import home_not_writable, zllm_home
 from kernels.cpu.isa import configure_codegen
 
 # The flags LLVM may use on float math. Reassociation and contraction let loops vectorize and
@@ -70,9 +78,13 @@ def use_cache_dir() -> str:
     Numba reads NUMBA_CACHE_DIR into numba.config.CACHE_DIR only when it is first imported, and a
     function's cache locator is fixed when its decorator runs. Every cached kernel here is decorated
     lazily, on first use, right after this runs: so the directory follows ZLLM_EDGE_HOME as it is
-    when a kernel is first needed, not as it was when the package was imported."""
+    when a kernel is first needed, not as it was when the package was imported. A directory that
+    cannot be created is said when the first kernel fails to be saved there (_CheckedCache)."""
     cache_dir = os.path.join(numba_cache_dir(), _source_digest())
-    os.makedirs(cache_dir, exist_ok=True)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError:
+        pass  # kernels are compiled all the same; saving the first one says why they are not kept
     numba.config.CACHE_DIR = cache_dir
     return cache_dir
 
@@ -173,6 +185,156 @@ class _HelperDispatcher(CPUDispatcher):
             return super().compile(sig)
 
 
+# --------------------------------------------------------------------------------------------
+# The disk cache, checked
+#
+# Numba's cache files are pickles read back unchecked: a truncated or overwritten index or data file
+# raises from pickle at the kernel's first call, and machine code damaged inside an intact pickle is
+# loaded and run (it crashed the process when tried). Here each file holds a sha256 of its contents
+# ahead of them and is used only when they match; a damaged one is said on stderr, once, and its
+# kernel compiled again, the new file replacing it. A data file also holds the index key it was
+# written for: two processes saving the same kernel's signatures at once can otherwise leave one
+# signature's name pointing at the other's code. A cache that cannot be written is said once; the
+# kernels compiled are used all the same.
+
+CACHE_FILE_MAGIC = b"zllm-edge numba cache 1\n"
+_said: set[str] = set()  # paths (damaged files, unwritable folders) already said in this process
+
+
+def _say_once(path: str, message: str) -> None:
+    if path not in _said:
+        _said.add(path)
+        print(message, file=sys.stderr)
+
+
+class _CheckedCacheFile(IndexDataCacheFile):
+    """Numba's index and data files, each checksummed (see above)."""
+
+    def save(self, key, data):
+        overloads = self._load_index()
+        data_name = overloads.get(key)
+        if data_name is None:
+            taken = set(overloads.values())
+            data_name = next(name for name in map(self._data_name, range(1, len(taken) + 2)) if name not in taken)
+        self._save_data(data_name, (key, data))  # the code first: an index never names a file not yet there
+        if overloads.get(key) != data_name:
+            self._save_index({**overloads, key: data_name})
+
+    def load(self, key):
+        data_name = self._load_index().get(key)
+        if data_name is None:
+            return None
+        path = self._data_path(data_name)
+        if not os.path.exists(path):
+            self._say(path, f"is missing, though its index {self._index_path} names it")
+            return None
+        payload = self._read(path)
+        if payload is None:
+            return None
+        stored_key, data = pickle.loads(payload)
+        if stored_key != key:
+            self._say(path, "holds the code of another signature (written over by another process)")
+            return None
+        _cache_log("[cache] data loaded from %r", path)
+        return data
+
+    def _load_index(self):
+        payload = self._read(self._index_path)
+        if payload is None:
+            return {}
+        version, stamp, overloads = pickle.loads(payload)
+        _cache_log("[cache] index loaded from %r", self._index_path)
+        if version != self._version or stamp != self._source_stamp:
+            return {}  # another Numba, or the kernel's source changed: compiled again and replaced
+        return overloads
+
+    def _save_index(self, overloads):
+        self._write(self._index_path, dumps((self._version, self._source_stamp, overloads)))
+        _cache_log("[cache] index saved to %r", self._index_path)
+
+    def _save_data(self, name, data):
+        path = self._data_path(name)
+        self._write(path, dumps(data))
+        _cache_log("[cache] data saved to %r", path)
+
+    def _write(self, path: str, payload: bytes) -> None:
+        with self._open_for_write(path) as f:  # (written aside, then renamed)
+            f.write(CACHE_FILE_MAGIC + hashlib.sha256(payload).digest() + payload)
+
+    def _read(self, path: str) -> bytes | None:
+        """A cache file's payload; None when it is missing, or damaged (said)."""
+        try:
+            with open(path, "rb") as f:
+                content = f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            self._say(path, f"cannot be read ({exc.strerror or exc})")
+            return None
+        header = len(CACHE_FILE_MAGIC) + hashlib.sha256().digest_size
+        if not content:
+            problem = "empty"
+        elif not content.startswith(CACHE_FILE_MAGIC[:len(content)]):
+            problem = "not a zllm-edge kernel cache file"
+        elif len(content) <= header:
+            problem = f"cut short at {len(content)} bytes"
+        elif hashlib.sha256(content[header:]).digest() != content[len(CACHE_FILE_MAGIC):header]:
+            problem = "its contents do not match their sha256: cut short or overwritten"
+        else:
+            return content[header:]
+        self._say(path, f"is damaged ({problem})")
+        return None
+
+    def _say(self, path: str, what: str) -> None:
+        _say_once(path, f"the kernel cache file {path} {what}; compiling the kernel again")
+
+
+class _HomeCacheLocator(UserProvidedCacheLocator):
+    """numba.config.CACHE_DIR (use_cache_dir()), never a folder beside the sources: a folder that
+    cannot be written is found out, and said, when a kernel is saved."""
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        return cls(py_func, py_file)
+
+
+class _HomeCacheImpl(CompileResultCacheImpl):
+    _locator_classes = [_HomeCacheLocator]
+
+
+class _CheckedCache(FunctionCache):
+    """Numba's per-function cache with checked files, in the home only; a failed save is said, once
+    per folder, and the kernel just compiled used all the same."""
+
+    _impl_class = _HomeCacheImpl
+
+    def __init__(self, py_func):
+        super().__init__(py_func)
+        self._cache_file = _CheckedCacheFile(self._cache_path, self._impl.filename_base,
+                                             self._impl.locator.get_source_stamp())
+
+    def save_overload(self, sig, data):
+        try:
+            super().save_overload(sig, data)
+        except OSError as exc:
+            _say_once(self._cache_path, f"warning: {home_not_writable(self._cache_path, exc)} (until then each "
+                                        f"process compiles its kernels anew)")
+
+
+class _KernelDispatcher(CPUDispatcher):
+    """A kernel's dispatcher, cached in the home with checked files."""
+
+    def enable_caching(self):
+        self._cache = _CheckedCache(self.py_func)
+
+
+class _CachedCFunc(CFunc):
+    """A C callback cached in the home with checked files."""
+
+    def enable_caching(self):
+        self._cache = _CheckedCache(self._pyfunc)
+
+
 class Kernel:
     """A Numba kernel with explicit signatures, compiled (or loaded from the cache) on first call.
 
@@ -198,8 +360,10 @@ class Kernel:
             with _lock:
                 if self._dispatcher is None:
                     use_cache_dir()
-                    options = dict(JIT_OPTIONS, nogil=not self.keep_gil)
-                    dispatcher = numba.njit(cache=True, parallel=self.parallel, **options)(self.function)
+                    options = dict(JIT_OPTIONS, nogil=not self.keep_gil, parallel=self.parallel, nopython=True,
+                                   boundscheck=None)  # (what numba.njit passes)
+                    dispatcher = _KernelDispatcher(py_func=self.function, locals={}, targetoptions=options)
+                    dispatcher.enable_caching()
                     # the machine code and LLVM's tables stay in the process: the memory budget counts them
                     with runtime_memory.measure(f"kernel {self.function.__module__}.{self.__name__}"), \
                             self_contained_compilation():
@@ -233,11 +397,15 @@ def kernel(*signatures, parallel: bool = False, keep_gil: bool = False):
 
 def cfunc(signature, function):
     """A cached C callback of `function` (kernels/cpu/linear.py calls them through descriptors; it makes
-    each one once per process)."""
+    each one once per process). What numba.cfunc(signature, cache=True) does, with the checked cache."""
     use_cache_dir()
     with runtime_memory.measure(f"kernel {function.__module__}.{function.__qualname__} {signature} "
                                 f"{id(function)}"), self_contained_compilation():
-        return numba.cfunc(signature, cache=True, **JIT_OPTIONS)(function)
+        callback = _CachedCFunc(function, sigutils.normalize_signature(signature), locals={},
+                                options=dict(JIT_OPTIONS))
+        callback.enable_caching()
+        callback.compile()
+        return callback
 
 
 def helper(function=None, *, ordered: bool = False):

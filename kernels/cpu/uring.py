@@ -33,7 +33,11 @@ RING_BYTES = 1024  # room for liburing's struct io_uring (216 bytes in liburing 
 EINTR, EAGAIN = 4, 11
 IOSQE_ASYNC = 1 << 4  # hand the request to the kernel's workers instead of issuing it inline
 STOP_TAG = (1 << 62) - 1  # the user data of ring_stop's no-op
+VOID_TAG = STOP_TAG - 1  # the user data of a read the kernel did not take, turned into a no-op
 WAIT_MICROSECONDS = 20
+# Submissions tried again (WAIT_MICROSECONDS apart) while the kernel takes none of the queued reads
+# because it was interrupted or short of resources (EINTR, EAGAIN), before the rest are given up.
+SUBMIT_ATTEMPTS = 50
 
 _unavailable: str | None = None
 try:
@@ -61,8 +65,10 @@ _set_data = types.ExternalFunction("io_uring_sqe_set_data64", types.void(U64, U6
 _set_flags = types.ExternalFunction("io_uring_sqe_set_flags", types.void(U64, U32))
 # void io_uring_prep_nop(struct io_uring_sqe *sqe)
 _prep_nop = types.ExternalFunction("io_uring_prep_nop", types.void(U64))
-# int io_uring_submit(struct io_uring *ring)
+# int io_uring_submit(struct io_uring *ring): how many queued entries the kernel took, or -errno
 _submit = types.ExternalFunction("io_uring_submit", I32(U64))
+# unsigned io_uring_sq_ready(const struct io_uring *ring): entries queued that the kernel has not taken
+_sq_ready = types.ExternalFunction("io_uring_sq_ready", U32(U64))
 # int io_uring_wait_cqe(struct io_uring *ring, struct io_uring_cqe **cqe)
 _wait_cqe = types.ExternalFunction("io_uring_wait_cqe", I32(U64, U64))
 # void io_uring_cqe_seen(struct io_uring *ring, struct io_uring_cqe *cqe)
@@ -82,27 +88,51 @@ def ring_exit(ring):
     _queue_exit(np.uint64(ring))
 
 
-@kernel(I64(I64, I32, readonly(I64, 1), readonly(I64, 1), readonly(U64, 1), readonly(I64, 1), mutable(I64, 1)))
-def ring_submit(ring, fd, offsets, spans, addresses, tags, done):
+@kernel(I64(I64, I32, readonly(I64, 1), readonly(I64, 1), readonly(U64, 1), readonly(I64, 1), mutable(I64, 1),
+            mutable(I64, 1)))
+def ring_submit(ring, fd, offsets, spans, addresses, tags, done, refused):
     """Queue read i (spans[i] bytes at offsets[i] of fd into addresses[i], known by tags[i]) for every i,
-    with done[tags[i]] cleared, and submit them: -> how many were queued (fewer when the ring is full),
-    or -errno. Each read is handed to the kernel's own workers (IOSQE_ASYNC), so the submitting thread
-    pays for the submission, not for the read."""
+    with done[tags[i]] cleared, and submit them: -> how many the kernel took (the first ones, in order);
+    refused[0] = why it did not take the rest (an errno; EAGAIN when the ring had no room), else 0.
+
+    The kernel takes queued entries only when they are submitted, and a submission may take some or
+    none (EINTR, EAGAIN: it is tried again a few times; another error ends it). Entries it did not take
+    would go out with the next submission, into buffers whose callers were told they failed: they are
+    turned into no-ops (VOID_TAG, which ring_complete skips) first. Each read is handed to the kernel's
+    own workers (IOSQE_ASYNC), so the submitting thread pays for the submission, not for the read."""
+    n = offsets.shape[0]
+    sqes = np.zeros(n, np.uint64)
     queued = 0
-    for i in range(offsets.shape[0]):
+    refused[0] = 0
+    for i in range(n):
         sqe = _get_sqe(np.uint64(ring))
         if sqe == 0:
+            refused[0] = EAGAIN
             break
         _prep_read(sqe, fd, addresses[i], np.uint32(spans[i]), np.uint64(offsets[i]))
         _set_data(sqe, np.uint64(tags[i]))
         _set_flags(sqe, np.uint32(IOSQE_ASYNC))
         done[tags[i]] = 0
+        sqes[i] = sqe
         queued += 1
-    if queued > 0:
-        submitted = _submit(np.uint64(ring))
-        if submitted < 0:
-            return submitted
-    return queued
+    status, attempts = 0, 0
+    while queued > 0 and _sq_ready(np.uint64(ring)) > 0:
+        status = _submit(np.uint64(ring))
+        if status > 0:
+            attempts = 0
+        elif (status == 0 or status == -EINTR or status == -EAGAIN) and attempts < SUBMIT_ATTEMPTS:
+            attempts += 1
+            sleep_microseconds(WAIT_MICROSECONDS)
+        else:
+            break
+    left = min(queued, np.int64(_sq_ready(np.uint64(ring))))  # ours were queued last: the ones not taken
+    for i in range(queued - left, queued):
+        _prep_nop(sqes[i])
+        _set_data(sqes[i], np.uint64(VOID_TAG))
+        _set_flags(sqes[i], np.uint32(0))
+    if left > 0:
+        refused[0] = -status if status < 0 else EAGAIN
+    return queued - left
 
 
 @kernel(I64(I64))
@@ -137,6 +167,8 @@ def ring_complete(ring, addresses, lengths, checksum, results, crcs, done):
         _cqe_seen(np.uint64(ring), np.uint64(cqe_at[0]))
         if tag == STOP_TAG:
             return 0
+        if tag == VOID_TAG:
+            continue
         results[tag] = result
         if checksum and result > 0:
             crcs[tag] = _crc32(np.uint32(0), addresses[tag], np.uint64(min(result, lengths[tag])))
