@@ -10,8 +10,9 @@ import numpy as np
 
 from converters.source import SourceTensor, SourceTokenizer
 from edge.core.arguments import is_integer
-from edge.core.errors import ConversionError, UnsupportedModelError
+from edge.core.errors import ConversionError, InvalidArgumentError, UnsupportedModelError
 from edge.core.json_text import parse_json
+from edge.core.sampling_defaults import sampling_of_generation_config
 from edge.core.spec_dense import clipped
 from quant.safetensors_io import SafetensorsFile
 
@@ -243,6 +244,12 @@ class HFSource:
             "add_bos_token": False,
             "chat_template": chat_template,
         }
+        try:  # the sampling the model's authors ask a conversation to use, if they say
+            sampling = sampling_of_generation_config(gen_config)
+        except InvalidArgumentError as exc:
+            raise ConversionError(f"{gen_config_path}: {exc}; restore the file") from None
+        if sampling is not None:
+            config["sampling"] = sampling
         return SourceTokenizer(tokenizer_json, config, special_ids)
 
     def tensors(self) -> list[SourceTensor]:

@@ -67,6 +67,20 @@ def device_name_problem(device) -> str | None:
     return None
 
 
+def fastest_device() -> tuple[str, str | None]:
+    """The device to run when none is named: "cpu" where its kernels run on this machine, else
+    "reference", with why "cpu" cannot run (for the caller to say: the choice is never silent)."""
+    try:
+        from kernels.cpu import isa  # imports Numba: DeviceUnavailableError without it (devices/cpu)
+        from devices.cpu.backend import CpuBackend  # noqa: F401
+    except DeviceUnavailableError as exc:
+        return "reference", str(exc)
+    except ImportError as exc:
+        return "reference", f"device 'cpu' needs numba and llvmlite ({exc}); pip install numba"
+    isa.check_configuration()  # a bad ZLLM_EDGE_ISA is the user's to mend, not a reason to run elsewhere
+    return "cpu", None
+
+
 def create_backend(device: str, threads: int | None = None) -> Backend:
     """The backend for a device name such as "reference", "cpu" or "npu:openvino"."""
     problem = device_name_problem(device)

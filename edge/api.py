@@ -298,6 +298,17 @@ class Model:
         check_unicode("the chat template's output", text)  # e.g. a text part of a list content
         return self.generate(tokenizer.encode(text, add_special_tokens=False), **kwargs)
 
+    def conversation_sampling(self) -> tuple[dict, str]:
+        """What a conversation that sets no sampling field samples with (`zllm-edge chat`, the server),
+        and where that comes from: the checkpoint's own settings (its Hugging Face generation_config.json)
+        when it has them, else llama.cpp's and Ollama's defaults (edge/sampling.py)."""
+        from edge.sampling import CONVERSATION_SAMPLING
+
+        own = self.checkpoint.tokenizer_config.get("sampling")
+        if own is not None:
+            return dict(own), "the checkpoint's generation_config.json"
+        return dict(CONVERSATION_SAMPLING), "llama.cpp's and Ollama's defaults"
+
     # --- reporting ------------------------------------------------------------------------
     def device_info(self) -> dict:
         """The device and backend, and which forward path this model runs on it: "fused" (the device's

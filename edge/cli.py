@@ -157,6 +157,12 @@ def _load_model(model_path: str | None, args):
     import edge
     from edge.options import LoadOptions
 
+    if args.device is None:
+        args.device = _default_device(args.quiet)
+    if args.device.startswith("cpu") and not args.quiet:
+        from kernels.cpu.runtime import compile_progress
+
+        compile_progress.enabled = True  # a first run compiles for a while: say what and how long
     options = LoadOptions.of(device=args.device, threads=args.threads, kv_cache=args.kv_cache,
                              kv_capacity=args.kv_capacity, verify=args.verify, **_memory_options(args))
     path = _resolve_model(model_path, args.quiet)
@@ -166,6 +172,15 @@ def _load_model(model_path: str | None, args):
         raise ZllmError(f"{path} has no tokenizer, so it cannot take text; convert the model from a source that "
                         "has one (a Hugging Face folder with tokenizer.json, or a GGUF file)")
     return model
+
+
+def _default_device(quiet: bool) -> str:
+    from devices.base import fastest_device
+
+    device, why_not_cpu = fastest_device()
+    if why_not_cpu is not None and not quiet:
+        print(f"running on device 'reference' (the numpy oracle, slow): {why_not_cpu}", file=sys.stderr)
+    return device
 
 
 def cmd_generate(args) -> int:
@@ -194,22 +209,36 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# The sampler's fields as generate leaves them: no sampling (greedy), no filter, no penalty.
+SAMPLER_OFF = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def cmd_chat(args) -> int:
     from edge.api import check_unicode
+    from edge.sampling import CONVERSATION_SAMPLING
 
+    # chat's sampling flags default to None: the ones given win over the model's conversation sampling
+    args.sampling_given = {name: getattr(args, name) for name in SAMPLER_OFF if getattr(args, name) is not None}
+    for name, value in {**SAMPLER_OFF, **CONVERSATION_SAMPLING, **args.sampling_given}.items():
+        setattr(args, name, value)  # checked as given before the model loads; set again once it has
     model = _load_for_text(args.model, args)
     if not model.tokenizer.chat_template:  # refused before the user types a first message, not after it
         model.close()
         raise ZllmError(f"{model.path} has no chat template, so it cannot chat; use zllm-edge generate with a "
                         "plain prompt")
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    sampling, origin = model.conversation_sampling()
+    for name, value in {**SAMPLER_OFF, **sampling, **args.sampling_given}.items():
+        setattr(args, name, value)
     if args.temperature > 0 and args.seed in (None, -1):  # one seed for the conversation, said so it can be repeated
         import numpy as np
 
         args.seed = int(np.random.SeedSequence().generate_state(1)[0])
     if args.temperature > 0 and not args.quiet:
+        given = f"; {', '.join(args.sampling_given)} as given" if args.sampling_given else ""
         print(f"[chat] sampling: temperature {args.temperature:g}, top-k {args.top_k}, top-p {args.top_p:g}, "
-              f"min-p {args.min_p:g}, seed {args.seed} (--temperature 0: greedy)", file=sys.stderr, flush=True)
+              f"min-p {args.min_p:g}, repetition penalty {args.repetition_penalty:g}, seed {args.seed} ({origin}"
+              f"{given}; --temperature 0: greedy)", file=sys.stderr, flush=True)
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
@@ -266,9 +295,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     _add_sampling_args(p)
 
 
-def _add_load_args(p: argparse.ArgumentParser, default_device: str = "reference") -> None:
+def _add_load_args(p: argparse.ArgumentParser) -> None:
     """How the model is loaded: device, threads, KV cache, memory budget and MoE streaming."""
-    p.add_argument("--device", default=default_device, help=f"{default_device} (default)")
+    p.add_argument("--device", default=None,
+                   help="reference, cpu, cpu:f32, gpu, npu:PROVIDER (default: the fastest that runs here, cpu where "
+                        "its kernels run, else reference; reference is the numpy oracle, for checking)")
     p.add_argument("--threads", type=int, default=None,
                    help="compute threads of the cpu and npu devices (the reference and gpu devices take none)")
     p.add_argument("--kv-cache", default="f32", choices=("f32", "f16", "int8"),
@@ -302,8 +333,9 @@ def _add_load_args(p: argparse.ArgumentParser, default_device: str = "reference"
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (generate's default); chat samples by default with temperature 0.8, top-k 40, "
-                        "top-p 0.95, min-p 0.05, as llama.cpp and Ollama do")
+                   help="0 = greedy (generate's default); chat samples by default as the checkpoint's "
+                        "generation_config.json says, else with temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, "
+                        "as llama.cpp and Ollama do")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0,
@@ -353,12 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat on stdin/stdout with the model's chat template")
-    from edge.sampling import CONVERSATION_SAMPLING
-
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("--system", default=None)
     _add_generation_args(p)
-    p.set_defaults(func=cmd_chat, **CONVERSATION_SAMPLING)  # a conversation samples (--temperature 0: greedy)
+    # a conversation samples as the checkpoint asks, else as llama.cpp does (cmd_chat; --temperature 0: greedy)
+    p.set_defaults(func=cmd_chat, **{name: None for name in SAMPLER_OFF})
 
     from edge import bench, diff
 
@@ -447,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        runtime = sys.modules.get("kernels.cpu.runtime")
+        if runtime is not None:  # said for this command only (_load_model turned it on)
+            runtime.compile_progress.enabled = False
 
 
 if __name__ == "__main__":

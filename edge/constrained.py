@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,7 +87,8 @@ class Grammar:
         return Constraint(matcher, model.spec.vocab_size)
 
 
-_vocabularies: dict[int, object] = {}
+# by tokenizer object, kept while it lives (an id() could name the next model's tokenizer once one is freed)
+_vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _vocabularies_lock = threading.Lock()
 
 
@@ -97,14 +99,13 @@ def _vocabulary(model):
         raise InvalidArgumentError(f"{model.path} has no tokenizer, and a grammar constrains text; convert the "
                                    "model from a source that has one")
     with _vocabularies_lock:
-        vocabulary = _vocabularies.get(id(tokenizer))
+        vocabulary = _vocabularies.get(tokenizer)
         if vocabulary is None:
             from llguidance import LLTokenizer
 
             ends = sorted(model.eog_token_ids) or None
             vocabulary = LLTokenizer(tokenizer.to_json(), n_vocab=model.spec.vocab_size, eos_token=ends)
-            _vocabularies.clear()  # one model's at a time: a process rarely serves two
-            _vocabularies[id(tokenizer)] = vocabulary
+            _vocabularies[tokenizer] = vocabulary
         return vocabulary
 
 

@@ -9,7 +9,8 @@ Requests and responses are OpenAI's: `max_tokens` / `max_completion_tokens`, `te
 `stop`, `stream` (server-sent events ending in `data: [DONE]`, with `stream_options.include_usage`), `usage`,
 `finish_reason` "stop" / "length". Tokens are chosen by the library's own sampler (`model.generate`), so a
 greedy request (`temperature: 0`) gives the tokens `zllm-edge generate` gives. A request that names no
-sampling settings samples with llama.cpp's and Ollama's defaults (edge/sampling.py CONVERSATION_SAMPLING). Beside OpenAI's fields a
+sampling settings samples as the checkpoint's generation_config.json says, else with llama.cpp's and Ollama's
+defaults (`Model.conversation_sampling`); fields a request sets win over either. Beside OpenAI's fields a
 response carries llama-server's `timings` and the sampler's `seed`, so that any sample can be repeated.
 
 Several clients: each request gets its own session (its own KV cache) and runs on a thread of its own; the
@@ -35,7 +36,6 @@ from dataclasses import dataclass
 from edge.constrained import Grammar, GrammarError
 from edge.core.arguments import is_integer, is_number
 from edge.core.errors import InvalidArgumentError, SessionError, ZllmError
-from edge.sampling import CONVERSATION_SAMPLING
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413) before it is parsed
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -145,7 +145,7 @@ def _grammar(body: dict) -> Grammar | None:
                                       "json_object or json_schema")
 
 
-def parse_request(body, chat: bool, context: int) -> Request:
+def parse_request(body, chat: bool, context: int, sampling: dict) -> Request:
     """A completions or chat completions request body -> Request, or ApiError(400) naming the field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -161,7 +161,7 @@ def parse_request(body, chat: bool, context: int) -> Request:
             prompt = prompt[0]  # a batch of one
         if not isinstance(prompt, str) or not prompt:
             raise _invalid("prompt", "prompt must be a non-empty string (one prompt per request)")
-    generation = dict(CONVERSATION_SAMPLING)  # what a request that sets no sampling field gets
+    generation = dict(sampling)  # what a request that sets no sampling field gets (the model's conversation sampling)
     sampling = {
         "temperature": _optional(body, "temperature", lambda v: is_number(v) and 0 <= v <= 2,
                                  "must be a number in [0, 2] (0 = greedy)"),
@@ -327,6 +327,7 @@ class Server:
         self.positions = KvPositions(model.session_ceiling() if budgeted else None)
         self.running = RunningRequests()
         self.context = model.generation_limit()[0]
+        self.sampling = model.conversation_sampling()[0]
 
     def app(self):
         from starlette.applications import Starlette
@@ -410,7 +411,7 @@ class Server:
             self._authorize(request)
             body = await self._body(request)
             self._check_model(body)
-            parsed = parse_request(body, chat, self.context)
+            parsed = parse_request(body, chat, self.context, self.sampling)
             generation = self._generation(parsed, chat)
         except (ApiError, ZllmError) as exc:
             return self._error_response(_api_error(exc))
@@ -545,7 +546,7 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8080, help="TCP port (0: any free port, printed at start)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request")
     p.add_argument("--model-name", default=None, help="the model's id in /v1/models (default: the folder's name)")
-    _add_load_args(p, default_device="cpu")
+    _add_load_args(p)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

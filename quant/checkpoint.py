@@ -261,6 +261,14 @@ def _check_tokenizer_entry(path: str, manifest: dict, vocab_size: int) -> None:
         if value is not None and not valid(value):
             raise CheckpointError(f"{where}: tokenizer: {key} is {show(value)}; expected {expected}, or null; "
                                   f"{damaged}")
+    if tokenizer.get("sampling") is not None:  # the conversation sampling its generation_config.json gave
+        from edge.core.errors import InvalidArgumentError
+        from edge.core.sampling_defaults import check_sampling
+
+        try:
+            check_sampling(tokenizer["sampling"])
+        except InvalidArgumentError as exc:
+            raise CheckpointError(f"{where}: tokenizer: {exc}; {damaged}") from None
 
 
 def check_shapes_against_spec(path: str, manifest: dict, tensors: dict, experts: "ExpertIndex | None") -> "LlamaSpec":

@@ -105,14 +105,19 @@ def test_bad_generation_arguments_are_typed_errors(llama, kwargs, message):
     ("--repetition-penalty", "0", BAD_GENERATION[7][1]),
     ("--max-new-tokens", "-1", BAD_GENERATION[10][1]),
     ("--threads", "0", "threads must be a positive integer, got 0"),
-    ("--threads", "4", "device 'reference' runs no threads of its own; --threads/threads= applies to the cpu and "
-                       "npu devices"),
     ("--kv-capacity", "0", "kv_capacity must be a positive integer, got 0"),
 ])
 def test_cli_refuses_generation_arguments_before_loading(capsys, tmp_path, no_default_models, flag, value, message):
     missing = tmp_path / "no-such-checkpoint"  # loading it would fail with another message
     assert_cli_error(capsys, ["generate", missing, "Hello", flag, value], message)
     assert_cli_error(capsys, ["generate", "Hello", flag, value], message)  # the default model is not built
+
+
+def test_cli_refuses_threads_for_a_device_without_them(capsys, tmp_path, no_default_models):
+    message = "device 'reference' runs no threads of its own; --threads/threads= applies to the cpu and npu devices"
+    assert_cli_error(capsys, ["generate", tmp_path / "no-such-checkpoint", "Hello", "--device", "reference",
+                              "--threads", "2"], message)
+    assert_cli_error(capsys, ["generate", "Hello", "--device", "reference", "--threads", "2"], message)
 
 
 def test_seed_minus_one_is_a_random_seed(llama, capsys):

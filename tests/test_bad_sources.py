@@ -257,6 +257,14 @@ def test_bytes_after_the_last_tensor(src, tmp_path):
      "{path}: bos_token_id 5000 is not a token of the model: vocab_size is 128; fix bos_token_id (or vocab_size)"),
     ("generation_config.json", b'{"pad_token_id": -1}',
      "{path}: pad_token_id is -1; expected a token id or a list of token ids"),
+    # the sampling it asks a conversation to use
+    ("generation_config.json", b'{"do_sample": "yes"}', "{path}: do_sample is 'yes'; expected true or false; restore the file"),
+    ("generation_config.json", b'{"do_sample": true, "temperature": "hot"}',
+     "{path}: temperature must be a finite number >= 0, got 'hot'; restore the file"),
+    ("generation_config.json", b'{"do_sample": true, "top_p": 2}',
+     "{path}: top_p must be a finite number in [0, 1], got 2.0; restore the file"),
+    ("generation_config.json", b'{"do_sample": true, "top_k": 0.5}',
+     "{path}: top_k must be an integer >= 0, got 0.5; restore the file"),
     pytest.param("generation_config.json", b'{"eos_token_id": [' + b"1, " * 100_000 + b'1.5]}',
                  "{path}: eos_token_id is [" + "1, " * 26 + "1...; expected a token id or a list of token ids",
                  id="generation-long-eos-list"),
@@ -668,3 +676,37 @@ def test_weight_beyond_float16_range_is_refused_for_f16(src, tmp_path):
     assert str(raised.value) == (f"tensor {name} (f16): a value of magnitude 1e+06 exceeds the float16 range (65504); "
                                  "keep this tensor f32 (--ffn f32, or --weights f32)")
     convert(str(src), str(out), QuantPlan(weights="f16", overrides={"ffn": "f32"}), progress=False)  # the remedy
+
+
+@pytest.mark.parametrize("generation_config, sampling, origin", [
+    ({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95},
+     {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0, "repetition_penalty": 1.0},
+     "the checkpoint's generation_config.json"),
+    ({"do_sample": False, "temperature": 0.6}, {"temperature": 0.0}, "the checkpoint's generation_config.json"),
+    ({"eos_token_id": 2}, {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}, "llama.cpp's and Ollama's defaults"),
+])
+def test_a_conversation_samples_as_the_generation_config_says(src, tmp_path, generation_config, sampling, origin):
+    """do_sample true: its values over transformers' defaults; false: greedy; not said: llama.cpp's defaults."""
+    import edge
+
+    (src / "generation_config.json").write_text(json.dumps(generation_config))
+    out = tmp_path / "ckpt"
+    convert(str(src), str(out), QuantPlan(weights="int8"), progress=False)
+    with edge.load(str(out)) as model:
+        assert model.conversation_sampling() == (sampling, origin)
+
+
+def test_a_damaged_sampling_entry_is_refused_at_load(src, tmp_path):
+    import edge
+    from edge.core.errors import CheckpointError
+
+    (src / "generation_config.json").write_text(json.dumps({"do_sample": True}))
+    out = tmp_path / "ckpt"
+    convert(str(src), str(out), QuantPlan(weights="int8"), progress=False)
+    manifest = json.loads((out / "zllm.json").read_text())
+    manifest["tokenizer"]["sampling"]["top_p"] = -1
+    (out / "zllm.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as raised:
+        edge.load(str(out))
+    assert str(raised.value) == (f"{out / 'zllm.json'}: tokenizer: top_p must be a finite number in [0, 1], got -1.0; "
+                                 "the checkpoint is damaged, convert the model again")

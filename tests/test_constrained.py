@@ -84,3 +84,23 @@ def test_min_p_keeps_the_tokens_near_the_likeliest():
     assert {sample_token(logits, SamplingParams(temperature=1.0, min_p=1.0), rng) for _ in range(50)} == {0}
     with pytest.raises(InvalidArgumentError, match=r"min_p must be a finite number in \[0, 1\] \(0 = no limit\), got 1.5"):
         SamplingParams(min_p=1.5)
+
+
+def test_each_tokenizer_has_its_own_vocabulary_and_a_freed_one_is_forgotten(smollm2_checkpoint):
+    """The grammar's view of a tokenizer is kept by the tokenizer object while it lives: a model loaded
+    after another one is freed (whose tokenizer may take the freed one's address) builds its own."""
+    import gc
+    import weakref
+
+    from edge import constrained
+
+    def constrained_text():
+        with edge.load(str(smollm2_checkpoint), device="reference") as model:
+            text = "".join(model.generate("Call me at", max_new_tokens=12, grammar=Grammar.regex(r" \d{3}-\d{4}\.")))
+            assert constrained._vocabularies.get(model.tokenizer) is not None
+            return text, weakref.ref(model.tokenizer), len(constrained._vocabularies)
+
+    first, tokenizer, held = constrained_text()
+    gc.collect()
+    assert tokenizer() is None and len(constrained._vocabularies) == held - 1
+    assert constrained_text()[0] == first

@@ -468,3 +468,27 @@ def test_weights_are_copied_into_huge_pages_and_experts_streamed_in_place(load):
     weight = model.checkpoint.tensors["model.layers.0.mlp.up_proj.weight"]
     prepared = prepare_weight(weight)
     assert prepared.arrays[0].ctypes.data == weight.qweight.ctypes.data  # a view, not a copy
+
+
+def test_a_kernel_compiled_now_is_said_and_one_loaded_from_the_cache_is_not():
+    """The first run's compile is said on stderr while it runs (which kernel, the seconds so far) and when it
+    ends; a load from the cache, which takes milliseconds, says nothing."""
+    import io
+    import re
+    import time
+
+    from kernels.cpu.runtime import CompileProgress
+
+    progress = CompileProgress()
+    progress.enabled, progress.stream, progress.SAY_AFTER = True, io.StringIO(), 0.05
+    with progress.compiling("matvec"):
+        pass
+    assert progress.stream.getvalue() == "" and progress.compiled == 0
+    with progress.compiling("forward"):
+        time.sleep(0.5)
+    lines = progress.stream.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    assert re.fullmatch(r"compiling cpu kernel forward \(0 compiled before it; the first run on this CPU compiles, "
+                        r"later runs load them from .*numba-cache\): 0 s", lines[0]), lines[0]
+    assert re.fullmatch(r"compiled cpu kernel forward in 0\.\d s", lines[1]), lines[1]
+    assert progress.compiled == 1

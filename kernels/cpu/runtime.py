@@ -16,6 +16,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 
 import llvmlite.binding as llvm
 import numba
@@ -177,8 +178,75 @@ def self_contained_compilation():
             numba.config.OPT = previous[1]
 
 
+class _HelperLibrary(_SelfContainedLibrary):
+    """A helper's library as LLVM IR only: every kernel that calls the helper links a private copy
+    and optimises it in place (above), so optimising the helper on its own and making machine code
+    for it would be work no kernel uses (it was most of a cold start's compile time). Finalizing
+    links the helpers it calls and stops there; its functions have no address."""
+
+    def finalize(self):
+        from numba.core.compiler_lock import require_global_compiler_lock
+
+        require_global_compiler_lock()
+        self._raise_if_finalized()
+        for library in dict.fromkeys(self._linking_libraries):
+            self._reload_init.update(library._reload_init)
+            self._final_module.link_in(library._get_module_for_linking(), preserve=True)
+        self._final_module.verify()
+        self._finalized = True
+
+    def get_pointer_to_function(self, name):
+        return 0  # no machine code: a Python call of a helper goes through _HelperDispatcher.__call__
+
+
+@contextlib.contextmanager
+def _ir_only_libraries():
+    """Within self_contained_compilation: the libraries made now are _HelperLibrary ones."""
+    from numba.core.registry import cpu_target
+
+    context = cpu_target.target_context
+    codegen = context.codegen()
+    previous = codegen._library_class, context.__dict__.get("get_executable")
+    codegen._library_class = _HelperLibrary
+    context.get_executable = _address_free_executable
+    try:
+        yield
+    finally:
+        codegen._library_class = previous[0]
+        if previous[1] is None:
+            del context.get_executable
+        else:
+            context.get_executable = previous[1]
+
+
+def _address_free_executable(library, fndesc, env):
+    """CPUContext.get_executable for a _HelperLibrary: the function object that stands for the
+    overload (the key kernels' lowering finds it by), with no machine code behind it."""
+    from numba import _dynfunc
+
+    return _dynfunc.make_function(fndesc.lookup_module(), fndesc.qualname.split(".")[-1],
+                                  f"IR-only helper {fndesc.qualname!r}", 0, env, (library,))
+
+
 class _HelperDispatcher(CPUDispatcher):
-    """A helper's dispatcher: it compiles self-contained whoever asks, a kernel or a test."""
+    """A helper's dispatcher. The overloads a kernel's compilation asks for are IR only
+    (_HelperLibrary); a call from Python (a test of the helper) runs a separately compiled copy
+    with machine code, compiled self-contained as a kernel is."""
+
+    def compile(self, sig):
+        with self_contained_compilation(), _ir_only_libraries():
+            return super().compile(sig)
+
+    def __call__(self, *args, **kwargs):
+        callable_copy = self.__dict__.get("_callable_copy")
+        if callable_copy is None:
+            callable_copy = self._callable_copy = _CallableHelper(py_func=self.py_func, locals={},
+                                                                  targetoptions=dict(self.targetoptions))
+        return callable_copy(*args, **kwargs)
+
+
+class _CallableHelper(CPUDispatcher):
+    """A helper compiled with machine code, for calls from Python."""
 
     def compile(self, sig):
         with self_contained_compilation():
@@ -335,6 +403,72 @@ class _CachedCFunc(CFunc):
         self._cache = _CheckedCache(self._pyfunc)
 
 
+# --------------------------------------------------------------------------------------------
+# Saying what compiles
+#
+# A kernel found in the cache loads in milliseconds; one compiled now takes seconds, the fused
+# forward most of the first run. A compile still running after SAY_AFTER seconds is said on stderr:
+# which kernel, how many this process compiled before it, and the seconds so far (rewritten in place
+# on a terminal, once a line otherwise), then the time it took. Off until a front end turns it on
+# (the command line does, unless --quiet): a library says nothing on its own.
+
+
+class CompileProgress:
+    SAY_AFTER = 1.0  # seconds: longer than any load from the cache
+    TICK = 1.0
+
+    def __init__(self):
+        self.enabled = False
+        self.stream = sys.stderr
+        self.compiled = 0  # kernels this process compiled (not loaded) so far
+
+    @contextlib.contextmanager
+    def compiling(self, what: str):
+        if not self.enabled:
+            yield
+            return
+        started, done = time.monotonic(), threading.Event()
+        said = threading.Event()
+        stream = self.stream
+        live = getattr(stream, "isatty", lambda: False)()
+        before = self.compiled
+
+        def say() -> None:
+            if done.wait(self.SAY_AFTER):
+                return
+            said.set()
+            while True:
+                line = (f"compiling cpu kernel {what} ({before} compiled before it; the first run on this CPU "
+                        f"compiles, later runs load them from {numba_cache_dir()}): "
+                        f"{time.monotonic() - started:.0f} s")
+                _write(stream, ("\r" + line) if live else line + "\n")
+                if not live or done.wait(self.TICK):
+                    return
+
+        ticker = threading.Thread(target=say, name="zllm-compile-progress", daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
+            if said.is_set():
+                self.compiled += 1
+                ending = f"compiled cpu kernel {what} in {time.monotonic() - started:.1f} s"
+                _write(stream, ("\r\x1b[K" + ending + "\n") if live else ending + "\n")
+
+
+def _write(stream, text: str) -> None:
+    try:
+        stream.write(text)
+        stream.flush()
+    except (OSError, ValueError):  # a closed or broken stderr must not stop the compile
+        pass
+
+
+compile_progress = CompileProgress()
+
+
 class Kernel:
     """A Numba kernel with explicit signatures, compiled (or loaded from the cache) on first call.
 
@@ -365,7 +499,8 @@ class Kernel:
                     dispatcher = _KernelDispatcher(py_func=self.function, locals={}, targetoptions=options)
                     dispatcher.enable_caching()
                     # the machine code and LLVM's tables stay in the process: the memory budget counts them
-                    with runtime_memory.measure(f"kernel {self.function.__module__}.{self.__name__}"), \
+                    with compile_progress.compiling(self.__name__.strip("_")), \
+                            runtime_memory.measure(f"kernel {self.function.__module__}.{self.__name__}"), \
                             self_contained_compilation():
                         for signature in self.signatures:
                             dispatcher.compile(signature)
@@ -399,8 +534,9 @@ def cfunc(signature, function):
     """A cached C callback of `function` (kernels/cpu/linear.py calls them through descriptors; it makes
     each one once per process). What numba.cfunc(signature, cache=True) does, with the checked cache."""
     use_cache_dir()
-    with runtime_memory.measure(f"kernel {function.__module__}.{function.__qualname__} {signature} "
-                                f"{id(function)}"), self_contained_compilation():
+    with compile_progress.compiling(function.__name__.strip("_")), \
+            runtime_memory.measure(f"kernel {function.__module__}.{function.__qualname__} {signature} {id(function)}"), \
+            self_contained_compilation():
         callback = _CachedCFunc(function, sigutils.normalize_signature(signature), locals={},
                                 options=dict(JIT_OPTIONS))
         callback.enable_caching()
