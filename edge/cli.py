@@ -435,6 +435,15 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"error: {self.prog}: {_one_line(message)} (see {self.prog} --help)\n")
 
+    def _get_values(self, action, arg_strings):
+        # "--option=--" is the value "--": argparse would drop it as the end of the options and give the
+        # option an empty list (a traceback later) or, for an optional value, its const
+        if action.option_strings and action.nargs in (None, "?") and arg_strings == ["--"]:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
 
 def _one_line(message: str) -> str:
     """A message on the one line an error gets: a line break in it (a path's, a value's as typed) escaped."""

@@ -721,6 +721,12 @@ def test_measuring_command_lines(default_models, dense_path, data):
      "command line, check the terminal's encoding)"),
     (["diff", "{text}", "1,2,99999999999999999999", "--ids", "--quiet"],  # "got object values such as 1"
      "token id 99999999999999999999 is outside the vocabulary [0, 260)"),
+    (["diff", "{text}", "hi", "--devices=--", "--quiet"],  # argparse gave the option [], a str's AttributeError
+     "diff compares exactly two devices, got 1: --"),
+    (["bench", "--prompt-tokens=--", "--quiet"],  # [] < 1: TypeError
+     "zllm-edge bench: argument --prompt-tokens: invalid int value: '--' (see zllm-edge bench --help)"),
+    (["calibrate", "{moe}", "--json", "a" * 250, "--no-save", "--quiet"],  # an OSError once the recording was done
+     f"--json {'a' * 250}: cannot write there, file name too long; choose a file in an existing, writable directory"),
     (["inspect", "no\nsuch"],  # the path's line break split the error line
      "no\\nsuch is not a directory; a zllm checkpoint is a directory made by `zllm-edge convert`"),
     (["generate", "{text}", "Hi", "--storage", "x", "--quiet"],  # ignored by a dense model

@@ -117,22 +117,30 @@ def writable_file(option: str, path: str | None, suffix: str | None = None) -> N
         return
     if path == "":
         raise InvalidArgumentError(f"{option} needs a file name, got an empty one")
+    path_argument(option, path)
     if suffix is not None and not path.lower().endswith(suffix):
-        raise InvalidArgumentError(f"{option} {path}: the file is written as {suffix[1:].upper()}; "
+        raise InvalidArgumentError(f"{option} {printable(path)}: the file is written as {suffix[1:].upper()}; "
                                    f"name a {suffix} file")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         problem = "that is a directory"
     elif not os.path.isdir(folder):
-        problem = f"the directory {folder} does not exist"
+        problem = f"the directory {printable(folder)} does not exist"
     elif not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         problem = "permission denied"
     else:
-        return
-    raise InvalidArgumentError(f"{option} {path}: cannot write there, {problem}; choose a file in an existing, "
-                               "writable directory")
-
-
+        # a trial of the hidden file the output is written through (edge/core/files.py write_atomically,
+        # whose name is longer than the file's): a name too long, or a read-only file system, fails here
+        trial = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}-00000000.partial")
+        try:
+            with open(trial, "x"):
+                pass
+            os.remove(trial)
+            return
+        except OSError as exc:
+            problem = (exc.strerror or str(exc)).lower()
+    raise InvalidArgumentError(f"{option} {printable(path)}: cannot write there, {problem}; choose a file in an "
+                               "existing, writable directory")
 
 
 SIZE_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
