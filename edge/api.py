@@ -265,12 +265,16 @@ class Model:
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                  seed: int | None = None, stop: str | list[str] | None = None, min_p: float = 0.0,
-                 grammar: Grammar | None = None) -> Generation:
+                 grammar: Grammar | None = None, session: "Session | None" = None) -> Generation:
         """Stream text pieces: `for piece in model.generate(...)`; `.result` has ids and timings.
         seed None or -1: a random seed; stop: a string or a list of strings (the text ends before
         the first one that appears; GenerationResult says what `tokens` then hold); min_p: keep the
         tokens at least min_p times as likely as the likeliest; grammar: an edge.Grammar the text must
-        match (a JSON schema, any JSON object, a regular expression, a Lark grammar)."""
+        match (a JSON schema, any JSON object, a regular expression, a Lark grammar); session: generate
+        in this open session (model.session(capacity)), which keeps the KV of the prompt's first tokens
+        that it holds already (an earlier turn of the conversation, prompt and reply) and stays open
+        after the generation; `result.timings["prompt_tokens_reused"]` says how many. Without one, a
+        session of its own opens and closes with the generation."""
         self.require_open()
         options = GenerationOptions.of(max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop,
                                        min_p, grammar)
@@ -283,7 +287,9 @@ class Model:
             raise InvalidArgumentError(f"prompt must be text (a str) or a list of token ids, got {shown(prompt)}")
         else:
             ids = check_token_ids(prompt, self.spec.vocab_size, InvalidArgumentError).tolist()
-        return Generation(self, ids, options)
+        if session is not None and not isinstance(session, Session):
+            raise InvalidArgumentError(f"session must be a Session from model.session(), got {shown(session)}")
+        return Generation(self, ids, options, session)
 
     def chat(self, messages: list[dict], **kwargs) -> Generation:
         """Apply the checkpoint's chat template to messages and generate the assistant's reply."""

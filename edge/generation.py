@@ -30,13 +30,17 @@ class GenerationResult:
     seed: int | None = None  # the sampler's seed, the one drawn for seed None / -1 too: pass it to sample again
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # the model's decode steps (forward and sampling), not the consumer's time
+    prompt_tokens_reused: int = 0  # the prompt's first tokens whose KV a continued session held already
 
     @property
     def timings(self) -> dict:
         n_decoded = max(len(self.tokens) - 1, 0)  # the first token comes from the prefill
         return {
             "prefill_seconds": self.prefill_seconds,
-            "prefill_tokens_per_second": len(self.prompt_tokens) / self.prefill_seconds if self.prefill_seconds else None,
+            # the tokens this prefill computed: a continued session's reused prefix is not among them
+            "prefill_tokens_per_second": (len(self.prompt_tokens) - self.prompt_tokens_reused) / self.prefill_seconds
+            if self.prefill_seconds else None,
+            "prompt_tokens_reused": self.prompt_tokens_reused,
             "decode_seconds": self.decode_seconds,
             "decode_tokens_per_second": n_decoded / self.decode_seconds if self.decode_seconds else None,
             "time_to_first_token_seconds": self.prefill_seconds,
@@ -108,7 +112,7 @@ class Generation:
     text and timings once it is exhausted. `close()` (or leaving a `with` block, or dropping the
     last reference) ends it early and frees its session's KV cache at once."""
 
-    def __init__(self, model, prompt_ids: list[int], options: GenerationOptions):
+    def __init__(self, model, prompt_ids: list[int], options: GenerationOptions, session=None):
         if len(prompt_ids) == 0:
             raise InvalidArgumentError("the prompt is empty; give some text or at least one token id")
         limit, what = model.generation_limit()
@@ -123,7 +127,10 @@ class Generation:
         # The loop is a module-level generator that does not refer to this object: no reference cycle,
         # so an abandoned generation is closed (and its session with it) as soon as it is dropped,
         # not when the garbage collector next runs, which a memory budget's next session cannot wait for.
-        self._steps = _generate(model, self.result, options, capacity, constraint)
+        if session is None:
+            self._steps = _generate(model, self.result, options, capacity, constraint)
+        else:
+            self._steps = _continue(model, session, self.result, options, constraint)
 
     def steps(self):
         return self._steps
@@ -167,6 +174,20 @@ def _generate(model, result: GenerationResult, options: GenerationOptions, capac
         yield from _run(model, session, result, options, constraint)
 
 
+def _continue(model, session, result: GenerationResult, options: GenerationOptions, constraint: Constraint | None):
+    """Generate in the caller's session, which stays open: the prompt's first tokens that the session holds
+    already keep their KV (a conversation's earlier turns), the rest of its history is dropped."""
+    if session.model is not model:
+        raise InvalidArgumentError("the session belongs to another model; open one with this model's session()")
+    reused = session.reusable_prefix(result.prompt_tokens)
+    session.rewind(reused)
+    result.prompt_tokens_reused = reused
+    if options.max_new_tokens == 0:
+        result.finish_reason = "length"
+        return
+    yield from _run(model, session, result, options, constraint)
+
+
 def _run(model, session, result: GenerationResult, options: GenerationOptions, constraint: Constraint | None):
     params, stop = options.sampling, options.stop
     # a random seed is drawn here and reported (llama.cpp prints its own), so that any run can be repeated
@@ -190,7 +211,7 @@ def _run(model, session, result: GenerationResult, options: GenerationOptions, c
 
     emitted = 0  # characters of result.text already released
     started = time.perf_counter()
-    token = step(result.prompt_tokens)
+    token = step(result.prompt_tokens[result.prompt_tokens_reused:])
     result.prefill_seconds = time.perf_counter() - started
     while True:
         result.tokens.append(token)

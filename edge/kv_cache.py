@@ -44,6 +44,14 @@ class KVCache:
                 )
         return tuple(backend.allocate_cache(slot.rows(self.capacity), p.heads, p.dim, p.format) for p in slot.parts)
 
+    def kept_prefix(self, length: int) -> int:
+        """How many of the first `length` positions this cache can go back to and continue from: all of
+        them, unless a ring slot has wrapped (its window then no longer holds the positions before)."""
+        if length >= self.length:
+            return self.length
+        wrapped = any(slot.ring and self.length > slot.window for slot in self.slots)
+        return 0 if wrapped else length
+
     def check_room(self, n_new: int, context_limit: int, ceiling: int | None = None) -> None:
         """Refuse n_new more tokens beyond the context or this cache's capacity. `ceiling`: the most
         positions any session of the model may hold (a memory budget's KV reservation; default: the

@@ -41,6 +41,8 @@ MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413) bef
 MAX_STOP_STRINGS = 4  # as OpenAI
 ADMISSION_POLL_SECONDS = 0.1  # how often a request waiting for KV positions looks whether its client left
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request looks whether its client left
+CACHED_SESSIONS = 4  # finished requests' sessions kept for a request that continues their conversation
+SESSION_HEADROOM = 1024  # positions a request's session holds beyond its own, for the conversation's next turns
 
 
 class ApiError(Exception):
@@ -197,18 +199,24 @@ class KvPositions:
         self.total = total
         self.held = 0
         self._changed = threading.Condition()
+        self.make_room = lambda: False  # frees an idle session's positions (SessionPool), True if it did
 
     def take(self, n: int, gone: threading.Event) -> bool:
-        """Hold n positions; False if the client went away while waiting."""
+        """Hold n positions, closing idle sessions kept for reuse before waiting for running requests;
+        False if the client went away while waiting."""
         if self.total is None:
             return True
-        with self._changed:
-            while self.held + n > self.total:
+        while True:
+            with self._changed:
+                if self.held + n <= self.total:
+                    self.held += n
+                    return True
                 if gone.is_set():
                     return False
-                self._changed.wait(ADMISSION_POLL_SECONDS)
-            self.held += n
-            return True
+            if not self.make_room():  # (outside the lock: closing a session gives its positions back)
+                with self._changed:
+                    if self.held + n > self.total:
+                        self._changed.wait(ADMISSION_POLL_SECONDS)
 
     def give_back(self, n: int) -> None:
         if self.total is None:
@@ -216,6 +224,70 @@ class KvPositions:
         with self._changed:
             self.held -= n
             self._changed.notify_all()
+
+
+# --- sessions kept for the next turn -----------------------------------------------------------------
+
+
+class SessionPool:
+    """Sessions of finished requests, kept (at most `size`, the least recently used closed first) so that a
+    request continuing a conversation reuses the KV of its earlier turns: a session is taken by a request
+    whose prompt starts with the whole prompt the session answered (a continuation, not a request that
+    merely shares a system prompt or repeats one: those compute from scratch, so that a request and its
+    repetition get the same bits). Each holds its positions of a memory budget until it is reused or
+    closed; a request that needs positions closes idle sessions before it waits for running ones."""
+
+    def __init__(self, model, size: int, positions: KvPositions):
+        self.model, self.size, self.positions = model, size, positions
+        self._idle: list = []  # least recently used first
+        self._lock = threading.Lock()
+        positions.make_room = self.close_oldest
+
+    def capacity(self, needed: int) -> int:
+        """Positions of a request's session: what it needs plus room for the conversation's next turns,
+        within the context and a memory budget's reservation."""
+        ceiling = min(self.model.generation_limit()[0], self.positions.total or needed + SESSION_HEADROOM)
+        return max(needed, min(needed + SESSION_HEADROOM, ceiling)) if self.size else needed
+
+    def take(self, ids: list[int], capacity: int):
+        """The idle session that holds the longest prefix of ids and has room for `capacity` positions
+        (removed from the pool), or None."""
+        with self._lock:
+            continued = [(session.reusable_prefix(ids), i) for i, (session, answered) in enumerate(self._idle)
+                         if session.capacity >= capacity and len(ids) > answered
+                         and session.reusable_prefix(ids) >= answered]
+            if not continued:
+                return None
+            return self._idle.pop(max(continued)[1])[0]
+
+    def put(self, session, answered: int) -> None:
+        """Keep a session that answered a prompt of `answered` tokens."""
+        with self._lock:
+            self._idle.append((session, answered))
+            over = self._idle[:-self.size] if self.size else list(self._idle)
+            del self._idle[:len(over)]
+        for old, _ in over:
+            self._close(old)
+
+    def discard(self, session) -> None:
+        """Close a session taken from the pool or opened for it, giving its positions back."""
+        self._close(session)
+
+    def close_oldest(self) -> bool:
+        with self._lock:
+            oldest = self._idle.pop(0)[0] if self._idle else None
+        if oldest is not None:
+            self._close(oldest)
+        return oldest is not None
+
+    def _close(self, session) -> None:
+        capacity = session.capacity
+        session.close()
+        self.positions.give_back(capacity)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._idle)
 
 
 # --- running a generation ----------------------------------------------------------------------------
@@ -233,7 +305,8 @@ def _usage(result) -> dict:
 def _timings(result) -> dict:
     """llama-server's timings: milliseconds and tokens per second of the prompt and of the generated tokens."""
     timings = result.timings
-    return {"prompt_n": len(result.prompt_tokens), "prompt_ms": 1e3 * timings["prefill_seconds"],
+    reused = timings["prompt_tokens_reused"]
+    return {"cache_n": reused, "prompt_n": len(result.prompt_tokens) - reused, "prompt_ms": 1e3 * timings["prefill_seconds"],
             "prompt_per_second": timings["prefill_tokens_per_second"],
             "predicted_n": len(result.tokens), "predicted_ms": 1e3 * timings["decode_seconds"],
             "predicted_per_second": timings["decode_tokens_per_second"]}
@@ -244,12 +317,14 @@ class Run:
     (called on that thread): ("text", piece), then ("done", result) or ("error", ZllmError); setting `gone`
     stops it at the next step and closes the generation, which frees its session."""
 
-    def __init__(self, generation, positions: KvPositions, deliver, running: "RunningRequests"):
-        self.generation, self.positions, self.deliver, self.running = generation, positions, deliver, running
+    def __init__(self, generation, pool: SessionPool, deliver, running: "RunningRequests"):
+        self.generation, self.pool, self.deliver, self.running = generation, pool, deliver, running
+        self.positions = pool.positions
         self.gone = threading.Event()
         result = generation.result
-        self.positions_needed = min(len(result.prompt_tokens) + generation.options.max_new_tokens,
-                                    generation.model.generation_limit()[0])
+        needed = min(len(result.prompt_tokens) + generation.options.max_new_tokens,
+                     generation.model.generation_limit()[0])
+        self.positions_needed = pool.capacity(needed)
         self.thread = threading.Thread(target=self._run, name="zllm-serve-request", daemon=True)
         running.add(self)
         self.thread.start()
@@ -261,11 +336,23 @@ class Run:
             self.running.remove(self)
 
     def _generate(self) -> None:
-        generation = self.generation
+        from edge.generation import Generation
+
+        generation, model = self.generation, self.generation.model
+        prompt = generation.result.prompt_tokens
         try:
-            if not self.positions.take(self.positions_needed, self.gone):
-                return
-            try:
+            session = self.pool.take(prompt, self.positions_needed)
+            if session is None:
+                if not self.positions.take(self.positions_needed, self.gone):
+                    return
+                try:
+                    session = model.session(capacity=self.positions_needed)
+                except BaseException:
+                    self.positions.give_back(self.positions_needed)
+                    raise
+            kept = False
+            try:  # the request's generation, in the session it continues (the one made earlier never started)
+                generation = self.generation = Generation(model, prompt, generation.options, session)
                 for step in generation.steps():
                     if self.gone.is_set():
                         break
@@ -273,9 +360,13 @@ class Run:
                         self.deliver(("text", step.text))
                 else:
                     self.deliver(("done", generation.result))
+                    kept = True
             finally:
                 generation.close()
-                self.positions.give_back(self.positions_needed)
+                if kept and self.pool.size:
+                    self.pool.put(session, len(prompt))
+                else:  # a request stopped early or failed: its session is not kept
+                    self.pool.discard(session)
         except ZllmError as exc:
             self.deliver(("error", exc))
         except Exception as exc:  # a defect: the client gets a 500, the server keeps serving
@@ -320,11 +411,12 @@ def _api_error(exc: BaseException) -> ApiError:
 class Server:
     """The endpoints over one loaded model."""
 
-    def __init__(self, model, model_name: str, api_key: str | None = None):
+    def __init__(self, model, model_name: str, api_key: str | None = None, cached_sessions: int = CACHED_SESSIONS):
         self.model, self.model_name, self.api_key = model, model_name, api_key
         self.created = int(time.time())
         budgeted = model.memory_budget is not None
         self.positions = KvPositions(model.session_ceiling() if budgeted else None)
+        self.pool = SessionPool(model, cached_sessions, self.positions)
         self.running = RunningRequests()
         self.context = model.generation_limit()[0]
         self.sampling = model.conversation_sampling()[0]
@@ -387,7 +479,7 @@ class Server:
     async def health(self, request):
         from starlette.responses import JSONResponse
 
-        return JSONResponse({"status": "ok", "requests_running": len(self.running),
+        return JSONResponse({"status": "ok", "requests_running": len(self.running), "sessions_kept": len(self.pool),
                              "kv_positions_held": self.positions.held, "kv_positions_reserved": self.positions.total})
 
     async def models(self, request):
@@ -442,7 +534,7 @@ class Server:
             elif not finished.done():
                 loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(event))
 
-        run = Run(generation, self.positions, deliver, self.running)
+        run = Run(generation, self.pool, deliver, self.running)
         try:
             while not finished.done():
                 await asyncio.wait([finished], timeout=DISCONNECT_POLL_SECONDS)
@@ -462,7 +554,7 @@ class Server:
 
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        run = Run(generation, self.positions, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+        run = Run(generation, self.pool, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
                   self.running)
 
         async def stream():
@@ -546,6 +638,10 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8080, help="TCP port (0: any free port, printed at start)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request")
     p.add_argument("--model-name", default=None, help="the model's id in /v1/models (default: the folder's name)")
+    p.add_argument("--cached-sessions", type=int, default=CACHED_SESSIONS,
+                   help="finished requests' sessions (KV caches) kept, so that a request continuing a conversation "
+                        "computes only what is new (timings.cache_n: the prompt tokens reused); 0: none "
+                        f"(default {CACHED_SESSIONS})")
     _add_load_args(p)
 
 
@@ -594,10 +690,12 @@ def cmd_serve(args) -> int:
 
     if args.api_key is not None and not args.api_key:
         raise InvalidArgumentError("--api-key is empty; give a key, or leave --api-key out")
+    if not is_integer(args.cached_sessions, 0):
+        raise InvalidArgumentError(f"--cached-sessions must be an integer >= 0, got {args.cached_sessions}")
     sock = listening_socket(args.host, args.port)
     model = _load_model(args.model, args)
     name = args.model_name or os.path.basename(os.path.normpath(model.path))
-    server = Server(model, name, api_key=args.api_key)
+    server = Server(model, name, api_key=args.api_key, cached_sessions=args.cached_sessions)
     warm_up(model, quiet=args.quiet)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

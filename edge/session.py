@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge.core.arguments import flag, is_integer, shown
+from edge.core.arguments import flag, integer, is_integer, shown
 from edge.core.errors import InvalidArgumentError, SessionError, ZllmError
 from edge.core.logits import check_finite_logits
 
@@ -140,3 +140,26 @@ class Session:
     def reset(self) -> None:
         self._open_cache().length = 0
         self.tokens.clear()
+
+    def rewind(self, length: int) -> None:
+        """Keep the first `length` tokens of the history and their KV, drop the rest: the next prefill
+        continues after them. A sliding-window layer whose ring buffer has wrapped no longer holds
+        what came before its window: SessionError then (start again with reset())."""
+        cache = self._open_cache()
+        length = integer("length", length, minimum=0, maximum=cache.length)
+        if cache.kept_prefix(length) != length:
+            raise SessionError(f"the session cannot go back to position {length}: a sliding-window layer has "
+                               f"overwritten what it held there ({cache.length} positions written); reset() it")
+        cache.length = length
+        del self.tokens[length:]
+
+    def reusable_prefix(self, ids) -> int:
+        """How many of ids' first tokens this session holds already and can continue from (rewind), at
+        most all but the last: a prefill needs one token to give the next token's logits."""
+        cache = self._open_cache()
+        common = 0
+        for held, new in zip(self.tokens, ids[:-1]):
+            if held != new:
+                break
+            common += 1
+        return cache.kept_prefix(common)

@@ -93,7 +93,7 @@ def _model_name(server) -> str:
 
 
 def test_health_and_models(server, smollm2_checkpoint):
-    assert server.health() == {"status": "ok", "requests_running": 0, "kv_positions_held": 0,
+    assert server.health() == {"status": "ok", "requests_running": 0, "sessions_kept": 0, "kv_positions_held": 0,
                                "kv_positions_reserved": None}
     models = server.client().models.list().data
     assert [m.id for m in models] == [os.path.basename(str(smollm2_checkpoint))]
@@ -304,7 +304,9 @@ def test_requests_wait_for_kv_positions_under_a_memory_budget(smollm2_checkpoint
         with ThreadPoolExecutor(2) as pool:
             first, second = pool.map(complete, range(2))
         assert first == second and first.startswith(" Paris")
-        assert server.health()["kv_positions_held"] == 0
+        health = server.health()  # what is held now is held by the sessions kept for a next turn
+        assert health["requests_running"] == 0 and health["sessions_kept"] >= 1
+        assert health["kv_positions_held"] == KV_CAPACITY * health["sessions_kept"]
     finally:
         server.stop()
 
@@ -314,3 +316,28 @@ def test_serve_refuses_a_port_it_cannot_use(smollm2_checkpoint):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --port must be in [0, 65535], got 70000"
+
+
+def test_a_conversation_continued_reuses_the_kv_of_its_earlier_turns(server, local_model):
+    """The second turn's prompt starts with the first turn's prompt and reply: the server continues the first
+    request's session (timings.cache_n tokens reused, only the rest computed) and answers what the library
+    answers when the same session continues (model.chat(..., session=))."""
+    client = server.client()
+    messages = [{"role": "user", "content": "Name a large city in Japan."}]
+    first = client.chat.completions.create(model=_model_name(server), messages=messages, max_tokens=12,
+                                           temperature=0)
+    with local_model.session(capacity=KV_CAPACITY) as session:
+        assert "".join(local_model.chat(messages, max_new_tokens=12, session=session)) == \
+            first.choices[0].message.content
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And one in Brazil?"}]
+        raw = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
+                         json={"messages": messages, "max_tokens": 12, "temperature": 0}).json()
+        assert "choices" in raw, raw
+        expected = local_model.chat(messages, max_new_tokens=12, session=session)
+        assert raw["choices"][0]["message"]["content"] == "".join(expected)
+    reused = expected.result.timings["prompt_tokens_reused"]
+    assert reused > len(local_model.encode(first.choices[0].message.content)), reused
+    assert raw["timings"]["cache_n"] == reused
+    assert raw["timings"]["cache_n"] + raw["timings"]["prompt_n"] == len(expected.result.prompt_tokens)
+    assert server.health()["sessions_kept"] >= 1
