@@ -253,9 +253,11 @@ class SessionPool:
         """The idle session that holds the longest prefix of ids and has room for `capacity` positions
         (removed from the pool), or None."""
         with self._lock:
-            continued = [(session.reusable_prefix(ids), i) for i, (session, answered) in enumerate(self._idle)
-                         if session.capacity >= capacity and len(ids) > answered
-                         and session.reusable_prefix(ids) >= answered]
+            continued = []  # (tokens reused, index)
+            for index, (session, answered) in enumerate(self._idle):
+                reused = session.reusable_prefix(ids)
+                if session.capacity >= capacity and answered < len(ids) and reused >= answered:
+                    continued.append((reused, index))
             if not continued:
                 return None
             return self._idle.pop(max(continued)[1])[0]
