@@ -16,7 +16,7 @@ from edge.core.errors import (
     ZllmError,
 )
 
-__all__ = ["load", "Model", "Grammar", "ZllmError", "ConversionError", "UnsupportedModelError", "CheckpointError",
+__all__ = ["load", "Model", "Grammar", "parse_tool_calls", "ToolsError", "ZllmError", "ConversionError", "UnsupportedModelError", "CheckpointError",
            "SessionError", "ExpertCacheError", "InvalidArgumentError", "NumericalError", "TokenizerError"]
 __version__ = "0.1.0"
 
@@ -32,6 +32,10 @@ def __getattr__(name: str):
         from edge.constrained import Grammar
 
         return Grammar
+    if name in ("parse_tool_calls", "ToolsError"):
+        from edge import tools
+
+        return getattr(tools, name)
     if name == "TokenizerError":  # lives beside the tokenizer, which imports the tokenizers package
         from edge.tokenizer import TokenizerError
 

@@ -291,16 +291,23 @@ class Model:
             raise InvalidArgumentError(f"session must be a Session from model.session(), got {shown(session)}")
         return Generation(self, ids, options, session)
 
-    def chat(self, messages: list[dict], **kwargs) -> Generation:
-        """Apply the checkpoint's chat template to messages and generate the assistant's reply."""
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, **kwargs) -> Generation:
+        """Apply the checkpoint's chat template to messages and generate the assistant's reply. tools:
+        OpenAI's function definitions, offered through a template that takes them (edge/tools.py; the
+        reply's calls: edge.parse_tool_calls(text)); a template that does not is a ToolsError."""
         self.require_open()
         _check_messages(messages)
         tokenizer = self._require_tokenizer()
+        if tools is not None:
+            from edge.tools import check_tools, require_tool_format
+
+            check_tools(tools)
+            require_tool_format(self)
         for i, message in enumerate(messages):
             for key, value in message.items():
                 if isinstance(value, str):
                     check_unicode(f"messages[{i}][{shown(key)}]", value)
-        text = render_chat(tokenizer, messages)
+        text = render_chat(tokenizer, messages, tools)
         check_unicode("the chat template's output", text)  # e.g. a text part of a list content
         return self.generate(tokenizer.encode(text, add_special_tokens=False), **kwargs)
 
@@ -417,7 +424,7 @@ def check_unicode(what: str, text: str) -> None:
                                    "text (on the command line, check the terminal's encoding)") from None
 
 
-def render_chat(tokenizer: Tokenizer, messages) -> str:
+def render_chat(tokenizer: Tokenizer, messages, tools: list[dict] | None = None) -> str:
     """The chat template applied to messages. A template that concatenates `content` as a string
     cannot take a list of parts or null: then, as llama.cpp does for templates without typed content,
     it gets each list's text parts joined by newlines (and "" for null). Whatever the template still
@@ -425,7 +432,7 @@ def render_chat(tokenizer: Tokenizer, messages) -> str:
     import jinja2
 
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except jinja2.TemplateSyntaxError as exc:  # no messages can help
         raise TokenizerError(f"the checkpoint's chat template is not valid Jinja ({exc}, line {exc.lineno}); "
                              "generate with a plain prompt, or convert the model from a source with a valid "
@@ -435,7 +442,7 @@ def render_chat(tokenizer: Tokenizer, messages) -> str:
     flat = _text_content(messages)
     if flat is not None:
         try:
-            return tokenizer.apply_chat_template(flat, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(flat, add_generation_prompt=True, tools=tools)
         except (TypeError, jinja2.TemplateError) as exc:
             failure = exc
     raise TokenizerError(f"the checkpoint's chat template cannot render these messages ({type(failure).__name__}: "

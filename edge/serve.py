@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from edge.constrained import Grammar, GrammarError
 from edge.core.arguments import is_integer, is_number
 from edge.core.errors import InvalidArgumentError, SessionError, ZllmError
+from edge.tools import ToolsError, check_tools, parse_tool_calls, tool_call_grammar
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413) before it is parsed
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -72,6 +73,7 @@ class Request:
     generation: dict           # keyword arguments of model.generate / model.chat
     stream: bool
     include_usage: bool
+    tools: bool = False  # tools were offered: the reply's calls are parsed into tool_calls
 
 
 def _optional(body: dict, name: str, check, message: str):
@@ -121,8 +123,8 @@ def _refuse_unsupported(body: dict) -> None:
         raise _invalid("logprobs", "logprobs are not supported; leave logprobs and top_logprobs out")
     if body.get("logit_bias"):
         raise _invalid("logit_bias", "logit_bias is not supported; leave it out")
-    if body.get("tools") or body.get("functions"):
-        raise _invalid("tools", "tool calls are not supported by this server; leave tools out")
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        raise _invalid("functions", "functions and function_call are OpenAI's older form; give tools and tool_choice")
 
 
 def _grammar(body: dict) -> Grammar | None:
@@ -147,6 +149,55 @@ def _grammar(body: dict) -> Grammar | None:
                                       "json_object or json_schema")
 
 
+def _with_parsed_arguments(message):
+    """An assistant message's earlier tool calls as templates render them: OpenAI sends each call's arguments
+    as JSON text, templates write them as an object (so does llama-server)."""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if not isinstance(calls, list):
+        return message
+    parsed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                arguments = json.loads(function["arguments"])
+            except ValueError:
+                raise _invalid("messages", f"a tool call's arguments are not JSON: {function['arguments'][:80]!r}") \
+                    from None
+            call = {**call, "function": {**function, "arguments": arguments}}
+        parsed.append(call)
+    return {**message, "tool_calls": parsed}
+
+
+def _tools(body: dict, chat: bool, grammar: Grammar | None) -> tuple[list[dict] | None, Grammar | None]:
+    """tools and tool_choice -> (the tools the template offers, the grammar a required call imposes)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none", "auto"):
+            raise _invalid("tool_choice", "tool_choice asks for a tool call, and the request offers no tools")
+        return None, grammar
+    if not chat:
+        raise _invalid("tools", "tools are offered through a chat template: use /v1/chat/completions")
+    try:
+        check_tools(tools)
+        if choice in (None, "auto"):
+            return tools, grammar
+        if choice == "none":
+            return None, grammar
+        if grammar is not None:
+            raise _invalid("tool_choice", "a required tool call and response_format cannot both shape the reply; "
+                                          "give one of them")
+        if choice == "required":
+            return tools, tool_call_grammar(tools)
+        function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _invalid("tool_choice", 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                          '"function": {"name": ...}}')
+        return tools, tool_call_grammar(tools, function["name"])
+    except ToolsError as exc:
+        raise _invalid("tool_choice" if "tool_choice" in str(exc) else "tools", str(exc)) from None
+
+
 def parse_request(body, chat: bool, context: int, sampling: dict) -> Request:
     """A completions or chat completions request body -> Request, or ApiError(400) naming the field."""
     if not isinstance(body, dict):
@@ -156,7 +207,7 @@ def parse_request(body, chat: bool, context: int, sampling: dict) -> Request:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _invalid("messages", "messages must be a non-empty list of {\"role\", \"content\"} objects")
-        prompt = messages
+        prompt = [_with_parsed_arguments(message) for message in messages]
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -175,7 +226,9 @@ def parse_request(body, chat: bool, context: int, sampling: dict) -> Request:
     seed = _optional(body, "seed", lambda v: is_integer(v) and -1 <= v < 2**63, "must be an integer in [-1, 2^63)")
     generation["seed"] = seed
     generation["stop"] = _stop(body)
-    generation["grammar"] = _grammar(body)
+    tools, generation["grammar"] = _tools(body, chat, _grammar(body))
+    if tools is not None:
+        generation["tools"] = tools
     max_tokens = _max_tokens(body, context)
     if max_tokens is not None:
         generation["max_new_tokens"] = max_tokens
@@ -185,7 +238,7 @@ def parse_request(body, chat: bool, context: int, sampling: dict) -> Request:
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
         raise _invalid("stream_options", "stream_options must be an object such as {\"include_usage\": true}")
-    return Request(prompt, generation, stream, bool(options and options.get("include_usage")))
+    return Request(prompt, generation, stream, bool(options and options.get("include_usage")), tools is not None)
 
 
 # --- KV positions under a memory budget --------------------------------------------------------------
@@ -400,6 +453,8 @@ def _api_error(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, GrammarError):
         return ApiError(400, str(exc), param="response_format")
+    if isinstance(exc, ToolsError):
+        return ApiError(400, str(exc), param="tools")
     if isinstance(exc, (InvalidArgumentError, SessionError)):
         return ApiError(400, str(exc))
     if isinstance(exc, ZllmError):
@@ -509,7 +564,7 @@ class Server:
             generation = self._generation(parsed, chat)
         except (ApiError, ZllmError) as exc:
             return self._error_response(_api_error(exc))
-        reply = Reply(self.model_name, chat)
+        reply = Reply(self.model_name, chat, parsed.tools)
         if parsed.stream:
             return self._streamed(request, generation, reply, parsed.include_usage)
         return await self._whole(request, generation, reply)
@@ -563,12 +618,23 @@ class Server:
             try:
                 if reply.chat:
                     yield _sse(reply.chunk(role_only=True))
+                held: list[str] = []  # with tools offered, the reply is parsed whole before it is sent
                 while True:
                     kind, value = await events.get()
-                    if kind == "text":
+                    if kind == "text" and reply.tools:
+                        held.append(value)
+                    elif kind == "text":
                         yield _sse(reply.chunk(text=value))
                     elif kind == "done":
-                        yield _sse(reply.chunk(finish_reason=_finish_reason(value), result=value))
+                        finish_reason = _finish_reason(value)
+                        if reply.tools:
+                            content, calls = reply.tool_calls("".join(held))
+                            if content:
+                                yield _sse(reply.chunk(text=content))
+                            if calls:
+                                yield _sse(reply.chunk(tool_calls=calls))
+                                finish_reason = "tool_calls"
+                        yield _sse(reply.chunk(finish_reason=finish_reason, result=value))
                         if include_usage:
                             yield _sse(reply.usage_chunk(value))
                         break
@@ -594,8 +660,8 @@ def _sse(payload: dict) -> bytes:
 class Reply:
     """The response objects of one request, OpenAI's shapes for chat and for completions."""
 
-    def __init__(self, model_name: str, chat: bool):
-        self.model_name, self.chat = model_name, chat
+    def __init__(self, model_name: str, chat: bool, tools: bool = False):
+        self.model_name, self.chat, self.tools = model_name, chat, tools
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
 
@@ -603,18 +669,32 @@ class Reply:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if streamed and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name}
 
+    def tool_calls(self, text: str) -> tuple[str | None, list[dict]]:
+        """(the reply's text, its calls in OpenAI's shape) when tools were offered; (text, []) otherwise."""
+        if not self.tools:
+            return text, []
+        content, calls = parse_tool_calls(text)
+        return content, [{"id": "call_" + secrets.token_hex(12), "type": "function",
+                          "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+                         for call in calls]
+
     def whole(self, text: str, result) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": _finish_reason(result)}
+            content, calls = self.tool_calls(text)
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            choice = {"index": 0, "message": message,
+                      "finish_reason": "tool_calls" if calls else _finish_reason(result)}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(result)}
         return {**self._envelope(False), "choices": [choice], "usage": _usage(result), "timings": _timings(result),
                 "seed": result.seed}
 
-    def chunk(self, text: str = "", role_only: bool = False, finish_reason: str | None = None, result=None) -> dict:
+    def chunk(self, text: str = "", role_only: bool = False, finish_reason: str | None = None, result=None,
+              tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role_only else ({"content": text} if text else {})
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}

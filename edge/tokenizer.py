@@ -61,7 +61,8 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise TokenizerError("this checkpoint has no chat template; use generate() with a plain prompt")
 
@@ -80,9 +81,10 @@ class Tokenizer:
         # a template that does not parse or fails on these messages raises jinja2.TemplateError or
         # TypeError: edge/api.py `render_chat` retries with text-only contents, then names the failure
         try:
+            context = {"tools": tools} if tools else {}  # as transformers: undefined when there are none
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=token(self.bos_token_id), eos_token=token(self.eos_token_id),
+                bos_token=token(self.bos_token_id), eos_token=token(self.eos_token_id), **context,
             )
         except (TypeError, jinja2.TemplateError, ZllmError):
             raise

@@ -228,7 +228,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, None, "content"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages", "messages must be a non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     400, "tools", "tool calls are not supported"),
+     400, "tools", "tools[0] must be {\"type\": \"function\", \"function\""),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "xml"}}, 400, "response_format", 'type "xml" is not known'),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
