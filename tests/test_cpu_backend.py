@@ -10,6 +10,7 @@ Tolerance: 1e-5 of the largest logit. Greedy tokens must be equal (a discrete re
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -474,7 +475,6 @@ def test_a_kernel_compiled_now_is_said_and_one_loaded_from_the_cache_is_not():
     """The first run's compile is said on stderr while it runs (which kernel, the seconds so far) and when it
     ends; a load from the cache, which takes milliseconds, says nothing."""
     import io
-    import re
     import time
 
     from kernels.cpu.runtime import CompileProgress
@@ -492,3 +492,37 @@ def test_a_kernel_compiled_now_is_said_and_one_loaded_from_the_cache_is_not():
                         r"later runs load them from .*numba-cache\): 0 s", lines[0]), lines[0]
     assert re.fullmatch(r"compiled cpu kernel forward in 0\.\d s", lines[1]), lines[1]
     assert progress.compiled == 1
+
+
+def test_a_first_load_runs_its_instruction_probes_side_by_side(monkeypatch, tmp_path):
+    """On a new machine the widest int8 dot product and BF16 are probed at once: each child waits here until
+    the other has started, which probes run one after the other would never do."""
+    import threading
+
+    from devices.cpu import CpuBackend
+    from kernels.cpu import cpu_probe
+
+    monkeypatch.setenv("ZLLM_EDGE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_probe, "_verdicts", {})
+    monkeypatch.setattr(cpu_probe, "target_features",
+                        lambda: {"avx512vnni": True, "avx512bw": True, "avx2": True, "avx512bf16": True})
+    both_started = threading.Barrier(2, timeout=30)
+    children = []
+
+    def child(*args, **kwargs):
+        probe = re.search(r"child_main\('(\w+)'\)", args[0][-1]).group(1)
+        children.append(probe)
+        if probe in ("vnni", "bf16"):
+            both_started.wait()
+        return subprocess.CompletedProcess(args, 0, stdout=f"{probe} ok\n", stderr="")
+
+    monkeypatch.setattr(cpu_probe.subprocess, "run", child)
+    backend = CpuBackend(threads=1)
+    assert sorted(children[:2]) == ["bf16", "vnni"] and children[2:] == ["bf16_faster"]
+    assert backend.activations == "int8" and backend.bf16_prefill
+    verdicts = json.loads((tmp_path / "cpu-probe.json").read_text())
+    assert sorted(verdicts.values()) == [True, True, True]
+    children.clear()
+    monkeypatch.setattr(cpu_probe, "_verdicts", {})
+    CpuBackend(threads=1)  # kept: a second load probes nothing
+    assert children == []

@@ -30,7 +30,7 @@ try:
     from kernels.cpu import elementwise, isa, kv_quant
     from kernels.cpu import linear as linear_kernels
     from kernels.cpu import moe as moe_kernels
-    from kernels.cpu.cpu_probe import best_int8_dot, bf16_prefill_is_faster, runs_bf16
+    from kernels.cpu.cpu_probe import best_int8_dot, bf16_prefill_is_faster, probe_first_needs, runs_bf16
     from kernels.cpu.formats import padded_cols
     from kernels.cpu.llvm_ir import ACT_F32, ACT_INT8, INT8_DOTS
     from kernels.cpu.llvm_prefill import integer_prefill_runs
@@ -96,6 +96,8 @@ class CpuBackend:
             raise ValueError(f"device 'cpu' has the variants {', '.join(f'cpu:{v}' for v in ACTIVATION_VARIANTS)} "
                              f"(how matmuls on quantized weights take their inputs: {ACTIVATION_HELP}); "
                              f"got 'cpu:{variant}'")
+        if variant in (None, "int8"):
+            probe_first_needs()  # a first load on this machine runs its instruction probes side by side
         if variant is None:
             self.activations, self.variant_reason = default_activations()
         else:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from edge.core.files import write_atomically
@@ -151,6 +152,31 @@ def _runs(probe: str) -> bool:
         return _verdicts[key]
 
 
+def probe_first_needs() -> None:
+    """Run side by side the probes a backend asks first on a new machine: the widest int8 dot product the
+    target has, and AVX-512 BF16. Each is a child process that starts an interpreter and Numba; asked one
+    after another, the first load waits for them in turn. Verdicts already kept are not asked again; a probe
+    alone is left to be run when it is asked for."""
+    from kernels.cpu.llvm_ir import INT8_DOTS
+
+    features = target_features()
+    has = lambda probe: all(features.get(name) for name in PROBES[probe].features)  # noqa: E731
+    int8 = next((INT8_DOTS[style].probe for style in int8_dot_order() if has(INT8_DOTS[style].probe)), None)
+    wanted = [probe for probe in (int8, "bf16") if probe is not None and has(probe)]
+    with _lock:
+        stored = _read_verdicts()
+        pending = [probe for probe in wanted
+                   if _cpu_key(probe) not in _verdicts and not isinstance(stored.get(_cpu_key(probe)), bool)]
+        if len(pending) < 2:
+            return
+        with ThreadPoolExecutor(len(pending)) as pool:
+            verdicts = list(pool.map(_run_child, pending))
+        for probe, verdict in zip(pending, verdicts):
+            if verdict is not None:
+                _remember(_cpu_key(probe), verdict)
+            _verdicts[_cpu_key(probe)] = bool(verdict)
+
+
 def runs(probe: str) -> bool:
     """True when this process may emit the instruction of PROBES[probe]."""
     return _runs(probe)
@@ -169,13 +195,20 @@ def bf16_prefill_is_faster() -> bool:
 def best_int8_dot() -> int:
     """The activation style (llvm_ir.ACT_INT8*) whose dot-product instructions run here, the widest
     first; generic vector IR (ACT_INT8) where none does."""
-    from kernels.cpu.llvm_ir import (ACT_INT8, ACT_INT8_AVX2, ACT_INT8_AVXVNNI, ACT_INT8_DOTPROD, ACT_INT8_I8MM,
-                                     ACT_INT8_SSSE3, ACT_INT8_VNNI, INT8_DOTS)
+    from kernels.cpu.llvm_ir import ACT_INT8, INT8_DOTS
 
-    for style in (ACT_INT8_VNNI, ACT_INT8_AVXVNNI, ACT_INT8_AVX2, ACT_INT8_SSSE3, ACT_INT8_I8MM, ACT_INT8_DOTPROD):
+    for style in int8_dot_order():
         if _runs(INT8_DOTS[style].probe):
             return style
     return ACT_INT8
+
+
+def int8_dot_order() -> tuple[int, ...]:
+    """The int8 activation styles (llvm_ir.ACT_INT8_*) with an instruction of their own, the widest first."""
+    from kernels.cpu.llvm_ir import (ACT_INT8_AVX2, ACT_INT8_AVXVNNI, ACT_INT8_DOTPROD, ACT_INT8_I8MM, ACT_INT8_SSSE3,
+                                     ACT_INT8_VNNI)
+
+    return ACT_INT8_VNNI, ACT_INT8_AVXVNNI, ACT_INT8_AVX2, ACT_INT8_SSSE3, ACT_INT8_I8MM, ACT_INT8_DOTPROD
 
 
 def _time_prefill_tiles() -> None:
