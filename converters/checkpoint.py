@@ -11,12 +11,20 @@ from edge.core.errors import CheckpointError, ConversionError
 from quant.checkpoint import MANIFEST
 
 
+def check_source_named(src) -> None:
+    """An empty SRC would name the working directory: refused by name."""
+    if isinstance(src, str) and not src.strip():
+        raise ConversionError("SRC is empty; name a Hugging Face model folder or a .gguf file")
+
+
 def check_output(out: str, force: bool, sources: tuple[str, ...] = ()) -> str:
     """OUT as an absolute path, once it is safe to write: refused (ConversionError) when it exists
     and `force` is not given, when it lies inside a source folder, when replacing it would delete a
     source or the directory we run in,
     or when it is a directory holding something other than a zllm checkpoint (--force replaces a
     checkpoint, a file or an empty directory, never a directory of other data)."""
+    for src in sources:
+        check_source_named(src)
     if not str(out).strip():
         raise ConversionError("OUT is empty; name the directory the checkpoint should be written to")
     out = os.path.abspath(out)

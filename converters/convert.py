@@ -184,6 +184,7 @@ def open_source(src: str) -> SourceModel:
     from converters.gguf_source import GGUFSource
     from converters.hf_source import HFSource
 
+    output.check_source_named(src)
     try:
         if os.path.isdir(src):
             return HFSource(src)

@@ -707,6 +707,7 @@ def test_measuring_command_lines(default_models, dense_path, data):
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "", "Hi"], "MODEL is empty; name a checkpoint directory, or leave MODEL out for the default model"),
+    (["convert", "", "out"], "SRC is empty; name a Hugging Face model folder or a .gguf file"),  # was " does not exist"
     (["bench", "{text}", "--prompt-tokens", "99999999999999", "--quiet"],  # was a MemoryError
      "99999999999999 prompt + 128 new tokens exceed the model's context of 64 tokens; lower --prompt-tokens or "
      "--new-tokens"),
