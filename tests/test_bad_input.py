@@ -53,19 +53,25 @@ def write_tiny_gpt2(folder: Path) -> Path:
     return folder
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama") -> Path:
-    """A 1-layer model in GGUF with `arch`'s metadata keys and a minimal byte-level (gpt2) tokenizer."""
-    hidden, ffn, vocab = 64, 96, 260
+TINY_GGUF_VOCAB = 260
+
+
+def write_tiny_gguf(path: Path, arch: str = "llama", context: int = 64, chat_template: str | None = None) -> Path:
+    """A 1-layer model in GGUF with `arch`'s metadata keys and a minimal byte-level (gpt2) tokenizer of
+    TINY_GGUF_VOCAB tokens (and `chat_template`, if given)."""
+    hidden, ffn, vocab = 64, 96, TINY_GGUF_VOCAB
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
-    writer.add_context_length(64)
+    writer.add_context_length(context)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(4)
     writer.add_head_count_kv(2)
     writer.add_layer_norm_rms_eps(1e-6)
     add_byte_level_tokenizer(writer, vocab)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     shapes = {"token_embd.weight": (vocab, hidden), "blk.0.attn_norm.weight": (hidden,),
               "blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_k.weight": (32, hidden),
               "blk.0.attn_v.weight": (32, hidden), "blk.0.attn_output.weight": (hidden, hidden),

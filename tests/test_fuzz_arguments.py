@@ -31,14 +31,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import gguf
 import hypothesis.extra.numpy as hnp
 import numpy as np
 import pytest
-from gguf_files import add_byte_level_tokenizer, finish
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
+from test_bad_input import TINY_GGUF_VOCAB, write_tiny_gguf
 from tiny_models import CONTEXT, VOCAB, random_prompt, tiny_zoo  # noqa: F401
 
 import edge
@@ -185,33 +184,12 @@ def llama(dense_path):
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
-TEXT_VOCAB = 260
+TEXT_VOCAB = TINY_GGUF_VOCAB
 
 
 def write_text_gguf(path: Path) -> Path:
     """A 1-layer Llama with a byte-level tokenizer and a chat template: text in, text out, fast on the reference."""
-    hidden, ffn = 64, 96
-    rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_context_length(CONTEXT)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(ffn)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_layer_norm_rms_eps(1e-6)
-    add_byte_level_tokenizer(writer, TEXT_VOCAB)
-    writer.add_chat_template(TEMPLATE)
-    shapes = {"token_embd.weight": (TEXT_VOCAB, hidden), "blk.0.attn_norm.weight": (hidden,),
-              "blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_k.weight": (32, hidden),
-              "blk.0.attn_v.weight": (32, hidden), "blk.0.attn_output.weight": (hidden, hidden),
-              "blk.0.ffn_norm.weight": (hidden,), "blk.0.ffn_gate.weight": (ffn, hidden),
-              "blk.0.ffn_up.weight": (ffn, hidden), "blk.0.ffn_down.weight": (hidden, ffn),
-              "output_norm.weight": (hidden,)}
-    for name, shape in shapes.items():
-        writer.add_tensor(name, rng.normal(0, 0.1, shape).astype(np.float32))
-    finish(writer)
-    return path
+    return write_tiny_gguf(path, context=CONTEXT, chat_template=TEMPLATE)
 
 
 @pytest.fixture(scope="module")
