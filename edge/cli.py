@@ -209,17 +209,16 @@ def cmd_generate(args) -> int:
     return 0
 
 
-# The sampler's fields as generate leaves them: no sampling (greedy), no filter, no penalty.
-SAMPLER_OFF = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
-
-
 def cmd_chat(args) -> int:
     from edge.api import check_unicode
-    from edge.sampling import CONVERSATION_SAMPLING
+    from edge.core.sampling_defaults import SAMPLING_FIELDS
+    from edge.sampling import CONVERSATION_SAMPLING, SamplingParams
 
+    # the sampler's fields as generate leaves them (greedy, no filter, no penalty), for those a default omits
+    off = {name: getattr(SamplingParams(), name) for name in SAMPLING_FIELDS}
     # chat's sampling flags default to None: the ones given win over the model's conversation sampling
-    args.sampling_given = {name: getattr(args, name) for name in SAMPLER_OFF if getattr(args, name) is not None}
-    for name, value in {**SAMPLER_OFF, **CONVERSATION_SAMPLING, **args.sampling_given}.items():
+    args.sampling_given = {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name) is not None}
+    for name, value in {**off, **CONVERSATION_SAMPLING, **args.sampling_given}.items():
         setattr(args, name, value)  # checked as given before the model loads; set again once it has
     model = _load_for_text(args.model, args)
     if not model.tokenizer.chat_template:  # refused before the user types a first message, not after it
@@ -228,7 +227,7 @@ def cmd_chat(args) -> int:
                         "plain prompt")
     messages = [{"role": "system", "content": args.system}] if args.system else []
     sampling, origin = model.conversation_sampling()
-    for name, value in {**SAMPLER_OFF, **sampling, **args.sampling_given}.items():
+    for name, value in {**off, **sampling, **args.sampling_given}.items():
         setattr(args, name, value)
     if args.temperature > 0 and args.seed in (None, -1):  # one seed for the conversation, said so it can be repeated
         import numpy as np
@@ -385,11 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat on stdin/stdout with the model's chat template")
+    from edge.core.sampling_defaults import SAMPLING_FIELDS
+
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("--system", default=None)
     _add_generation_args(p)
     # a conversation samples as the checkpoint asks, else as llama.cpp does (cmd_chat; --temperature 0: greedy)
-    p.set_defaults(func=cmd_chat, **{name: None for name in SAMPLER_OFF})
+    p.set_defaults(func=cmd_chat, **dict.fromkeys(SAMPLING_FIELDS))
 
     from edge import bench, diff
 
