@@ -715,6 +715,6 @@ def emit_report(table: str, report: dict, json_target: str | None) -> None:
     else:
         print(table)
         if json_target:
-            from edge.core.files import write_atomically
+            from edge.core.files import write_output
 
-            write_atomically(json_target, lambda f: json.dump(report, f, indent=1))
+            write_output(json_target, lambda f: json.dump(report, f, indent=1))

@@ -431,9 +431,9 @@ def plot_moe_report(report: dict, path: str) -> None:
     figure.suptitle(f"{os.path.basename(report['model'])} on {report['device']}, storage {report['storage']}")
     figure.tight_layout()
     try:
-        from edge.core.files import write_atomically
+        from edge.core.files import write_output
 
-        write_atomically(path, lambda f: figure.savefig(f, format="png", dpi=120), binary=True)
+        write_output(path, lambda f: figure.savefig(f, format="png", dpi=120), binary=True)
     finally:
         plt.close(figure)
 

@@ -105,7 +105,7 @@ def _record(path: str, args):
 
 def cmd_calibrate(args) -> int:
     from edge.core.arguments import writable_file
-    from edge.core.files import write_atomically
+    from edge.core.files import write_output
     from edge.core.spec import spec_from_dict
     from edge.home import default_moe_checkpoint
     from edge.options import LoadOptions
@@ -140,5 +140,5 @@ def cmd_calibrate(args) -> int:
     if args.json == "-":
         print(json.dumps(result, indent=1))
     elif args.json:
-        write_atomically(args.json, lambda f: json.dump(result, f, indent=1))
+        write_output(args.json, lambda f: json.dump(result, f, indent=1))
     return 0

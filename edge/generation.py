@@ -1,6 +1,7 @@
 """Streaming generation: prompt in, text pieces out as they are produced."""
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -123,14 +124,21 @@ class Generation:
         self.result = GenerationResult(prompt_tokens=list(prompt_ids))
         capacity = min(len(prompt_ids) + options.max_new_tokens, limit)
         # compiled now, so that a grammar that cannot be is refused by this call, before any session opens
-        constraint = options.grammar.start(model) if options.grammar is not None else None
+        self._constraint = options.grammar.start(model) if options.grammar is not None else None
         # The loop is a module-level generator that does not refer to this object: no reference cycle,
         # so an abandoned generation is closed (and its session with it) as soon as it is dropped,
         # not when the garbage collector next runs, which a memory budget's next session cannot wait for.
         if session is None:
-            self._steps = _generate(model, self.result, options, capacity, constraint)
+            self._steps = _generate(model, self.result, options, capacity, self._constraint)
         else:
-            self._steps = _continue(model, session, self.result, options, constraint)
+            self._steps = _continue(model, session, self.result, options, self._constraint)
+
+    def run_in(self, session) -> None:
+        """Generate in `session` (as generate(..., session=) does: the prompt's first tokens it holds keep their
+        KV) instead of a session of its own; the checks and the compiled grammar stay. Only before the first step."""
+        if inspect.getgeneratorstate(self._steps) != inspect.GEN_CREATED:
+            raise SessionError("this generation has started already; run_in() must come before its first step")
+        self._steps = _continue(self.model, session, self.result, self.options, self._constraint)
 
     def steps(self):
         return self._steps

@@ -391,8 +391,6 @@ class Run:
             self.running.remove(self)
 
     def _generate(self) -> None:
-        from edge.generation import Generation
-
         generation, model = self.generation, self.generation.model
         prompt = generation.result.prompt_tokens
         try:
@@ -406,8 +404,8 @@ class Run:
                     self.positions.give_back(self.positions_needed)
                     raise
             kept = False
-            try:  # the request's generation, in the session it continues (the one made earlier never started)
-                generation = self.generation = Generation(model, prompt, generation.options, session)
+            try:  # the request's generation, in the session it continues or the one opened for it
+                generation.run_in(session)
                 for step in generation.steps():
                     if self.gone.is_set():
                         break

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from edge.core.errors import ZllmError
-from edge.core.files import write_atomically
+from edge.core.files import write_output
 from edge.core.moe import MoeConfig, kept_groups_mask, router_scores, selection_scores
 from edge.core.numerics import rms_norm, softmax
 from kernels.cpu.forecast import count_decode_route, gate_forecast, learn_decode_drift
@@ -141,7 +141,9 @@ def write_predictor_file(checkpoint_path: str, weights: SignalWeights, calibrati
     path = os.path.join(checkpoint_path, PREDICTOR_FILE)
     entry = {"format": PREDICTOR_FORMAT, "version": PREDICTOR_VERSION, "weights": weights.to_dict(),
              "calibration": calibration}
-    write_atomically(path, lambda f: json.dump(entry, f, indent=1))
+    write_output(path, lambda f: json.dump(entry, f, indent=1),
+                 advice="calibrate with --no-save and keep the weights with --json, or copy the checkpoint to a "
+                        "writable folder")
     return path
 
 

@@ -79,3 +79,19 @@ def test_a_session_of_another_model_is_refused(smollm2_checkpoint):
                 "".join(one.generate("Hi", max_new_tokens=1, session=session))
         with pytest.raises(InvalidArgumentError, match="session must be a Session from model.session"):
             one.generate("Hi", session="yes")
+
+
+def test_a_made_generation_moves_into_a_session_before_its_first_step(smollm2_checkpoint):
+    """What the server does: a request's generation (checked, its grammar compiled) is made first and given
+    a session when one is free; it then runs as generate(..., session=) would."""
+    grammar = edge.Grammar.regex(r"[a-z ]{1,12}")
+    with edge.load(str(smollm2_checkpoint)) as model, model.session(capacity=64) as session:
+        expected = model.generate("The capital of France is", max_new_tokens=6, grammar=grammar)
+        "".join(expected)
+        generation = model.generate("The capital of France is", max_new_tokens=6, grammar=grammar)
+        generation.run_in(session)
+        "".join(generation)
+        assert generation.result.tokens == expected.result.tokens
+        assert session.tokens == generation.result.prompt_tokens + generation.result.tokens[:-1]
+        with pytest.raises(SessionError, match="this generation has started already"):
+            generation.run_in(session)

@@ -102,3 +102,26 @@ def test_a_disk_that_fills_up_while_the_default_model_converts_is_an_error_and_l
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == [f"{DEFAULT_MODEL_NAME}.lock"]
     monkeypatch.setattr(SafetensorsWriter, "write", real_write)  # space again: it converts
     assert default_model_checkpoint(progress=False) == str(checkpoint)
+
+
+# ----------------------------------------------------------------------- what a command writes elsewhere
+
+
+def test_a_report_or_predictor_file_a_folder_cannot_take_is_an_error_naming_the_file(tmp_path, unwritable):
+    """Outputs outside the home (a bench report, a plot, a checkpoint's predictor.json) name the file and
+    what to do instead; nothing is left half-written."""
+    from edge.bench import emit_report
+    from streaming.predictor import SignalWeights, write_predictor_file
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    unwritable.apply(folder)
+    reason = Unwritable.REASONS[unwritable.kind]
+    with pytest.raises(NotWritableError, match=f"^cannot write {folder / 'report.json'}: {reason}; choose a file "
+                                               "in a writable folder with free space$"):
+        emit_report("table", {"a": 1}, str(folder / "report.json"))
+    with pytest.raises(NotWritableError, match=f"^cannot write {folder / 'predictor.json'}: {reason}; calibrate "
+                                               "with --no-save"):
+        write_predictor_file(str(folder), SignalWeights.default(), {"tokens": 1})
+    unwritable.restore()
+    assert os.listdir(folder) == []

@@ -30,8 +30,7 @@ def is_not_writable(error: BaseException) -> bool:
 def not_writable(path, error: OSError, variable: str) -> NotWritableError:
     """The typed error for a write into `path` that failed with `error`; `variable` names the
     environment variable that puts the folder elsewhere."""
-    reason = error.strerror or str(error)
-    reason = reason[:1].lower() + reason[1:]
+    reason = _reason(error)
     if error.errno in FULL_ERRNOS:
         advice = f"free some space there or set {variable} to a folder on another disk"
     else:
@@ -67,6 +66,29 @@ def write_atomically(path, write, binary: bool = False) -> None:
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+def write_output(path, write, binary: bool = False,
+                 advice: str = "choose a file in a writable folder with free space") -> None:
+    """write_atomically for a file a command was asked to write (a report, a plot, a checkpoint's own
+    predictor.json): a folder that cannot take it (read-only, no permission, full) is a NotWritableError
+    naming the file and what to do instead, not an OSError's traceback."""
+    try:
+        write_atomically(path, write, binary)
+    except OSError as exc:
+        if not is_not_writable(exc):
+            raise
+        raise NotWritableError(f"cannot write {_shown_path(path)}: {_reason(exc)}; {advice}") from None
+
+
+def _reason(error: OSError) -> str:
+    reason = error.strerror or str(error)
+    return reason[:1].lower() + reason[1:]
+
+
+def _shown_path(path) -> str:
+    text = os.fsdecode(path)
+    return text if text.isprintable() else repr(text)
 
 
 @contextmanager
