@@ -758,6 +758,11 @@ def test_bytes_that_are_not_utf8_on_a_real_command_line(text_files, tmp_path):
     assert (result.returncode, result.stderr) == (0, b"")
     assert result.stdout.startswith(named + b": zllm format 1, from gguf:text.gguf\n")
 
+    # and it runs: its tokenizer is read by a path that is not UTF-8 either
+    result = run_bytes(b"generate", named, b"Hi", b"--max-new-tokens", b"2", b"--device", b"reference", b"--quiet",
+                       cwd=tmp_path)
+    assert (result.returncode, result.stderr) == (0, b"")
+
     result = run_bytes(b"convert", text_files[0].encode(), b"out-\xff", b"--quiet", cwd=tmp_path)
     assert (result.returncode, result.stderr) == (0, b""), result.stderr
     assert (tmp_path / os.fsdecode(b"out-\xff") / "zllm.json").is_file()
