@@ -30,13 +30,15 @@ environment, the creating interpreter and the site directories it inherits). An 
 marker is missing (an interrupted build, one made by an older version of this module) or differs is
 cleared and built again. Before one is reused it is checked (env_damage): its python is there and
 executable, the .pth that makes it inherit says what it should, and every file its own packages'
-RECORDs list with a size is there with that size; a damaged one is said in one line on stderr and
+RECORDs list is there with that size and sha256 (a file's digest is computed again only when its size or
+mtime changed since it last matched: VERIFIED keeps those); a damaged one is said in one line on stderr and
 built again. pip's output goes to <env>/install.log; a failed build raises HelperEnvUnavailable with
 the log's last lines, a finished one whose import check fails HelperEnvBroken, and a folder that
 cannot be written (read-only, full) HelperEnvNotWritable, which names it and the variable that moves it.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib.metadata
 import json
@@ -50,10 +52,11 @@ import venv
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge.core.files import NotWritableError, is_not_writable, not_writable
+from edge.core.files import NotWritableError, is_not_writable, not_writable, write_atomically
 from kernels.cache_home import HOME_VARIABLE, zllm_home
 
 MARKER = "zllm-helper-env.json"
+VERIFIED = "zllm-verified-files.json"  # {path: [size, mtime_ns]} of package files whose digest matched RECORD
 # Python reads a site-packages folder's .pth files in name order: this one sorts after those the
 # helper's own packages install, so their entries stay ahead of the inherited ones.
 INHERIT_PTH = "zz-zllm-edge-inherit.pth"
@@ -210,31 +213,71 @@ def env_damage(spec: HelperEnv) -> str | None:
             inherits = False
         if not inherits:
             return f"{pth} is missing or does not say what this interpreter's environment inherits"
-    return _package_damage(own)
+    return _package_damage(own, folder / VERIFIED)
 
 
-def _package_damage(site_packages: Path) -> str | None:
-    """A file an installed package's RECORD lists with a size that is missing or of another size (an
-    install cut short, a file removed or truncated since); None when every one is there."""
+def _package_damage(site_packages: Path, verified_path: Path) -> str | None:
+    """A file an installed package's RECORD lists that is missing, of another size (an install cut short, a
+    file removed or truncated since) or of other bytes (overwritten); None when every one is as listed."""
+    try:
+        verified = json.loads(verified_path.read_text())
+    except (OSError, ValueError, RecursionError):
+        verified = {}
+    if not isinstance(verified, dict):
+        verified = {}
+    damage, checked = _record_damage(site_packages, verified)
+    if damage is None and checked != verified:
+        try:  # a folder that cannot take it only means the digests are computed again next time
+            write_atomically(verified_path, lambda f: json.dump(checked, f))
+        except OSError:
+            pass
+    return damage
+
+
+def _record_damage(site_packages: Path, verified: dict) -> tuple[str | None, dict]:
+    """(the first damage found or None, {path: [size, mtime_ns]} of every file found as listed)."""
+    checked = {}
     for info in sorted(site_packages.glob("*.dist-info")):
         dist, name = importlib.metadata.PathDistribution(info), info.name.removesuffix(".dist-info")
         try:
             files = dist.files
         except (ValueError, TypeError) as exc:  # (importlib's reading of a RECORD that is no CSV of 3 columns)
-            return f"package {name} is damaged: {info / 'RECORD'} cannot be read ({exc})"
+            return f"package {name} is damaged: {info / 'RECORD'} cannot be read ({exc})", checked
         if files is None:
-            return f"package {name} is half-installed: {info / 'RECORD'} is missing"
+            return f"package {name} is half-installed: {info / 'RECORD'} is missing", checked
         for file in files:
             if file.size is None:  # RECORD itself, and the bytecode Python writes again when it must
                 continue
             location = Path(dist.locate_file(file))
             try:
-                size = location.stat().st_size
+                status = location.stat()
             except OSError:
-                return f"package {name} is half-installed: {location} is missing"
-            if size != file.size:
-                return f"package {name} is half-installed: {location} has {size} bytes, its RECORD says {file.size}"
-    return None
+                return f"package {name} is half-installed: {location} is missing", checked
+            if status.st_size != file.size:
+                return (f"package {name} is half-installed: {location} has {status.st_size} bytes, its RECORD says "
+                        f"{file.size}"), checked
+            stamp = [status.st_size, status.st_mtime_ns]
+            unverified = file.hash is not None and verified.get(str(location)) != stamp
+            if unverified and not _digest_matches(location, file.hash):
+                return (f"package {name} is damaged: {location} is not the file its RECORD lists (its "
+                        f"{file.hash.mode} differs)"), checked
+            checked[str(location)] = stamp
+    return None, checked
+
+
+def _digest_matches(location: Path, listed) -> bool:
+    """Whether a file's digest is RECORD's (urlsafe base64 without padding, as wheels write it)."""
+    try:
+        digest = hashlib.new(listed.mode)
+    except ValueError:  # an algorithm this Python lacks: nothing to compare with
+        return True
+    try:
+        with open(location, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return False
+    return base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode() == listed.value
 
 
 def _log_tail(path: Path) -> str:

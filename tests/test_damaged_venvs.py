@@ -87,6 +87,9 @@ ENV_DAMAGE = {
     "a package file cut short": (lambda folder: os.truncate(package_file(folder), 3),
                                  "package zllm_probe_pkg-1.0 is half-installed: {module} has 3 bytes, its RECORD says "
                                  f"{len(PACKAGE_SOURCE)}"),
+    "a package file of other bytes": (lambda folder: package_file(folder).write_bytes(b"VALUE = 41\n"),
+                                      "package zllm_probe_pkg-1.0 is damaged: {module} is not the file its RECORD "
+                                      "lists (its sha256 differs)"),
     "a package file missing": (lambda folder: package_file(folder).unlink(),
                                "package zllm_probe_pkg-1.0 is half-installed: {module} is missing"),
     "a package without its RECORD": (
@@ -175,3 +178,15 @@ def test_a_peer_env_that_cannot_be_written_is_reported_as_an_unavailable_peer(tm
     assert isinstance(raised.value, NotWritableError)
     assert str(raised.value) == unwritable.message(helper_envs.env_folder(bench_envs.ORT_GENAI),
                                                    helper_envs.VENVS_VARIABLE)
+
+
+def test_digests_are_computed_again_only_for_files_that_changed(env_copy, monkeypatch):
+    spec, folder = env_copy
+    assert (folder / helper_envs.VERIFIED).is_file()  # written by the check that found the copy whole
+    hashed = []
+    real = helper_envs._digest_matches
+    monkeypatch.setattr(helper_envs, "_digest_matches", lambda location, listed: hashed.append(location) or
+                        real(location, listed))
+    assert helper_envs.env_damage(spec) is None and hashed == []
+    package_file(folder).write_bytes(PACKAGE_SOURCE)  # the same bytes again: a new mtime
+    assert helper_envs.env_damage(spec) is None and hashed == [package_file(folder)]
