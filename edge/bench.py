@@ -660,7 +660,8 @@ def add_arguments(parser) -> None:
                              "of their own, built on first use; one that cannot be built is reported as unavailable)")
     parser.add_argument("--threads", type=int, default=None,
                         help="threads for every device (caps BLAS/Numba pools; the gpu's host side only)")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=128,
+                        help="prompt length: Python's own docs tokenized and cut to N (seeded ids without a tokenizer)")
     parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens to generate (the first from prefill)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per device, alternating; median reported")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON to FILE ('-': stdout)")

@@ -21,7 +21,8 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                    help=f"weight format: {', '.join(WEIGHT_CHOICES)} or a full scheme such as int4_affine_g64 "
                         "(default: source for GGUF, int8 for Hugging Face folders; a bare int4/int8 keeps GGUF "
                         "Q4_0/Q4_1/Q8_0 tensors of that width as they are, a full scheme requantizes them)")
-    p.add_argument("--group-size", type=int, default=32, choices=GROUP_SIZES)
+    p.add_argument("--group-size", type=int, default=32, choices=GROUP_SIZES,
+                   help="weights per scale of the int4/int8 tensors this run quantizes (default 32)")
     sym = p.add_mutually_exclusive_group()
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=True,
                      help="scale only per group (default)")
@@ -290,7 +291,8 @@ def _memory_options(args) -> dict:
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     _add_load_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate at most (default 64; the first comes from the prompt's prefill)")
     _add_sampling_args(p)
 
 
@@ -335,11 +337,15 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="0 = greedy (generate's default); chat samples by default as the checkpoint's "
                         "generation_config.json says, else with temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, "
                         "as llama.cpp and Ollama do")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the likeliest tokens whose probabilities sum to P (1 = all; 0 keeps only the "
+                        "likeliest)")
     p.add_argument("--min-p", type=float, default=0.0,
                    help="keep the tokens at least this many times as likely as the likeliest (0 = no limit)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens already in the prompt or the output by R (1 = off), as "
+                        "transformers and llama.cpp do")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the sampler, for reproducible sampling; -1 (as in llama.cpp) or none: a random seed")
     p.add_argument("--stop", action="append", default=[],
@@ -349,12 +355,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="zllm-edge", description="Run LLMs on devices that cannot hold them comfortably.")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the runtime does (INFO level)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("convert", help="convert a Hugging Face folder or a GGUF file into a zllm checkpoint")
-    p.add_argument("src")
-    p.add_argument("out")
+    p = sub.add_parser(
+        "convert", help="convert a Hugging Face folder or a GGUF file into a zllm checkpoint",
+        description="Convert a Hugging Face folder or a GGUF file into a zllm checkpoint, one tensor at a time, "
+                    "into a hidden folder beside OUT that is renamed when complete: an interrupted run never "
+                    "leaves a loadable checkpoint, and what a killed one left is removed by the next conversion "
+                    "to the same OUT. GGUF Q4_0/Q4_1/Q8_0 tensors are kept as stored unless a full scheme is "
+                    "asked for: requantizing 4-bit codes onto a second 4-bit grid compounds both roundings.")
+    p.add_argument("src", help="a Hugging Face folder (config.json and safetensors) or a .gguf file")
+    p.add_argument("out", help="the checkpoint folder to write (refused if it exists, unless --force)")
     _add_quant_args(p)
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--report", action="store_true", help="print every tensor's quantization error")
@@ -366,51 +378,90 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moefy-dense-layers", default=None, metavar="LAYERS",
                    help="with --moefy: layers that keep their dense FFN: ids such as 0,-1, auto:N (the N most "
                         "sensitive), or none (default: the built-in default's)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("inspect", help="print a checkpoint's spec, schemes and sizes")
-    p.add_argument("checkpoint")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("inspect", help="print a checkpoint's spec, schemes and sizes",
+                       description="Print a checkpoint's model spec, weight formats per tensor class and sizes.")
+    p.add_argument("checkpoint", help="a checkpoint folder made by zllm-edge convert")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON instead of the summary")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("formats", help="list every weight format with its block size and bytes per block")
+    p = sub.add_parser("formats", help="list every weight format with its block size and bytes per block",
+                       description="List every weight format with its block size and bytes per block.")
     p.set_defaults(func=cmd_formats)
 
-    p = sub.add_parser("generate", help="generate text: zllm-edge generate [MODEL] PROMPT")
-    p.add_argument("words", nargs="+", metavar="[MODEL] PROMPT")
+    p = sub.add_parser(
+        "generate", help="generate text: zllm-edge generate [MODEL] PROMPT",
+        description="Generate text from a prompt, greedy unless sampling is asked for. --json prints one object: "
+                    "text, tokens, prompt_tokens, finish_reason, stop_string, seed, device, timings (prefill and "
+                    "decode seconds and tokens/s of the model's own work) and stats.")
+    p.add_argument("words", nargs="+", metavar="[MODEL] PROMPT",
+                   help="MODEL: a checkpoint, GGUF file or Hugging Face folder (default: the built-in SmolLM2, "
+                        "converted on first use); PROMPT: the text, its words joined by spaces")
     _add_generation_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with text, tokens, timings")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("chat", help="chat on stdin/stdout with the model's chat template")
+    p = sub.add_parser(
+        "chat", help="chat on stdin/stdout with the model's chat template",
+        description="Chat with the model: one message per line of stdin, each reply on stdout. When the "
+                    "conversation outgrows what a reply may use (the context, --kv-capacity or the budget's "
+                    "reservation), the oldest exchanges are dropped (the system message stays) and stderr says so.")
     from edge.core.sampling_defaults import SAMPLING_FIELDS
 
-    p.add_argument("model", nargs="?", default=None)
-    p.add_argument("--system", default=None)
+    p.add_argument("model", nargs="?", default=None,
+                   help="a checkpoint, GGUF file or Hugging Face folder (default: the built-in SmolLM2)")
+    p.add_argument("--system", default=None, help="the system message that opens the conversation")
     _add_generation_args(p)
     # a conversation samples as the checkpoint asks, else as llama.cpp does (cmd_chat; --temperature 0: greedy)
     p.set_defaults(func=cmd_chat, **dict.fromkeys(SAMPLING_FIELDS))
 
     from edge import bench, diff
 
-    p = sub.add_parser("bench", help="load time, prefill/decode tokens/s, first-token time, peak RSS; devices side by side")
+    p = sub.add_parser(
+        "bench", help="load time, prefill/decode tokens/s, first-token time, peak RSS; devices side by side",
+        description="Measure devices side by side, each in its own process, repeats alternating between them: load "
+                    "time, cold first token (compilation included), prefill and decode tokens/s, time to first token "
+                    "and peak RSS, greedy over a fixed prompt; the table shows medians and ratios to the first device "
+                    "(naming a device twice measures the noise floor). gpu adds upload time and its buffers' peak "
+                    "bytes; providers that cannot share one environment run in helper virtualenvs under "
+                    "$ZLLM_EDGE_HOME/venvs, and a device that cannot run here gets a column saying why. With "
+                    "--memory-budget (MoE checkpoints) it decodes per budget and expert strategy instead, and beside "
+                    "every streamed row stands the bound no strategy can beat (the resident speed, or the reads an "
+                    "omniscient cache of that size would need at this disk's speed) and the fraction of it reached.")
     bench.add_arguments(p)
     p.set_defaults(func=bench.cmd_bench)
 
     from edge import serve
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions")
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions",
+        description="Serve the model over OpenAI's HTTP API: POST /v1/chat/completions and /v1/completions "
+                    "(streamed or whole; response_format json_object / json_schema; tools where the chat template "
+                    "defines them), GET /v1/models and /health. Requests run concurrently, interleaved one model "
+                    "step at a time; a request that continues a kept conversation reuses its KV.")
     serve.add_arguments(p)
     p.set_defaults(func=serve.cmd_serve)
 
     from edge import calibrate
 
-    p = sub.add_parser("calibrate", help="record MoE route traces and calibrate the expert predictor's signal mix")
+    p = sub.add_parser(
+        "calibrate", help="record MoE route traces and calibrate the expert predictor's signal mix",
+        description="Record route traces of a MoE checkpoint on Python's own docs, replay them through the expert "
+                    "predictor with a grid of signal mixes (gate lookahead, temporal, spatial, frequency), print "
+                    "held-out recall and precision per layer distance, and save the best mix as the checkpoint's "
+                    "predictor.json, which edge.load uses by default.")
     calibrate.add_arguments(p)
     p.set_defaults(func=calibrate.cmd_calibrate)
 
-    p = sub.add_parser("diff", help="run a prompt on two devices and name the first layer where they diverge")
+    p = sub.add_parser(
+        "diff", help="run a prompt on two devices and name the first layer where they diverge",
+        description="Run a prompt and a few greedy decode steps on two devices, compare the hidden state after every "
+                    "layer and the logits (max abs, relative max abs per token, relative RMS, cosine, argmax) and name "
+                    "the first layer beyond tolerance; the tolerance follows each device's arithmetic and the "
+                    "checkpoint's weight formats (reference against reference must be exactly 0). Exit status 1 when "
+                    "the devices diverge.")
     diff.add_arguments(p)
     p.set_defaults(func=diff.cmd_diff)
     return parser

@@ -479,11 +479,11 @@ def add_arguments(parser) -> None:
                         help="two devices, the reference first: reference,cpu (default reference,reference)")
     parser.add_argument("--ids", action="store_true",
                         help="PROMPT is comma-separated token ids (for checkpoints without a tokenizer)")
-    parser.add_argument("--decode-steps", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--decode-steps", type=int, default=4, help="greedy decode steps compared after the prompt")
+    parser.add_argument("--threads", type=int, default=None, help="compute threads of the cpu and npu devices")
     parser.add_argument("--json", action="store_true",
                         help="print the whole report as JSON (nan and infinite figures as null)")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 def cmd_diff(args) -> int:

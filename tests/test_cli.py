@@ -174,3 +174,16 @@ def test_chat_drops_the_oldest_exchanges_instead_of_ending(smollm2):
     assert len(result.stdout.split("\n")) == 7  # six replies, each ending with a newline
     assert "[chat] the conversation outgrew the 96 positions a reply may use: dropped its" in result.stderr
     assert "Traceback" not in result.stderr and "error:" not in result.stderr
+
+
+def test_every_command_and_option_says_what_it_means_in_its_help():
+    """Option meanings live in the CLI's help (the README points there): none may be left bare."""
+    import argparse
+
+    from edge.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [f"{name} {action.option_strings[0] if action.option_strings else action.dest}"
+            for name, parser in commands.choices.items() for action in parser._actions if not action.help]
+    undescribed = [name for name, parser in commands.choices.items() if not parser.description]
+    assert (bare, undescribed) == ([], [])
