@@ -494,6 +494,23 @@ def test_a_kernel_compiled_now_is_said_and_one_loaded_from_the_cache_is_not():
     assert progress.compiled == 1
 
 
+def test_compile_progress_writes_to_stderr_as_it_is_when_the_compile_starts(monkeypatch):
+    """Not the stream sys.stderr was when the module was imported: a caller that redirects stderr gets the lines."""
+    import io
+    import time
+
+    from kernels.cpu.runtime import compile_progress as progress  # made at import, before capsys took stderr
+
+    monkeypatch.setattr(progress, "enabled", True)
+    monkeypatch.setattr(progress, "SAY_AFTER", 0.05)
+    monkeypatch.setattr(progress, "compiled", progress.compiled)
+    redirected = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", redirected)
+    with progress.compiling("forward"):
+        time.sleep(0.3)
+    assert redirected.getvalue().startswith("compiling cpu kernel forward")
+
+
 def test_a_first_load_runs_its_instruction_probes_side_by_side(monkeypatch, tmp_path):
     """On a new machine the widest int8 dot product and BF16 are probed at once: each child waits here until
     the other has started, which probes run one after the other would never do."""

@@ -419,7 +419,7 @@ class CompileProgress:
 
     def __init__(self):
         self.enabled = False
-        self.stream = sys.stderr
+        self.stream = None  # None: sys.stderr as it is when a compile starts (a caller may have replaced it)
         self.compiled = 0  # kernels this process compiled (not loaded) so far
 
     @contextlib.contextmanager
@@ -429,7 +429,7 @@ class CompileProgress:
             return
         started, done = time.monotonic(), threading.Event()
         said = threading.Event()
-        stream = self.stream
+        stream = self.stream or sys.stderr
         live = getattr(stream, "isatty", lambda: False)()
         before = self.compiled
 
