@@ -10,6 +10,7 @@ import sys
 from contextlib import contextmanager
 from typing import Callable
 
+from edge.core.arguments import printable
 from edge.core.errors import ZllmError
 
 # What a write fails with when the folder cannot take it (as opposed to a damaged source or a bug):
@@ -78,17 +79,12 @@ def write_output(path, write, binary: bool = False,
     except OSError as exc:
         if not is_not_writable(exc):
             raise
-        raise NotWritableError(f"cannot write {_shown_path(path)}: {_reason(exc)}; {advice}") from None
+        raise NotWritableError(f"cannot write {printable(os.fsdecode(path))}: {_reason(exc)}; {advice}") from None
 
 
 def _reason(error: OSError) -> str:
     reason = error.strerror or str(error)
     return reason[:1].lower() + reason[1:]
-
-
-def _shown_path(path) -> str:
-    text = os.fsdecode(path)
-    return text if text.isprintable() else repr(text)
 
 
 @contextmanager
