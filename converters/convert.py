@@ -440,7 +440,7 @@ def _manifest(source: SourceModel, spec, reports: list[TensorReport], schemes: d
         experts_path = os.path.join(os.path.dirname(weights_path), experts_entry["file"])
         files[experts_entry["file"]] = {"bytes": os.path.getsize(experts_path),
                                         "sha256": ckpt.sha256_file(experts_path)}
-    return manifest
+    return ckpt.sealed(manifest)
 
 
 def convert(src: str | SourceModel, out: str, plan: QuantPlan | None = None, force: bool = False,

@@ -9,12 +9,20 @@
                       (quant/expert_file.py; indexed by the manifest's "experts" entry, which
                       carries the sha256 of its canonical form, "index_sha256", verified at load)
 
+The manifest carries the sha256 of its own canonical form, "manifest_sha256" (`canonical_sha256`),
+verified at load after every structural check: a flipped digit in the model spec (rope_theta, an
+epsilon) passes those checks, and the digest refuses it. A hand edit is refused the same way: the
+manifest is the converter's record of what it wrote, and settings a user may change are options of
+the commands and of `edge.load`. Checkpoints written before the digest existed (within format
+version 1) have no manifest_sha256 and load with the structural checks alone.
+
 Writers create the directory under a temporary name beside its destination and rename it
 when complete, so a directory named like a checkpoint is always a whole one.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,6 +43,7 @@ FORMAT = "zllm"
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 MANIFEST = "zllm.json"
+MANIFEST_SHA256 = "manifest_sha256"  # the key of the manifest's digest of itself
 TOKENIZER = "tokenizer.json"
 WEIGHTS = "model.safetensors"
 
@@ -60,6 +69,37 @@ def sha256_file(path: str, chunk_bytes: int = 16 << 20) -> str:
         while chunk := f.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def canonical_sha256(entry: dict, own_key: str) -> str:
+    """The sha256 of a JSON object: of its JSON with keys sorted, no spaces and ASCII only, its own digest
+    key `own_key` left out, so that the object as written and as parsed back give the same text."""
+    canonical = json.dumps({key: value for key, value in entry.items() if key != own_key},
+                           sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+def sealed(manifest: dict) -> dict:
+    """The manifest with its MANIFEST_SHA256 set to the digest of the rest (what the converter writes)."""
+    manifest[MANIFEST_SHA256] = canonical_sha256(manifest, MANIFEST_SHA256)
+    return manifest
+
+
+def check_canonical_sha256(where: str, entry: dict, own_key: str, owner: str, edited: str) -> None:
+    """Refuse an object whose digest under `own_key` is not a sha256 digest, or not that of the rest of
+    the object (`edited` says what that means, e.g. "the expert index fails its sha256 check ..."). An
+    object without the key (written before it existed) passes. `owner` names the object ("the
+    manifest's")."""
+    from edge.core.spec_dense import show
+
+    if own_key not in entry:
+        return
+    stored = entry[own_key]
+    if not (isinstance(stored, str) and len(stored) == 64 and all(c in "0123456789abcdef" for c in stored)):
+        raise CheckpointError(f"{where}: {owner} {own_key} is {show(stored)}, not a sha256 digest "
+                              "(64 lowercase hexadecimal digits); the checkpoint is damaged, convert the model again")
+    if canonical_sha256(entry, own_key) != stored:
+        raise CheckpointError(f"{where}: {edited}; convert the model again")
 
 
 @dataclass
@@ -179,6 +219,11 @@ def open_checkpoint(path: str, verify: bool = False) -> Checkpoint:
 
             check_index_sha256(path, manifest["experts"])
         _check_tokenizer_entry(path, manifest, spec.vocab_size)
+        # last of all, for the same reason: what passed every check above and still differs from what the
+        # converter wrote (a flipped digit of the spec, an edited chat template) is refused here
+        check_canonical_sha256(os.path.join(path, MANIFEST), manifest, MANIFEST_SHA256, "the manifest's",
+                               f"the manifest fails its sha256 check ({MANIFEST_SHA256}): it was edited or "
+                               "damaged after conversion")
     except BaseException:
         for f in files.values():
             f.close()

@@ -28,8 +28,6 @@ the records' crc32s.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -43,7 +41,7 @@ from isal.isal_zlib import crc32
 
 from edge.core.errors import CheckpointError
 from quant import QuantizedTensor, Scheme
-from quant.checkpoint import stored_arrays
+from quant.checkpoint import canonical_sha256, check_canonical_sha256, stored_arrays
 
 EXPERTS_FILE = "experts.bin"
 ALIGNMENT = 4096
@@ -170,28 +168,17 @@ def zstd_bound(raw_length: int) -> int:
 
 
 def index_sha256(entry: dict) -> str:
-    """The sha256 of an experts entry: of its JSON with keys sorted, no spaces and ASCII only, its own
-    INDEX_SHA256 key left out, so that the entry as written and as parsed back give the same text."""
-    canonical = json.dumps({key: value for key, value in entry.items() if key != INDEX_SHA256},
-                           sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+    """The sha256 of an experts entry's canonical JSON, its own INDEX_SHA256 key left out."""
+    return canonical_sha256(entry, INDEX_SHA256)
 
 
 def check_index_sha256(path: str, entry: dict) -> None:
     """Refuse an experts entry that is not the one the converter wrote: its index_sha256 is not a
     digest, or not the digest of the rest of the entry. An entry without the key (a checkpoint
     written before it existed) passes."""
-    from edge.core.spec_dense import show
-
-    if INDEX_SHA256 not in entry:
-        return
-    stored = entry[INDEX_SHA256]
-    if not (isinstance(stored, str) and len(stored) == 64 and all(c in "0123456789abcdef" for c in stored)):
-        raise CheckpointError(f"{path}: the experts entry's {INDEX_SHA256} is {show(stored)}, not a sha256 digest "
-                              "(64 lowercase hexadecimal digits); the checkpoint is damaged, convert the model again")
-    if index_sha256(entry) != stored:
-        raise CheckpointError(f"{path}: the expert index fails its sha256 check ({INDEX_SHA256}): its records or "
-                              "layouts were edited or damaged after conversion; convert the model again")
+    check_canonical_sha256(path, entry, INDEX_SHA256, "the experts entry's",
+                           f"the expert index fails its sha256 check ({INDEX_SHA256}): its records or layouts were "
+                           "edited or damaged after conversion")
 
 
 def _index_integer(value) -> int:

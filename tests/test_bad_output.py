@@ -21,6 +21,7 @@ from converters.convert import QuantPlan, convert
 from converters.hf_source import HFSource
 from converters.safetensors_io import SafetensorsWriter
 from edge.core.errors import CheckpointError, ConversionError
+from quant.checkpoint import MANIFEST_SHA256, canonical_sha256
 
 INT8 = QuantPlan(weights="int8")
 
@@ -240,6 +241,48 @@ def test_inspect_and_load_refuse_a_manifest_missing_its_parts(tiny_checkpoint, c
     with pytest.raises(CheckpointError) as raised:
         edge.load(str(tiny_checkpoint))
     assert str(raised.value) == message
+
+
+def test_a_manifest_edited_after_conversion_fails_its_own_sha256(tiny_checkpoint, capsys):
+    """A changed digit of the model spec passes every structural check (it is still a valid spec that fits
+    the weights); the manifest's sha256 of itself refuses it, in `inspect` and at load. The digest is of
+    the canonical JSON, not of the file's bytes: written again with another indentation, it loads."""
+    manifest_path = tiny_checkpoint / "zllm.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest[MANIFEST_SHA256] == canonical_sha256(manifest, MANIFEST_SHA256)
+    manifest_path.write_text(json.dumps(manifest, indent=4))
+    edge.load(str(tiny_checkpoint)).close()
+    manifest["model"]["rope_theta"] = float(manifest["model"]["rope_theta"]) + 1.0
+    manifest_path.write_text(json.dumps(manifest))
+    message = (f"{manifest_path}: the manifest fails its sha256 check (manifest_sha256): it was edited or damaged "
+               "after conversion; convert the model again")
+    assert run_cli(capsys, "inspect", tiny_checkpoint) == (2, "", f"error: {message}\n")
+    with pytest.raises(CheckpointError) as raised:
+        edge.load(str(tiny_checkpoint))
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("digest", ["0" * 63, "A" * 64, 7, None])
+def test_a_manifest_digest_that_is_not_one_is_refused(tiny_checkpoint, digest):
+    manifest_path = tiny_checkpoint / "zllm.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest[MANIFEST_SHA256] = digest
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as raised:
+        edge.load(str(tiny_checkpoint))
+    assert str(raised.value).startswith(f"{manifest_path}: the manifest's manifest_sha256 is ")
+    assert str(raised.value).endswith(", not a sha256 digest (64 lowercase hexadecimal digits); the checkpoint is "
+                                      "damaged, convert the model again")
+
+
+def test_a_manifest_written_before_its_digest_loads(tiny_checkpoint):
+    """Checkpoints of format version 1 written before the manifest carried its sha256 load as before."""
+    manifest_path = tiny_checkpoint / "zllm.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest[MANIFEST_SHA256]
+    manifest_path.write_text(json.dumps(manifest))
+    with edge.load(str(tiny_checkpoint)) as model:
+        assert model.spec.num_hidden_layers == manifest["model"]["num_hidden_layers"]
 
 
 def test_inspect_checks_the_files_the_manifest_lists(tiny_checkpoint, capsys):

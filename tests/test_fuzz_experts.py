@@ -31,7 +31,7 @@ from tiny_models import random_prompt, tiny_zoo  # noqa: F401
 import edge
 from converters.convert import QuantPlan
 from edge.core.errors import CheckpointError, ZllmError
-from quant.checkpoint import MANIFEST
+from quant.checkpoint import MANIFEST, MANIFEST_SHA256
 from quant.expert_file import EXPERTS_FILE, INDEX_SHA256, PROJECTIONS, index_sha256
 
 EXAMPLES = int(os.environ.get("ZLLM_EDGE_FUZZ_EXAMPLES", "60"))
@@ -81,13 +81,17 @@ def intact(checkpoints) -> IntactLogits:
                          for compression, path in checkpoints.items() for device, strategy in loads(compression)})
 
 
-def damaged_copy(checkpoint: str, folder: str, entry: dict | None = None, expert_bytes: bytes | None = None) -> Path:
-    """A copy of `checkpoint` under `folder` with the experts entry and/or experts.bin replaced."""
+def damaged_copy(checkpoint: str, folder: str, entry: dict | None = None, expert_bytes: bytes | None = None,
+                 before_digests: bool = False) -> Path:
+    """A copy of `checkpoint` under `folder` with the experts entry and/or experts.bin replaced; with
+    `before_digests`, a manifest as written before it carried its own sha256."""
     target = Path(folder, "ckpt")
     shutil.copytree(checkpoint, target)
     if entry is not None:
         manifest = json.loads((target / MANIFEST).read_text())
         manifest["experts"] = entry
+        if before_digests:
+            del manifest[MANIFEST_SHA256]
         (target / MANIFEST).write_text(json.dumps(manifest))
     if expert_bytes is not None:
         (target / EXPERTS_FILE).write_bytes(expert_bytes)
@@ -263,7 +267,7 @@ def test_expert_index_without_its_digest(checkpoints, intact, data):
     for _ in range(edits):
         edit_index(entry, data, keep_digest=False)
     with tempfile.TemporaryDirectory() as folder:
-        path = damaged_copy(checkpoints[compression], folder, entry)
+        path = damaged_copy(checkpoints[compression], folder, entry, before_digests=True)
         if edits:
             runs_or_is_refused(path, compression)
         else:
@@ -369,5 +373,5 @@ def test_a_checkpoint_written_before_the_digest_still_loads(checkpoints, intact,
                                                             strategy):
     entry = json.loads(Path(checkpoints[compression], MANIFEST).read_text())["experts"]
     del entry[INDEX_SHA256]
-    path = damaged_copy(checkpoints[compression], tmp_path, entry)
+    path = damaged_copy(checkpoints[compression], tmp_path, entry, before_digests=True)
     assert np.array_equal(prefill_logits(path, device, strategy, verify=True), intact[compression, device, strategy])

@@ -35,6 +35,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 import edge
 from converters.convert import QuantPlan, convert
 from edge.core.errors import ZllmError
+from quant.checkpoint import sealed
 
 EXAMPLES = int(os.environ.get("ZLLM_EDGE_FUZZ_EXAMPLES", "60"))
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=10_000,
@@ -182,6 +183,8 @@ def test_manifest_values(checkpoint, data):
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = data.draw(odd)
+    if data.draw(st.booleans()):  # an edit that also writes the digest again: the checks behind it must hold
+        sealed(manifest)
     with tempfile.TemporaryDirectory() as folder:
         copy = _copy(checkpoint, folder)
         (copy / "zllm.json").write_text(json.dumps(manifest))
@@ -556,5 +559,5 @@ def test_checkpoint_tokenizer(chat_checkpoint, tokenizer_edits, entry_edits):
         damage(copy / "tokenizer.json", tokenizer_edits)
         manifest = json.loads((copy / "zllm.json").read_text())
         manifest["tokenizer"] = json_edited(manifest["tokenizer"], entry_edits)
-        (copy / "zllm.json").write_text(json.dumps(manifest))
+        (copy / "zllm.json").write_text(json.dumps(sealed(manifest)))  # past the digest, to the entry's checks
         runs_or_is_refused(lambda: edge.load(copy, device="reference"), text=True)

@@ -24,7 +24,7 @@ from converters.convert import QuantPlan, convert
 from devices.cpu.executor import FusedForward
 from edge.core.errors import CheckpointError, ConversionError, NumericalError
 from edge.model import Transformer
-from quant.checkpoint import sha256_file
+from quant.checkpoint import sealed, sha256_file
 from quant.expert_file import EXPERTS_FILE, INDEX_SHA256, index_sha256
 
 NAN, INF, MINUS_INF = 0x7E00, 0x7C00, 0xFC00  # float16 bits
@@ -93,7 +93,7 @@ def damaged_copy(source: str, destination: Path, name: str, index, value) -> Pat
     save_file(arrays, weights, metadata={"format": "zllm"})
     manifest = json.loads((path / "zllm.json").read_text())
     manifest["files"]["model.safetensors"] = {"bytes": weights.stat().st_size, "sha256": sha256_file(str(weights))}
-    (path / "zllm.json").write_text(json.dumps(manifest))
+    (path / "zllm.json").write_text(json.dumps(sealed(manifest)))
     return path
 
 
@@ -134,7 +134,7 @@ def moe_with_non_finite_scales(source: str, destination: Path, layer: int, exper
     (path / EXPERTS_FILE).write_bytes(bytes(data))
     manifest["experts"][INDEX_SHA256] = index_sha256(manifest["experts"])
     manifest["files"][EXPERTS_FILE]["sha256"] = sha256_file(str(path / EXPERTS_FILE))
-    (path / "zllm.json").write_text(json.dumps(manifest))
+    (path / "zllm.json").write_text(json.dumps(sealed(manifest)))
     return path
 
 
@@ -245,7 +245,7 @@ def text_checkpoint(tiny_zoo, tmp_path_factory) -> Path:
     convert(str(source), str(path), QuantPlan(weights="int8"), progress=False)
     manifest = json.loads((path / "zllm.json").read_text())
     manifest["tokenizer"]["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    (path / "zllm.json").write_text(json.dumps(manifest))
+    (path / "zllm.json").write_text(json.dumps(sealed(manifest)))
     return path
 
 

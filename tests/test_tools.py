@@ -11,6 +11,7 @@ from test_serve import ServerProcess, _model_name
 
 import edge
 from edge.tools import ToolsError, check_tools, parse_tool_calls, tool_call_grammar, tool_format
+from quant.checkpoint import sealed
 
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
@@ -94,7 +95,7 @@ def hermes_checkpoint(smollm2_checkpoint, tmp_path_factory):
     shutil.copytree(smollm2_checkpoint, folder)
     manifest = json.loads((folder / "zllm.json").read_text())
     manifest["tokenizer"]["chat_template"] = HERMES_TEMPLATE
-    (folder / "zllm.json").write_text(json.dumps(manifest))
+    (folder / "zllm.json").write_text(json.dumps(sealed(manifest)))
     return folder
 
 
