@@ -519,12 +519,23 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
 
                 accumulate_step(first_chunk, step_loop.index, whole_step_factors)
 
-    # the chunks past the last whole step (at most 3 of int4, 1 of int8): one more step whose codes
-    # are loaded under a mask (zeros past the row) and whose missing chunks get a factor of 0 (their
-    # Q8 scales are unset, and their weight scales may lie past the array)
+    # the chunks past the last whole step (at most 3 of int4, 1 of int8)
     first_tail = e.b.mul(n_steps, e.i64(step))
     n_tail = e.b.sub(n_chunks, first_tail)
-    with e.b.if_then(e.b.icmp_unsigned(">", n_tail, e.i64(0))):
+    # Two int4 chunks (rows of 64 mod 128 values: K = 576, 960, 2880...) take half a step of plain loads.
+    # Otherwise one more step whose codes are loaded under a mask (zeros past the row) and whose missing
+    # chunks get a factor of 0 (their Q8 scales are unset, and their weight scales may lie past the
+    # array): per row it costs about two whole steps.
+    half_step = fmt.bits == 4 and style != ACT_INT8_VNNI  # (VNNI's vpdpbusd here is the 512-bit one)
+    masked = e.b.icmp_unsigned(">", n_tail, e.i64(0))
+    if half_step:
+        two_left = e.b.icmp_unsigned("==", n_tail, e.i64(2))
+        masked = e.b.and_(masked, e.b.not_(two_left))
+        for group_shift in range(3):
+            with e.b.if_then(e.b.and_(two_left, e.b.icmp_unsigned("==", shift, e.i64(group_shift)))):
+                _accumulate_half_step(e, fmt, n_rows, row_data, row_scales, accumulators, xq, first_tail, n_steps,
+                                      group_shift, style)
+    with e.b.if_then(masked):
         valid_words = e.b.trunc(e.b.mul(n_tail, e.i64(16 // step)), I32)
         mask = e.b.icmp_unsigned("<", ir.Constant(V16I32, list(range(LANES))), e.splat(valid_words, LANES))
 
@@ -543,6 +554,33 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
 
     _store_row_totals(e, fmt, n_rows, rows, accumulators, row_scales, row_offsets, n_groups, group_sums, out,
                       zero_point_applied=True)
+
+
+def _accumulate_half_step(e: Emitter, fmt: IrFormat, n_rows: int, row_data, row_scales, accumulators, xq,
+                          first_chunk, step_index, group_shift: int, style: int):
+    """Every row's int4 chunks first_chunk and first_chunk + 1 (32 bytes of codes, the first half of
+    step `step_index`, first_chunk a multiple of 4) into the first 8 lanes of its accumulator: the
+    lanes, sums and products the whole step gives those two chunks."""
+    v8i32, v8f = ir.VectorType(I32, 8), ir.VectorType(F32, 8)
+    block = e.address(xq, (e.b.udiv(first_chunk, e.i64(Q8_SUPERBLOCK_CHUNKS)), Q8_SUPERBLOCK_BYTES))
+    q_even = e.load(V32I8, e.address(block, e.i64(Q8_INT4_ORDER)), 1)
+    q_odd = e.load(V32I8, e.address(block, e.i64(Q8_INT4_ORDER + 64)), 1)
+    start = (ir.Constant(v8i32, [0] * 8) if fmt.affine
+             else e.load(v8i32, e.address(block, e.i64(Q8_INT4_ZERO_LANES)), 4))
+    d = e.load(ir.VectorType(F32, 2), e.address(block, e.i64(Q8_SCALES)), 4)
+    low_half, high_half = list(range(8)), list(range(8, 16))
+    for r in range(n_rows):
+        codes = e.load(V32I8, e.address(row_data[r], (step_index, 64)), 1)
+        low = e.b.and_(codes, ir.Constant(V32I8, [0x0F] * 32))
+        high = e.b.lshr(codes, ir.Constant(V32I8, [4] * 32))
+        dot = nibble_pair_dot(e, start, low, q_even, high, q_odd, style)
+        per_chunk = e.fmul(_chunk_scales(e, row_scales[r], first_chunk, 2, group_shift), d)
+        factors = e.b.shuffle_vector(per_chunk, per_chunk, ir.Constant(v8i32, [lane // 4 for lane in range(8)]))
+        total = e.b.load(accumulators[r])
+        low_lanes = e.b.shuffle_vector(total, total, ir.Constant(v8i32, low_half))
+        low_lanes = e.fma(e.b.sitofp(dot, v8f), factors, low_lanes)
+        high_lanes = e.b.shuffle_vector(total, total, ir.Constant(v8i32, high_half))
+        e.b.store(e.b.shuffle_vector(low_lanes, high_lanes, ir.Constant(V16I32, list(range(16)))), accumulators[r])
 
 
 @intrinsic
