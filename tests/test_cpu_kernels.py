@@ -132,6 +132,32 @@ def test_decode_with_int8_activations_multiplies_the_quantized_input(scheme, sty
         assert np.all(np.abs(ours - exact) <= rounding + 2 * (k + 2) * EPS * magnitudes), f"{scheme} N={n} K={k}"
 
 
+@pytest.mark.parametrize("scheme", [s for s in QUANTIZED if s.bits == 4 and s.group_size <= 64], ids=str)
+@pytest.mark.parametrize("style", int8_styles(), ids=lambda style: int8_dot_probe(style) or "generic")
+def test_an_int4_rows_last_two_chunks_give_the_bits_of_a_whole_step(scheme, style):
+    """Rows of 64 mod 128 values end in two chunks of 32 that the decode kernel takes in half a step;
+    the same rows with 64 more values of zero weight times zero input end in a whole step. Both give
+    the same bits: the half step adds those chunks' products into the lanes a whole step adds them to."""
+    from devices.cpu import CpuBackend
+    from devices.cpu.weights import prepare_weight
+    from kernels.cpu.cpu_probe import runs
+    from kernels.cpu.llvm_ir import INT8_DOTS
+
+    probe = INT8_DOTS[style].probe
+    if probe is not None and not runs(probe):
+        pytest.skip(f"the kernels' target here does not run {INT8_DOTS[style].name}")
+    backend = CpuBackend(threads=2, variant="int8")
+    rng = np.random.default_rng(7)
+    for n, k in [(9, 64), (13, 192), (64, 576)]:  # the half step alone, after one whole step, after four
+        dense = rng.standard_normal((n, k)).astype(np.float32) + np.float32(0.3)
+        x = (rng.standard_normal((1, k)) * rng.uniform(0.01, 10.0, k)).astype(np.float32)
+        widened = quantize(np.concatenate([dense, np.zeros((n, 64), np.float32)], axis=1), scheme)
+        x_widened = np.concatenate([x, np.zeros((1, 64), np.float32)], axis=1)
+        half = backend.linear(x, prepare_weight(quantize(dense, scheme), style))
+        whole = backend.linear(x_widened, prepare_weight(widened, style))
+        np.testing.assert_array_equal(half, whole, err_msg=f"{scheme} N={n} K={k}")
+
+
 @pytest.mark.parametrize("k", [32, 70, 576, 1536])
 def test_prepared_int8_vector_holds_the_q8_layout_exactly(k):
     """prepare_vector's int8 form, byte for byte against llvm_ir's Q8 layout built in numpy: per chunk
