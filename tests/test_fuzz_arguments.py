@@ -603,7 +603,17 @@ def cli_models(moe_path, text_files, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def default_models(cli_models):
-    """The built-in default models are the tiny ones: a command line without MODEL builds nothing."""
+    """The built-in default models are the tiny ones: a command line without MODEL builds nothing. A command
+    line without --device runs on the default device (cpu where it runs): the kernels it needs for these
+    models are compiled here, not inside the first example's deadline (or only when an earlier test file
+    happened to compile them)."""
+    from devices.base import fastest_device
+
+    device, _ = fastest_device()
+    for name in ("text", "moe"):
+        with edge.load(cli_models[name], device=device) as model:
+            for _ in model.generate([1, 2], max_new_tokens=2).steps():  # a prefill and a decode step
+                pass
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(edge.home, "default_model_checkpoint", lambda *a, **k: cli_models["text"])
         patch.setattr(edge.home, "default_moe_checkpoint", lambda *a, **k: cli_models["moe"])
