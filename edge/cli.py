@@ -167,15 +167,12 @@ def _load_model(model_path: str | None, args):
     options = LoadOptions.of(device=args.device, threads=args.threads, kv_cache=args.kv_cache,
                              kv_capacity=args.kv_capacity, verify=args.verify, **_memory_options(args))
     path = _resolve_model(model_path, args.quiet)
-    from quant.checkpoint import TOKENIZER, read_manifest
-
-    read_manifest(path)  # what is not a checkpoint says so before it is said to lack a tokenizer
-    # the API takes token ids from a checkpoint without one; the command line has only text: refused
-    # before the device is made (the cpu's first load compiles kernels)
-    if not os.path.isfile(os.path.join(path, TOKENIZER)):
+    model = edge.load(path, options=options)
+    if model.tokenizer is None:  # the API takes token ids then; the command line has only text
+        model.close()
         raise ZllmError(f"{path} has no tokenizer, so it cannot take text; convert the model from a source that "
                         "has one (a Hugging Face folder with tokenizer.json, or a GGUF file)")
-    return edge.load(path, options=options)
+    return model
 
 
 def _default_device(quiet: bool) -> str:
