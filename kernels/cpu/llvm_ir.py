@@ -443,11 +443,11 @@ def _chunk_scales(e: Emitter, row_scales, first_chunk, n_chunks: int, shift: int
     return e.b.fpext(spread, ir.VectorType(F32, n_chunks))
 
 
-def _lanes_per_chunk(e: Emitter, per_chunk):
-    """<c x float> -> <16 x float> holding each chunk's value in its 16 / c lanes of a byte dot."""
+def _lanes_per_chunk(e: Emitter, per_chunk, lanes: int = LANES):
+    """<c x float> -> <lanes x float> holding each chunk's value in its lanes / c lanes of a byte dot."""
     count = per_chunk.type.count
     return e.b.shuffle_vector(per_chunk, per_chunk,
-                              ir.Constant(ir.VectorType(I32, LANES), [lane * count // LANES for lane in range(LANES)]))
+                              ir.Constant(ir.VectorType(I32, lanes), [lane * count // lanes for lane in range(lanes)]))
 
 
 def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int):
@@ -477,12 +477,16 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
                                                                    ir.Constant(V16I32, [0] * LANES)])
         return e.b.bitcast(words, V64I8)
 
-    def accumulate_step(first_chunk, step_index, row_factors, mask=None):
-        """Every row's integer sums over the step's 64 bytes of codes, scaled into its accumulator."""
+    def accumulate_step(first_chunk, step_index, row_factors, mask=None, lanes=LANES):
+        """Every row's integer sums over the step's 64 bytes of codes, scaled into its accumulator.
+        With lanes = LANES / 2 (int4 only) the step's first half: 32 bytes of codes, chunks
+        first_chunk and first_chunk + 1, into the accumulator's first lanes, with the lanes, sums
+        and products the whole step gives those two chunks."""
+        codes_type, sums_type = ir.VectorType(I8, 4 * lanes), ir.VectorType(I32, lanes)
         block, place = chunk_base(first_chunk)
         if fmt.bits == 4:
-            q_even = e.load(V64I8, e.address(block, e.i64(Q8_INT4_ORDER)), 1)
-            q_odd = e.load(V64I8, e.address(block, e.i64(Q8_INT4_ORDER + 64)), 1)
+            q_even = e.load(codes_type, e.address(block, e.i64(Q8_INT4_ORDER)), 1)
+            q_odd = e.load(codes_type, e.address(block, e.i64(Q8_INT4_ORDER + 64)), 1)
             zero_lanes = e.address(block, e.i64(Q8_INT4_ZERO_LANES))
         else:
             q = e.load(V64I8, e.address(block, (place, CHUNK)), 1)
@@ -490,34 +494,45 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
         # Symmetric codes start from the zero-point lanes (-z * sums of q), so that the sums are of
         # (code - z) * q. Int8 codes that enter signed (code - 128) need the opposite: nothing for
         # symmetric codes, and +128 * sums of q for affine ones, whose sums are of code * q.
-        zero = ir.Constant(V16I32, [0] * LANES)
+        zero = ir.Constant(sums_type, [0] * lanes)
         if fmt.bits == 8 and signed_codes:
             start = e.b.sub(zero, e.load(V16I32, zero_lanes, 4)) if fmt.affine else zero
         else:
-            start = zero if fmt.affine else e.load(V16I32, zero_lanes, 4)
+            start = zero if fmt.affine else e.load(sums_type, zero_lanes, 4)
         for r in range(n_rows):
-            codes = step_codes(e.address(row_data[r], (step_index, 64)), mask)
+            address = e.address(row_data[r], (step_index, 64))
+            codes = step_codes(address, mask) if lanes == LANES else e.load(codes_type, address, 1)
             if fmt.bits == 4:
-                low = e.b.and_(codes, ir.Constant(V64I8, [0x0F] * 64))
-                high = e.b.lshr(codes, ir.Constant(V64I8, [4] * 64))
+                low = e.b.and_(codes, ir.Constant(codes_type, [0x0F] * (4 * lanes)))
+                high = e.b.lshr(codes, ir.Constant(codes_type, [4] * (4 * lanes)))
                 dot = nibble_pair_dot(e, start, low, q_even, high, q_odd, style)
             elif signed_codes:
                 dot = byte_dot(e, start, e.b.xor(codes, ir.Constant(V64I8, [-128] * 64)), q, style, signed=True)
             else:
                 dot = byte_dot(e, start, codes, q, style)
-            factors = _lanes_per_chunk(e, row_factors(r, block, place))
-            e.b.store(e.fma(e.b.sitofp(dot, V16F), factors, e.b.load(accumulators[r])), accumulators[r])
+            factors = _lanes_per_chunk(e, row_factors(r, block, place), lanes)
+            total = e.b.load(accumulators[r])
+            if lanes == LANES:
+                e.b.store(e.fma(e.b.sitofp(dot, V16F), factors, total), accumulators[r])
+                continue
+            low_lanes, high_lanes = (e.b.shuffle_vector(total, total, ir.Constant(sums_type, list(range(at, at + lanes))))
+                                     for at in (0, lanes))
+            low_lanes = e.fma(e.b.sitofp(dot, ir.VectorType(F32, lanes)), factors, low_lanes)
+            e.b.store(e.b.shuffle_vector(low_lanes, high_lanes, ir.Constant(V16I32, list(range(LANES)))),
+                      accumulators[r])
+
+    def step_factors(first_chunk, n_chunks, group_shift):
+        """row_factors of a step of n_chunks whole chunks: each chunk's weight scale times its Q8 d."""
+        def factors(r, block, place):
+            d = e.load(ir.VectorType(F32, n_chunks), e.address(block, e.i64(Q8_SCALES), (place, 4)), 4)
+            return e.fmul(_chunk_scales(e, row_scales[r], first_chunk, n_chunks, group_shift), d)
+        return factors
 
     for group_shift in range(3):  # one loop per group size, chosen once (scales are read per step)
         with e.b.if_then(e.b.icmp_unsigned("==", shift, e.i64(group_shift))):
             with e.loop(n_steps) as step_loop:
                 first_chunk = e.b.mul(step_loop.index, e.i64(step))
-
-                def whole_step_factors(r, block, place, first_chunk=first_chunk, group_shift=group_shift):
-                    d = e.load(ir.VectorType(F32, step), e.address(block, e.i64(Q8_SCALES), (place, 4)), 4)
-                    return e.fmul(_chunk_scales(e, row_scales[r], first_chunk, step, group_shift), d)
-
-                accumulate_step(first_chunk, step_loop.index, whole_step_factors)
+                accumulate_step(first_chunk, step_loop.index, step_factors(first_chunk, step, group_shift))
 
     # the chunks past the last whole step (at most 3 of int4, 1 of int8)
     first_tail = e.b.mul(n_steps, e.i64(step))
@@ -533,8 +548,7 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
         masked = e.b.and_(masked, e.b.not_(two_left))
         for group_shift in range(3):
             with e.b.if_then(e.b.and_(two_left, e.b.icmp_unsigned("==", shift, e.i64(group_shift)))):
-                _accumulate_half_step(e, fmt, n_rows, row_data, row_scales, accumulators, xq, first_tail, n_steps,
-                                      group_shift, style)
+                accumulate_step(first_tail, n_steps, step_factors(first_tail, 2, group_shift), lanes=LANES // 2)
     with e.b.if_then(masked):
         valid_words = e.b.trunc(e.b.mul(n_tail, e.i64(16 // step)), I32)
         mask = e.b.icmp_unsigned("<", ir.Constant(V16I32, list(range(LANES))), e.splat(valid_words, LANES))
@@ -554,33 +568,6 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
 
     _store_row_totals(e, fmt, n_rows, rows, accumulators, row_scales, row_offsets, n_groups, group_sums, out,
                       zero_point_applied=True)
-
-
-def _accumulate_half_step(e: Emitter, fmt: IrFormat, n_rows: int, row_data, row_scales, accumulators, xq,
-                          first_chunk, step_index, group_shift: int, style: int):
-    """Every row's int4 chunks first_chunk and first_chunk + 1 (32 bytes of codes, the first half of
-    step `step_index`, first_chunk a multiple of 4) into the first 8 lanes of its accumulator: the
-    lanes, sums and products the whole step gives those two chunks."""
-    v8i32, v8f = ir.VectorType(I32, 8), ir.VectorType(F32, 8)
-    block = e.address(xq, (e.b.udiv(first_chunk, e.i64(Q8_SUPERBLOCK_CHUNKS)), Q8_SUPERBLOCK_BYTES))
-    q_even = e.load(V32I8, e.address(block, e.i64(Q8_INT4_ORDER)), 1)
-    q_odd = e.load(V32I8, e.address(block, e.i64(Q8_INT4_ORDER + 64)), 1)
-    start = (ir.Constant(v8i32, [0] * 8) if fmt.affine
-             else e.load(v8i32, e.address(block, e.i64(Q8_INT4_ZERO_LANES)), 4))
-    d = e.load(ir.VectorType(F32, 2), e.address(block, e.i64(Q8_SCALES)), 4)
-    low_half, high_half = list(range(8)), list(range(8, 16))
-    for r in range(n_rows):
-        codes = e.load(V32I8, e.address(row_data[r], (step_index, 64)), 1)
-        low = e.b.and_(codes, ir.Constant(V32I8, [0x0F] * 32))
-        high = e.b.lshr(codes, ir.Constant(V32I8, [4] * 32))
-        dot = nibble_pair_dot(e, start, low, q_even, high, q_odd, style)
-        per_chunk = e.fmul(_chunk_scales(e, row_scales[r], first_chunk, 2, group_shift), d)
-        factors = e.b.shuffle_vector(per_chunk, per_chunk, ir.Constant(v8i32, [lane // 4 for lane in range(8)]))
-        total = e.b.load(accumulators[r])
-        low_lanes = e.b.shuffle_vector(total, total, ir.Constant(v8i32, low_half))
-        low_lanes = e.fma(e.b.sitofp(dot, v8f), factors, low_lanes)
-        high_lanes = e.b.shuffle_vector(total, total, ir.Constant(v8i32, high_half))
-        e.b.store(e.b.shuffle_vector(low_lanes, high_lanes, ir.Constant(V16I32, list(range(16)))), accumulators[r])
 
 
 @intrinsic
