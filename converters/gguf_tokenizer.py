@@ -20,7 +20,8 @@ It departs from transformers' loader in three places, each to match the model's 
 Two tokenizer models are supported, named by `tokenizer.ggml.model`:
   "gpt2"   byte-level BPE (SmolLM2, Qwen2/3, Llama-3): the file lists the merges.
   "llama"  sentencepiece-style BPE with byte fallback (Llama-2, Mistral): merges are
-           recovered from the piece scores when the file does not list them.
+           recovered from the piece scores when the file does not list them; Gemma's from
+           the pieces' order in the file (`_gemma_bpe`).
 """
 
 import logging
@@ -354,12 +355,8 @@ def _parse_merges(merges: list[str], token_to_id: dict[str, int]) -> list[tuple[
 
 def _sentencepiece_bpe(vocab: _GGUFVocab) -> Tokenizer:
     """transformers' `LlamaTokenizer` (legacy=False), as its GGUF loader builds it."""
-    if vocab.architecture in _UNSUPPORTED_SENTENCEPIECE_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"GGUF sentencepiece tokenizers of architecture {vocab.architecture!r} are not supported: "
-            "their merges follow the file order rather than the scores and their space tokens are "
-            "spelled differently. Convert the tokenizer from the model's Hugging Face tokenizer.json instead."
-        )
+    if vocab.architecture in _GEMMA_ARCHITECTURES:
+        return _gemma_bpe(vocab)
     token_to_id = {token: index for index, token in enumerate(vocab.tokens)}
     if vocab.merges is not None:
         merges = _parse_merges(vocab.merges, token_to_id)
@@ -406,8 +403,41 @@ def _sentencepiece_bpe(vocab: _GGUFVocab) -> Tokenizer:
     return tokenizer
 
 
-# Sentencepiece vocabularies whose merges cannot be recovered from the scores.
-_UNSUPPORTED_SENTENCEPIECE_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
+# Sentencepiece vocabularies whose merges follow the file's order, not the scores (`_gemma_bpe`).
+_GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
+
+
+def _gemma_bpe(vocab: _GGUFVocab) -> Tokenizer:
+    """transformers' `GemmaTokenizer`, as its GGUF loader builds it (`gemma_tokenizer`). Two things
+    differ from other sentencepiece files:
+      - a token of spaces is stored as real spaces ("  "), where the tokenizer looks it up as "▁▁"
+        (its normalizer spells every space "▁"): such tokens are respelled before anything else;
+      - the merges, when the file lists none, are ranked by the tokens' order in the file, which is
+        the order sentencepiece learned them in; Gemma's scores do not follow it.
+    There is no prefix space (Gemma files say add_space_prefix = false, and its tokenizer adds none)."""
+    tokens = [SPIECE_UNDERLINE * len(token) if " " in token and not token.strip() else token for token in vocab.tokens]
+    token_to_id = {token: index for index, token in enumerate(tokens)}
+    if vocab.merges is not None:
+        merges = _parse_merges(vocab.merges, token_to_id)
+    else:
+        merges = _merges_from_scores(token_to_id, {token: -index for index, token in enumerate(tokens)})
+    unk_id = vocab.special_token(Keys.UNK_ID)
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=token_to_id,
+            merges=merges,
+            dropout=None,
+            unk_token=tokens[unk_id] if unk_id is not None else "<unk>",  # (GemmaTokenizer's default)
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    tokenizer.normalizer = normalizers.Replace(" ", SPIECE_UNDERLINE)
+    # what GemmaTokenizer sets; after the normalizer no space is left to split on
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(),
+                                           decoders.Fuse()])
+    return tokenizer
 
 
 def _merges_from_scores(token_to_id: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:

@@ -279,6 +279,83 @@ def test_phi3_keeps_leading_space(tmp_path):
     assert tokenizer.encode(" the").tokens == ["<s>", "▁", "▁the"]
 
 
+# ------------------------------------------------------------------ toy Gemma-style GGUF
+
+GEMMA_TEXTS = SPM_TEXTS + [
+    "two  spaces,   three,    four and\ttabs\n\n  indented",
+    "   ",
+    "The year 2024 had 366 days",
+    "naïve 😀 日本",
+    "<start_of_turn>user\nThe cat<end_of_turn>\n",
+    "bytes \x00\x01 and \u200b",
+]
+
+
+def _write_gemma_gguf(path: pathlib.Path, architecture: str) -> pathlib.Path:
+    """A Gemma-style sentencepiece vocabulary as llama.cpp writes it: <pad> <eos> <bos> <unk>, turn
+    markers, the byte pieces, runs of spaces spelled with real spaces, then the trained pieces in the
+    order they were learned, with scores that do not follow that order (as Gemma's do not), and no
+    space prefix."""
+    pieces, characters = _train_toy_bpe(SPM_CORPUS, 120)
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN,
+             gguf.TokenType.USER_DEFINED, gguf.TokenType.USER_DEFINED] + [gguf.TokenType.BYTE] * 256
+    tokens += ["  ", "   ", "    "]
+    types += [gguf.TokenType.USER_DEFINED] * 3
+    for piece in pieces + [c for c in characters if c not in pieces]:
+        tokens.append(piece)
+        types.append(gguf.TokenType.NORMAL)
+    scores = [float((7 * index) % 13) for index in range(len(tokens))]  # unrelated to the merge order
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_bos_token_id(2)
+    writer.add_unk_token_id(3)
+    writer.add_add_space_prefix(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])  # (transformers reads no Gemma 1 GGUF)
+def test_gemma_vocabularies_match_transformers(architecture, tmp_path):
+    """Merges by file order, spaces spelled as "▁" before lookup, no prefix space: transformers'
+    GemmaTokenizer built from the same file gives the same ids and the same decoded text."""
+    path = _write_gemma_gguf(tmp_path / f"{architecture}.gguf", architecture)
+    info, tokenizer = _build(path)
+    reference = _load_transformers_tokenizer(tmp_path, path.name)
+    for text in GEMMA_TEXTS:
+        ids = tokenizer.encode(text).ids
+        assert ids == reference(text)["input_ids"], text
+        assert tokenizer.decode(ids, skip_special_tokens=False) == reference.decode(ids), text
+    # the file's "  " is found as "▁▁" (without the respelling the run would fall back to bytes)
+    assert tokenizer.encode("a  b").tokens[:3] == ["<bos>", "a", "▁▁"]
+    assert info.add_bos_token is True and info.bos_token_id == 2 and info.eog_token_ids == [1, 5]
+
+
+def test_a_gemma_1_file_gets_the_gemma_tokenizer(tmp_path):
+    _, first = _build(_write_gemma_gguf(tmp_path / "gemma.gguf", "gemma"))
+    _, third = _build(_write_gemma_gguf(tmp_path / "gemma3.gguf", "gemma3"))
+    assert first.to_str() == third.to_str()
+
+
+def test_gemma_merges_follow_the_file_order_not_the_scores(tmp_path):
+    path = _write_gemma_gguf(tmp_path / "gemma3.gguf", "gemma3")
+    _, tokenizer = _build(path)
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    made = ["".join(merge) if isinstance(merge, list) else merge.replace(" ", "") for merge in merges]
+    # a piece made by a merge ranks where the piece stands in the file, so the ranks keep the file's order
+    positions = [tokenizer.token_to_id(piece) for piece in made]
+    assert positions == sorted(positions)
+
+
 # --------------------------------------------------------------- toy byte-level GGUF
 
 
@@ -332,17 +409,6 @@ def test_unsupported_tokenizer_model(tmp_path):
         tokenizer_from_gguf(gguf.GGUFReader(path))
     assert str(raised.value) == (
         "GGUF tokenizer model 'bert' is not supported; supported tokenizer models: gpt2, llama. "
-        "Convert the tokenizer from the model's Hugging Face tokenizer.json instead."
-    )
-
-
-def test_unsupported_sentencepiece_architecture(tmp_path):
-    path = _write_gguf(tmp_path / "gemma.gguf", "gemma2", "llama")
-    with pytest.raises(UnsupportedModelError) as raised:
-        tokenizer_from_gguf(gguf.GGUFReader(path))
-    assert str(raised.value) == (
-        "GGUF sentencepiece tokenizers of architecture 'gemma2' are not supported: their merges follow "
-        "the file order rather than the scores and their space tokens are spelled differently. "
         "Convert the tokenizer from the model's Hugging Face tokenizer.json instead."
     )
 
