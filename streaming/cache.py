@@ -31,9 +31,10 @@ Key = tuple[int, int]  # (layer, expert)
 
 
 class Entry:
-    def __init__(self, key: Key, buffer: np.ndarray):
+    def __init__(self, key: Key, buffer: np.ndarray, address: int):
         self.key = key
         self.buffer = buffer
+        self.address = address  # buffer.ctypes.data, which numpy takes microseconds to compute
         self.state = LOADING  # READY or FAILED once its load is published (the cache's lock is notified)
         self.weights: ExpertWeights | None = None
         self.error: BaseException | None = None
@@ -241,7 +242,7 @@ class ExpertCache:
         self.lock = threading.Condition()
         self.entries: dict[Key, Entry] = {}
         self.by_layer: dict[int, dict[int, Entry]] = {}  # the same entries, layer -> expert -> entry
-        self._free: dict[int, list[np.ndarray]] = {}
+        self._free: dict[int, list[tuple[np.ndarray, int]]] = {}  # size -> (buffer, its address)
         self._charged = 0          # live entries (buffer + overhead) + free buffers
         self._clock = 0
         self.uses: dict[Key, int] = {}  # layer visits that used each expert (kept after eviction: lfu, nextuse)
@@ -302,12 +303,14 @@ class ExpertCache:
 
     def _drop_free_buffers(self, keep_size: int) -> bool:
         """Release free buffers of other sizes than keep_size; True if any were released."""
+        if not self._free or (len(self._free) == 1 and keep_size in self._free):  # (the common case: one size)
+            return False
         sizes = [s for s in self._free if s != keep_size and self._free[s]]
         for size in sizes:
             buffers = self._free.pop(size)
             self._charged -= size * len(buffers)
             if self.on_buffer_dropped is not None:
-                for buffer in buffers:
+                for buffer, _ in buffers:
                     self.on_buffer_dropped(buffer)
         return bool(sizes)
 
@@ -331,14 +334,19 @@ class ExpertCache:
                     return entry
         return None
 
-    def _take_buffer(self, size: int, for_prefetch: bool, position: int, needed_at: int = -1) -> np.ndarray | None:
-        """A buffer of `size` bytes charged to the cache, evicting entries if needed; None if impossible now."""
+    def _take_buffer(self, size: int, for_prefetch: bool, position: int,
+                     needed_at: int = -1) -> tuple[np.ndarray, int] | None:
+        """(a buffer of `size` bytes charged to the cache, its address), evicting entries if needed; None if
+        impossible now."""
         while True:
             recycled = bool(self._free.get(size))
             need = ENTRY_OVERHEAD if recycled else size + ENTRY_OVERHEAD
             if self._charged + need <= self.capacity_bytes:
                 self._charged += need
-                return self._free[size].pop() if recycled else aligned_empty(size)
+                if recycled:
+                    return self._free[size].pop()
+                buffer = aligned_empty(size)
+                return buffer, buffer.ctypes.data
             if self._drop_free_buffers(keep_size=size):
                 continue
             victim = self._victim(for_prefetch, position, needed_at)
@@ -358,8 +366,8 @@ class ExpertCache:
             raise ZllmError(f"an expert of layer {key[0]} needs {buffer_bytes + ENTRY_OVERHEAD} bytes, more than the "
                             f"whole expert cache ({self.capacity_bytes} bytes); raise memory_budget")
         while True:
-            buffer = self._take_buffer(buffer_bytes, for_prefetch, position, needed_at)
-            if buffer is not None:
+            taken = self._take_buffer(buffer_bytes, for_prefetch, position, needed_at)
+            if taken is not None:
                 break
             if for_prefetch:
                 return None
@@ -368,7 +376,7 @@ class ExpertCache:
                 raise ZllmError(f"the expert cache ({self.capacity_bytes} bytes) cannot hold layer {key[0]} expert "
                                 f"{key[1]}: {pinned} bytes are pinned by the layer being computed; raise memory_budget")
             (wait_for_loads or self.lock.wait)()
-        entry = Entry(key, buffer)
+        entry = Entry(key, *taken)
         entry.needed_at = needed_at
         self.entries[key] = entry
         self.by_layer.setdefault(key[0], {})[key[1]] = entry
@@ -392,7 +400,7 @@ class ExpertCache:
             del self.entries[entry.key]
             del self.by_layer[entry.key[0]][entry.key[1]]
             self._charged -= ENTRY_OVERHEAD
-            self._free.setdefault(entry.buffer.nbytes, []).append(entry.buffer)
+            self._free.setdefault(entry.buffer.nbytes, []).append((entry.buffer, entry.address))
             entry.weights = None
 
     # --- loading results (called by the loader with `lock` held) --------------------------------

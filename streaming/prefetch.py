@@ -71,7 +71,7 @@ class LoadQueue:
     threads = 0  # loading threads of ours
 
     def __init__(self, store: ExpertStore, cache: ExpertCache,
-                 prepare: Callable[[int, int, np.ndarray], ExpertWeights]):
+                 prepare: Callable[[int, int, np.ndarray, int], ExpertWeights]):
         self.store, self.cache, self.prepare = store, cache, prepare
         self.lock = cache.lock
         # Loaders wait for tasks on their own condition (over the same lock): notifying the cache's
@@ -190,7 +190,7 @@ class LoadQueue:
         if isinstance(result, BaseException):
             return entry, None, result
         try:
-            return entry, self.prepare(entry.key[0], entry.key[1], result), None
+            return entry, self.prepare(entry.key[0], entry.key[1], result, entry.address), None
         except Exception as exc:  # stored on the entry and raised where it is needed
             return entry, None, exc
 
@@ -236,7 +236,7 @@ class ThreadLoader(LoadQueue):
     engine = "threads"
 
     def __init__(self, store: ExpertStore, cache: ExpertCache,
-                 prepare: Callable[[int, int, np.ndarray], ExpertWeights],
+                 prepare: Callable[[int, int, np.ndarray, int], ExpertWeights],
                  threads: int = DEFAULT_THREADS, batch: int = LOAD_BATCH):
         if threads < 1 or batch < 1:
             raise ValueError(f"the prefetcher needs at least one thread and batches of at least one record, "
@@ -324,14 +324,15 @@ class RingLoader(LoadQueue):
     threads = 1  # the completion thread
 
     def __init__(self, store: ExpertStore, cache: ExpertCache,
-                 prepare: Callable[[int, int, np.ndarray], ExpertWeights], depth: int = RING_DEPTH):
+                 prepare: Callable[[int, int, np.ndarray, int], ExpertWeights], depth: int = RING_DEPTH):
         from kernels.cpu import uring
 
         super().__init__(store, cache, prepare)
         self._uring = uring
         self.depth = depth
         self._ring = np.zeros(uring.RING_BYTES, np.uint8)
-        status = uring.ring_init(self._ring.ctypes.data, 2 * depth)
+        self._ring_address = self._ring.ctypes.data
+        status = uring.ring_init(self._ring_address, 2 * depth)
         if status < 0:
             raise OSError(-status, f"io_uring_setup: {os.strerror(-status)}")
         # per tag (a read in flight's slot): its buffer and record length (for the crc32), and what the
@@ -378,20 +379,23 @@ class RingLoader(LoadQueue):
             for entry, prefetched in batch:
                 self._arrived.append((0.0, entry, None, self._read_error(entry, self._completion_error), prefetched))
             return
-        offsets, spans, tags = (np.empty(len(batch), np.int64) for _ in range(3))
-        addresses = np.empty(len(batch), np.uint64)
+        offsets, spans, addresses, tags = [], [], [], []
         now = time.monotonic()
-        for i, (entry, prefetched) in enumerate(batch):
+        for entry, prefetched in batch:
             layer, expert = entry.key
             offset, span, length = self.store.read_span(layer, expert, entry.buffer)
             tag = self._free_tags.pop()
-            offsets[i], spans[i], addresses[i], tags[i] = offset, span, entry.buffer.ctypes.data, tag
-            self._addresses[tag], self._lengths[tag] = addresses[i], length
+            offsets.append(offset)
+            spans.append(span)
+            addresses.append(entry.address)
+            tags.append(tag)
+            self._addresses[tag], self._lengths[tag] = entry.address, length
             self._flight[tag] = (entry, prefetched, now, self.store.book(length, now))
-        taken = self._uring.ring_submit(self._ring.ctypes.data, self.store.fd, offsets, spans, addresses, tags,
-                                        self._done, self._refused)
+        taken = self._uring.ring_submit(self._ring_address, self.store.fd, np.array(offsets, np.int64),
+                                        np.array(spans, np.int64), np.array(addresses, np.uint64),
+                                        np.array(tags, np.int64), self._done, self._refused)
         if taken < len(batch):
-            self._read_refused(tags[taken:].tolist(), int(self._refused[0]))
+            self._read_refused(tags[taken:], int(self._refused[0]))
 
     def _read_refused(self, tags: list[int], error: int) -> None:
         """Reads the kernel did not take (out of resources, interrupted: errno `error`) are read here, by
@@ -429,9 +433,10 @@ class RingLoader(LoadQueue):
             flight = np.fromiter(self._flight, np.int64, len(self._flight))
             finished = self._finished[:self._uring.ring_finished(self._done, flight, self._finished)].tolist()
         now = time.monotonic()
+        results, crcs = self._results.tolist(), self._crcs.tolist()  # (one call, not two numpy scalars per read)
         for tag in finished:
             entry, prefetched, started, due = self._flight.pop(tag)
-            result, crc = int(self._results[tag]), int(self._crcs[tag])
+            result, crc = results[tag], crcs[tag]
             self._free_tags.append(tag)
             self._in_flight -= 1
             layer, expert = entry.key

@@ -140,8 +140,9 @@ class StreamingExperts:
             raise ZllmError(f"io_engine 'io_uring' cannot run here: {reason}; use io_engine 'auto' or 'threads'")
         return reason
 
-    def _prepare(self, layer: int, expert: int, raw: np.ndarray) -> ExpertWeights:
-        by_layout = self._prepared.setdefault(raw.ctypes.data, {})
+    def _prepare(self, layer: int, expert: int, raw: np.ndarray, address: int) -> ExpertWeights:
+        """The backend's weights of the record `raw` read into the cache buffer at `address`."""
+        by_layout = self._prepared.setdefault(address, {})
         signature = self._layout_signature[layer]
         weights = by_layout.get(signature)
         if weights is None:
