@@ -368,21 +368,12 @@ def _sentencepiece_bpe(vocab: _GGUFVocab) -> Tokenizer:
             f"nor {Keys.SCORES!r}; the merges cannot be recovered."
         )
     unk_id = vocab.special_token(Keys.UNK_ID)
-    tokenizer = Tokenizer(
-        models.BPE(
-            vocab=token_to_id,
-            merges=merges,
-            dropout=None,
-            # transformers leaves this unset, so a character with no byte pieces vanishes;
-            # sentencepiece and Llama-2's tokenizer.json give the unknown id instead.
-            unk_token=vocab.tokens[unk_id] if unk_id is not None else None,
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )
+    # transformers leaves the unknown token unset, so a character with no byte pieces vanishes;
+    # sentencepiece and Llama-2's tokenizer.json give the unknown id instead.
+    tokenizer = _byte_fallback_bpe(token_to_id, merges, vocab.tokens[unk_id] if unk_id is not None else None)
     # transformers ignores `add_space_prefix` and always prepends; llama.cpp honours it.
     prepend = vocab.add_space_prefix
-    steps = [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    steps = _spaces_and_bytes_decoded()
     if prepend:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     tokenizer.decoder = decoders.Sequence(steps)
@@ -422,22 +413,24 @@ def _gemma_bpe(vocab: _GGUFVocab) -> Tokenizer:
     else:
         merges = _merges_from_scores(token_to_id, {token: -index for index, token in enumerate(tokens)})
     unk_id = vocab.special_token(Keys.UNK_ID)
-    tokenizer = Tokenizer(
-        models.BPE(
-            vocab=token_to_id,
-            merges=merges,
-            dropout=None,
-            unk_token=tokens[unk_id] if unk_id is not None else "<unk>",  # (GemmaTokenizer's default)
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )
+    tokenizer = _byte_fallback_bpe(token_to_id, merges,
+                                   tokens[unk_id] if unk_id is not None else "<unk>")  # (GemmaTokenizer's default)
     tokenizer.normalizer = normalizers.Replace(" ", SPIECE_UNDERLINE)
     # what GemmaTokenizer sets; after the normalizer no space is left to split on
     tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
-    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(),
-                                           decoders.Fuse()])
+    tokenizer.decoder = decoders.Sequence(_spaces_and_bytes_decoded())
     return tokenizer
+
+
+def _byte_fallback_bpe(token_to_id: dict[str, int], merges: list[tuple[str, str]], unk_token: str | None) -> Tokenizer:
+    """A BPE over sentencepiece pieces whose characters without a piece fall back to byte pieces."""
+    return Tokenizer(models.BPE(vocab=token_to_id, merges=merges, dropout=None, unk_token=unk_token, fuse_unk=True,
+                                byte_fallback=True))
+
+
+def _spaces_and_bytes_decoded() -> list:
+    """Decoder steps of a sentencepiece vocabulary: "▁" back to a space, byte pieces back to text."""
+    return [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()]
 
 
 def _merges_from_scores(token_to_id: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
