@@ -235,10 +235,10 @@ def make_policy(name: str, need_vector: Callable[[int], np.ndarray] | None = Non
 
 
 class ExpertCache:
-    def __init__(self, capacity_bytes: int, policy=None, on_buffer_dropped: Callable[[np.ndarray], None] | None = None):
+    def __init__(self, capacity_bytes: int, policy=None, on_buffer_dropped: Callable[[int], None] | None = None):
         self.capacity_bytes = int(capacity_bytes)
         self.policy = policy or LruPolicy()
-        self.on_buffer_dropped = on_buffer_dropped  # told when a free buffer is released for good
+        self.on_buffer_dropped = on_buffer_dropped  # told the address of a free buffer released for good
         self.lock = threading.Condition()
         self.entries: dict[Key, Entry] = {}
         self.by_layer: dict[int, dict[int, Entry]] = {}  # the same entries, layer -> expert -> entry
@@ -310,8 +310,8 @@ class ExpertCache:
             buffers = self._free.pop(size)
             self._charged -= size * len(buffers)
             if self.on_buffer_dropped is not None:
-                for buffer, _ in buffers:
-                    self.on_buffer_dropped(buffer)
+                for _, address in buffers:
+                    self.on_buffer_dropped(address)
         return bool(sizes)
 
     def new_step(self) -> None:

@@ -432,6 +432,8 @@ class RingLoader(LoadQueue):
         else:
             flight = np.fromiter(self._flight, np.int64, len(self._flight))
             finished = self._finished[:self._uring.ring_finished(self._done, flight, self._finished)].tolist()
+        if not finished:
+            return
         now = time.monotonic()
         results, crcs = self._results.tolist(), self._crcs.tolist()  # (one call, not two numpy scalars per read)
         for tag in finished:

@@ -149,9 +149,10 @@ class StreamingExperts:
             weights = by_layout[signature] = prepared_expert(self.index, self._prepare_weight, layer, expert, raw)
         return weights
 
-    def _forget_buffer(self, buffer: np.ndarray) -> None:
-        """The cache gave a buffer back: drop the weights prepared on it, which would keep it alive."""
-        self._prepared.pop(buffer.ctypes.data, None)
+    def _forget_buffer(self, address: int) -> None:
+        """The cache gave the buffer at `address` back: drop the weights prepared on it, which would keep
+        it alive."""
+        self._prepared.pop(address, None)
 
     @property
     def depth(self) -> int:

@@ -173,6 +173,27 @@ def test_prefetch_does_not_evict_unused_prefetches():
         assert cache.reserve((2, 0), BUFFER, for_prefetch=True, position=7) is not None  # layer passed
 
 
+def test_free_buffers_of_another_size_are_released_with_their_addresses():
+    """Evicted buffers wait in a free list for an expert of their size and are reused as they are; when
+    an expert of another size needs their room, they are released, and the owner of anything prepared
+    on them is told their addresses."""
+    dropped = []
+    cache = ExpertCache(2 * ENTRY, on_buffer_dropped=dropped.append)
+    first, second = _fill(cache, (0, 0)), _fill(cache, (0, 1))
+    assert first.address == first.buffer.ctypes.data and second.address == second.buffer.ctypes.data
+    with cache.lock:
+        cache.remove(first)
+        reused = cache.reserve((0, 2), BUFFER, for_prefetch=False, position=0)
+        assert reused.buffer is first.buffer and reused.address == first.address and dropped == []
+        cache.mark_ready(reused, None)
+        cache.remove(reused)
+        cache.remove(second)
+        larger = cache.reserve((1, 0), 2 * BUFFER, for_prefetch=False, position=0)
+    assert sorted(dropped) == sorted([first.address, second.address])
+    assert larger.address == larger.buffer.ctypes.data and larger.buffer.nbytes == 2 * BUFFER
+    assert cache.charged_bytes == 2 * BUFFER + ENTRY_OVERHEAD
+
+
 def test_expert_larger_than_cache_is_refused():
     with pytest.raises(ZllmError) as error:
         ExpertCache(ENTRY - 1).reserve((3, 1), BUFFER, for_prefetch=False, position=0)

@@ -482,6 +482,7 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
         With lanes = LANES / 2 (int4 only) the step's first half: 32 bytes of codes, chunks
         first_chunk and first_chunk + 1, into the accumulator's first lanes, with the lanes, sums
         and products the whole step gives those two chunks."""
+        assert lanes == LANES or fmt.bits == 4, "half a step is defined for int4 codes only"
         codes_type, sums_type = ir.VectorType(I8, 4 * lanes), ir.VectorType(I32, lanes)
         block, place = chunk_base(first_chunk)
         if fmt.bits == 4:
