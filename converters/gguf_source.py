@@ -32,7 +32,7 @@ from quant.safetensors_io import release_pages
 log = logging.getLogger(__name__)
 
 # GGUF architecture -> our model_type. Mistral GGUFs are written with architecture "llama".
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", **MOE_ARCHITECTURES}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", **MOE_ARCHITECTURES}
 
 # llama.cpp tensor names -> Hugging Face names (llama.cpp gguf-py tensor_mapping.py, reversed).
 # Llama (incl. SmolLM2, Mistral), Qwen2 and Qwen3 share one naming scheme.
@@ -55,17 +55,32 @@ LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     **MOE_LAYER_TENSORS,
 }
+# Gemma 3 normalises each block's output too: its ffn_norm is the feed-forward's input norm, which
+# transformers calls pre_feedforward_layernorm, and post_attention_layernorm is the attention's output norm.
+ARCH_LAYER_TENSORS = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# llama.cpp stores Gemma's RMSNorm gains as 1 + w (its norm multiplies by the weight alone); transformers'
+# weight is w.
+NORM_SHIFT = {"gemma3": 1.0}
+# What llama.cpp assumes of a Gemma 3 GGUF, whose metadata does not say: every 6th layer attends
+# globally, and the sliding layers' rotary base is transformers' default.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62  # llama.cpp scales the 27B's queries by (hidden / heads) ** -0.5, the others by head_dim's
 LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 ROPE_FREQS = "rope_freqs.weight"  # llama3-style rope scaling, stored as per-frequency divisors
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     if name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[name]
     match = LAYER_NAME.match(name)
-    if match and match.group(2) in LAYER_TENSORS:
+    layer_tensors = {**LAYER_TENSORS, **ARCH_LAYER_TENSORS.get(arch, {})}
+    if match and match.group(2) in layer_tensors:
         layer, kind, suffix = match.groups()
-        return f"model.layers.{layer}.{LAYER_TENSORS[kind]}.{suffix}"
+        return f"model.layers.{layer}.{layer_tensors[kind]}.{suffix}"
     return None
 
 
@@ -122,7 +137,7 @@ class GGUFSource:
                                           expert_count)
         expert_sources = {part.tensor.name for part in self._experts.values()}  # GGUF names
         for tensor in self.reader.tensors:
-            hf_name = gguf_to_hf_name(tensor.name)
+            hf_name = gguf_to_hf_name(tensor.name, arch)
             if hf_name is not None:
                 self._tensors[hf_name] = tensor
             elif tensor.name not in expert_sources and tensor.name != ROPE_FREQS:
@@ -194,6 +209,8 @@ class GGUFSource:
             }
         elif scaling_type not in (None, "none"):
             raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported; supported: linear, yarn")
+        if self.arch == "gemma3":
+            config.update(self._gemma3_fields(config))
         if self.model_type is not None:
             config.update(moe_config_fields(self.model_type, self.arch, meta, config,
                                             lambda name: name in self._tensors or name in self._experts))
@@ -201,6 +218,23 @@ class GGUFSource:
         if freqs is not None:
             config["rope_scaling"] = {"rope_type": "freq_factors", "factors": [float(x) for x in freqs.data]}
         return config
+
+    def _gemma3_fields(self, config: dict) -> dict:
+        """What Gemma 3's decoder needs beyond the Llama keys, as llama.cpp reads (or assumes) it."""
+        layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+        fields = {"sliding_window": self._count("attention.sliding_window"),
+                  "sliding_window_pattern": self._count("attention.sliding_window_pattern",
+                                                        GEMMA3_SLIDING_WINDOW_PATTERN),
+                  "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+                  "query_pre_attn_scalar": (config["hidden_size"] // heads if layers == GEMMA3_27B_LAYERS
+                                            else config["head_dim"])}
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):  # (Gemma 2's; refused by the spec)
+            if self._meta(key) is not None:
+                fields[key] = self._number(key)
+        log.info("%s: Gemma 3's sliding layers rotate with base %g (transformers' default; the GGUF does not "
+                 "say), and attend globally every %d layers", os.path.basename(self.path), GEMMA3_LOCAL_ROPE_BASE,
+                 fields["sliding_window_pattern"])
+        return fields
 
     def tensors(self) -> list[SourceTensor]:
         dense = [SourceTensor(name, self._shape(name), t.tensor_type.name, int(t.n_bytes))
@@ -255,6 +289,11 @@ class GGUFSource:
             return from_gguf(data, part.tensor.tensor_type, self._shape(name))
         tensor = self._tensors[name]
         value = from_gguf(tensor.data, tensor.tensor_type, self._shape(name))
+        shift = NORM_SHIFT.get(self.arch)
+        if shift and name.endswith("norm.weight"):
+            # back to transformers' w. Exact wherever 1 + w lies in [0.5, 2] (Sterbenz), within half an
+            # ulp of w elsewhere; the runtime adds the 1 back in float32 as transformers does.
+            return (np.asarray(value, dtype=np.float32) - np.float32(shift)).astype(np.float32)
         order = self._unpermute_rows(name)
         if order is None:
             return value

@@ -20,11 +20,15 @@ class AttentionUnsupportedError(DeviceUnavailableError):
                          f"with float32 K/V caches); use device 'cpu' or 'reference'")
 
 
-def check_gqa_only(model, device: str) -> None:
-    """Refuse models whose attention a GQA-only executor would compute wrongly."""
-    kind = model.spec.attention_kind
-    if kind != "gqa":
-        raise AttentionUnsupportedError(device, kind)
+def check_llama_layers(model, device: str) -> None:
+    """Refuse models that an executor of Llama-form layers with GQA attention would compute wrongly."""
+    spec = model.spec
+    if spec.attention_kind != "gqa":
+        raise AttentionUnsupportedError(device, spec.attention_kind)
+    if not spec.llama_layers:
+        raise DeviceUnavailableError(
+            f"device {device!r} does not implement {spec.model_type}'s decoder layer (scaled embeddings, (1 + w) "
+            "and sandwich norms, a GELU-gated feed-forward, per-layer rotary bases); use device 'cpu' or 'reference'")
 
 
 def has_moe_layers(model) -> bool:

@@ -12,7 +12,7 @@ from devices.cache_buffers import CacheBuffer, KvCodec, StoredRows, decode_store
 from edge.core import numerics
 from edge.core.contract import Capabilities, ComputeThreads
 from edge.core.kv import KV_FORMATS
-from edge.core.numerics import silu, softmax
+from edge.core.numerics import gelu_tanh, silu, softmax
 from quant import QuantizedTensor
 from quant.kv_formats import dequantize_int8, quantize_int8
 
@@ -82,6 +82,10 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return silu(gate) * up
 
 
+def gelu_tanh_gated(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    return gelu_tanh(gate) * up
+
+
 NUMPY_KV_CODEC = KvCodec(quantize_int8, dequantize_int8, lambda halves: halves.astype(np.float32))
 
 
@@ -114,6 +118,7 @@ class ReferenceBackend:
     attention = staticmethod(attention)
     attention_over_cache = staticmethod(attention_over_cache)
     swiglu = staticmethod(swiglu)
+    gelu_tanh_gated = staticmethod(gelu_tanh_gated)
     head_matmul = staticmethod(head_matmul)
 
     def allocate_kv(self, capacity: int, kv_heads: int, head_dim: int):

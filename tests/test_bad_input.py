@@ -157,7 +157,7 @@ def case_missing_config(tmp: Path, tiny_llama: Path):
 def case_unsupported_model_type(tmp: Path, tiny_llama: Path):
     src = write_tiny_gpt2(tmp / "gpt2")
     return src, UnsupportedModelError, (
-        "model_type 'gpt2' is not supported; supported model types: deepseek_v2, deepseek_v3, llama, llama_moe, "
+        "model_type 'gpt2' is not supported; supported model types: deepseek_v2, deepseek_v3, gemma3_text, llama, llama_moe, "
         "mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe"
     )
 
@@ -249,7 +249,7 @@ def case_gguf_shorter_than_header(tmp: Path, tiny_llama: Path):
 def case_gguf_unsupported_architecture(tmp: Path, tiny_llama: Path):
     src = write_tiny_gguf(tmp / "phi3.gguf", arch="phi3")
     return src, UnsupportedModelError, (
-        "GGUF architecture 'phi3' is not supported; supported architectures: llama, olmoe, qwen2, qwen2moe, qwen3, "
+        "GGUF architecture 'phi3' is not supported; supported architectures: gemma3, llama, olmoe, qwen2, qwen2moe, qwen3, "
         "qwen3moe"
     )
 

@@ -34,6 +34,7 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -60,7 +61,8 @@ _CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).p
 
 CONFIG_CLASSES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
                   "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
-                  "olmoe": OlmoeConfig, "deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config}
+                  "olmoe": OlmoeConfig, "deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config,
+                  "gemma3_text": Gemma3TextConfig}
 
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -202,7 +204,29 @@ ATTENTION_CASES: tuple[TinyCase, ...] = (
              "Qwen3-MoE with use_sliding_window: every layer slides over 4 positions (no layer_types)"),
 )
 ATTENTION_CASE_NAMES = tuple(c.name for c in ATTENTION_CASES)
-_BY_NAME = {c.name: c for c in CASES + MOE_CASES + ATTENTION_CASES}
+
+# Gemma 3 (tests/test_gemma3.py): a decoder layer of another form, which the gpu and npu devices refuse.
+GEMMA_CASES: tuple[TinyCase, ...] = (
+    TinyCase("gemma3_swa", "gemma3_text",
+             dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                  sliding_window=4, layer_types=["sliding_attention", "full_attention"], bos_token_id=2,
+                  eos_token_id=1, pad_token_id=0,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+             "layer 0 slides over 4 positions with rotary base 100, layer 1 global with base 10000; scores "
+             "scaled by 24 ** -0.5, not head_dim's; sandwich norms, (1 + w) gains, GELU-tanh, scaled embeddings"),
+    TinyCase("gemma3_pattern_linear", "gemma3_text",
+             dict(num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=48,
+                  query_pre_attn_scalar=48, sliding_window=6, sliding_window_pattern=3, bos_token_id=2,
+                  eos_token_id=1, pad_token_id=0,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                      "rope_theta": 1000000.0}}),
+             "no layer_types: every 3rd layer global (sliding_window_pattern 3); linear rope x8 on the global "
+             "layer only, as Gemma 3 4B and up; MQA"),
+)
+GEMMA_CASE_NAMES = tuple(c.name for c in GEMMA_CASES)
+_BY_NAME = {c.name: c for c in CASES + MOE_CASES + ATTENTION_CASES + GEMMA_CASES}
 
 
 def build_hf_model(case: TinyCase) -> torch.nn.Module:

@@ -211,6 +211,13 @@ class CpuBackend:
                                   out.reshape(-1))
         return out
 
+    def gelu_tanh_gated(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        gate = np.ascontiguousarray(gate, dtype=np.float32)
+        out = np.empty_like(gate)
+        elementwise.gelu_tanh_gated_kernel(gate.reshape(-1), np.ascontiguousarray(up, dtype=np.float32).reshape(-1),
+                                           out.reshape(-1))
+        return out
+
     def expert_mixture(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts) -> np.ndarray:
         """The routed experts' mixture of a MoE layer, one compiled call per batch of experts
         (kernels/cpu/moe.py): x [T, D], ids / weights [T, A], experts {id: ExpertWeights} -> [T, D].
@@ -314,6 +321,8 @@ class CpuBackend:
             return None, "ops: q/k norm over the whole projection"
         if spec.clip_qkv is not None:
             return None, "ops: clip_qkv"
+        if not spec.llama_layers:
+            return None, f"ops: {spec.model_type}'s decoder layer (sandwich norms, GELU-gated feed-forward)"
         return FusedForward(model, self), "fused"
 
     def info(self) -> dict:

@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from devices.base import DeviceUnavailableError, check_gqa_only, has_moe_layers
+from devices.base import DeviceUnavailableError, check_llama_layers, has_moe_layers
 from devices.gpu.context import GpuContext, select_vulkan_adapter
 from devices.gpu.expert_cache import GpuExpertCache, HostExpertWeights
 from devices.gpu.forward import FusedForward
@@ -116,7 +116,7 @@ class GpuBackend:
         return ComputeThreads()  # the GPU's scratch lives in its own memory (memory_bytes reports it)
 
     def compile_forward(self, model):
-        check_gqa_only(model, "gpu")
+        check_llama_layers(model, "gpu")
         if model.spec.head_dim > MAX_HEAD_DIM:  # refused at load, not at the first prefill
             raise DeviceUnavailableError(f"device 'gpu' runs attention heads of up to {MAX_HEAD_DIM} dimensions; "
                                          f"this model's have {model.spec.head_dim}: use device 'cpu' or 'npu'")

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from devices.base import check_gqa_only
+from devices.base import check_llama_layers
 from devices.npu import ops
 from devices.npu.executor import NpuExecutor, allocate_kv
 from devices.npu.graph_cache import GraphCache
@@ -165,7 +165,7 @@ class NpuBackend:
         return ComputeThreads(1, prefill_tile_bytes(spec, tokens))  # the expert backend's prefill tile
 
     def compile_forward(self, model):
-        check_gqa_only(model, "npu")
+        check_llama_layers(model, "npu")
         moe = [(i, layer.moe) for i, layer in enumerate(model.layers) if layer.moe is not None]
         self.moe_layers = [i for i, _ in moe]
         self.dense_ffn_layers = [i for i in range(len(model.layers)) if i not in self.moe_layers]

@@ -128,6 +128,10 @@ class Backend(Protocol):
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         """silu(gate) * up."""
 
+    def gelu_tanh_gated(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        """gelu_tanh(gate) * up (Gemma's feed-forward); a backend without it refuses such models in
+        `compile_forward`."""
+
     def allocate_kv(self, capacity: int, kv_heads: int, head_dim: int) -> tuple[Any, Any]:
         """Key and value buffers for one layer: [capacity, Hkv, Dh] each, float32."""
 

@@ -30,3 +30,11 @@ def silu(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x), in x's dtype."""
     with np.errstate(over="ignore"):  # exp(-x) overflows to inf for very negative x; silu -> 0 is right
         return x / (1.0 + np.exp(-x))
+
+
+GELU_TANH_C = np.sqrt(2.0 / np.pi)
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in x's dtype."""
+    return (0.5 * x * (1.0 + np.tanh(GELU_TANH_C * (x + 0.044715 * x ** 3)))).astype(x.dtype)

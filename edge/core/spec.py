@@ -18,7 +18,7 @@ from edge.core.errors import ConversionError, UnsupportedModelError, ZllmError
 from edge.core.moe import MoeConfig
 
 # The families' dataclasses live beside this module; edge.spec is where the rest of the code imports them from.
-from edge.core.spec_dense import LlamaSpec, MistralSpec, Qwen2Spec, Qwen3Spec, show  # noqa: F401
+from edge.core.spec_dense import Gemma3TextSpec, LlamaSpec, MistralSpec, Qwen2Spec, Qwen3Spec, show  # noqa: F401
 from edge.core.spec_moe import (
     DeepseekV2Spec,
     DeepseekV3Spec,
@@ -34,6 +34,7 @@ SPEC_CLASSES: dict[str, type[LlamaSpec]] = {
     "mistral": MistralSpec,
     "qwen2": Qwen2Spec,
     "qwen3": Qwen3Spec,
+    "gemma3_text": Gemma3TextSpec,
     "mixtral": MixtralSpec,
     "qwen2_moe": Qwen2MoeSpec,
     "qwen3_moe": Qwen3MoeSpec,
@@ -49,6 +50,8 @@ FIELD_ALIASES: dict[str, dict[str, str]] = {
     "mixtral": {"num_experts": "num_local_experts"},
     "qwen3_moe": {"num_local_experts": "num_experts"},
     "olmoe": {"num_local_experts": "num_experts"},
+    # transformers < 4.53 wrote the pattern without its underscore, later ones with it
+    "gemma3_text": {"_sliding_window_pattern": "sliding_window_pattern"},
 }
 MODEL_TYPE_ALIASES: dict[str, str] = {
     "smollm2": "llama",
@@ -63,6 +66,8 @@ def _normalize_rope(config: dict[str, Any]) -> dict[str, Any]:
         if config.get(key) is not None and not isinstance(config[key], dict):
             raise ConversionError(f"{key} must be an object or null, got {show(config[key])}")
     rope = config.pop("rope_parameters", None)
+    if rope and set(rope) <= {"full_attention", "sliding_attention"}:
+        rope = _split_rope_by_layer_type(config, rope)
     if rope:
         rope = dict(rope)
         if "rope_theta" in rope:
@@ -83,9 +88,26 @@ def _normalize_rope(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def _split_rope_by_layer_type(config: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any] | None:
+    """transformers >= 5 gives Gemma 3 one rope_parameters per layer type: the full-attention layers'
+    become rope_theta and rope_scaling, the sliding layers' base rope_local_base_freq (those rotate unscaled)."""
+    for layer_type, parameters in rope.items():
+        if not isinstance(parameters, dict):
+            raise ConversionError(f"rope_parameters.{layer_type} must be an object, got {show(parameters)}")
+    local = dict(rope.get("sliding_attention") or {})
+    if local.get("rope_type", "default") != "default" or set(local) - {"rope_type", "rope_theta"}:
+        raise UnsupportedModelError(f"rope_parameters.sliding_attention {show(local)} is not supported: sliding "
+                                    "layers rotate by the default rope of their own base")
+    if "rope_theta" in local:
+        config["rope_local_base_freq"] = local["rope_theta"]
+    return dict(rope.get("full_attention") or {}) or None
+
+
 # Families whose configs we recognise but whose attention we do not implement, and why.
 UNSUPPORTED_FEATURES: dict[str, str] = {
     "gpt_oss": "its attention sinks (a learned per-head logit in every softmax) are not implemented",
+    "gemma3": "this is Gemma 3's multimodal config (a vision tower beside the text decoder); convert a text-only "
+              "checkpoint (model_type gemma3_text) or its GGUF",
 }
 
 
@@ -206,6 +228,9 @@ def spec_layer_tensors(spec: LlamaSpec, layer: int) -> dict[str, ExpectedShape]:
     else:
         tensors.update(gqa_tensors(spec, prefix + "self_attn."))
     tensors[prefix + "post_attention_layernorm.weight"] = hidden
+    if spec.sandwich_norms:  # Gemma: post_attention_layernorm normalises the attention's output
+        tensors[prefix + "pre_feedforward_layernorm.weight"] = hidden
+        tensors[prefix + "post_feedforward_layernorm.weight"] = hidden
     moe = spec.moe_for_layer(layer)
     if moe is not None:
         tensors.update(moe_block_tensors(spec, moe, prefix + "mlp."))

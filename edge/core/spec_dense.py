@@ -1,4 +1,4 @@
-"""Dense decoder families of the Llama lineage (Llama, Mistral, Qwen2, Qwen3): one dataclass each,
+"""Dense decoder families of the Llama lineage (Llama, Mistral, Qwen2, Qwen3, Gemma 3): one dataclass each,
 fields named exactly as in Hugging Face config.json. The registry and readers live in edge/core/spec.py.
 
 Every spec checks its fields when it is built: each field's type and range in one table per class
@@ -252,10 +252,7 @@ class LlamaSpec:
 
     def _check_consistency(self) -> None:
         """What the fields must satisfy together."""
-        if self.hidden_act not in ("silu", "swish"):
-            raise UnsupportedModelError(
-                f"hidden_act {self.hidden_act!r} is not supported for {self.model_type}; supported: silu"
-            )
+        self._check_activation()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConversionError(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -265,6 +262,12 @@ class LlamaSpec:
         if self.head_dim % 2:
             raise ConversionError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         _check_rope_scaling(self)
+
+    def _check_activation(self) -> None:
+        if self.hidden_act not in ("silu", "swish"):
+            raise UnsupportedModelError(
+                f"hidden_act {self.hidden_act!r} is not supported for {self.model_type}; supported: silu"
+            )
 
     # What the model composition needs to know, derived once from the family's fields.
     @property
@@ -291,6 +294,45 @@ class LlamaSpec:
 
     def sliding_window_for_layer(self, layer: int) -> int | None:
         return None
+
+    def rope_theta_for_layer(self, layer: int) -> float:
+        """The rotary base of a layer's attention: rope_theta, with rope_scaling; a layer with another base
+        (Gemma 3's sliding ones) rotates by it unscaled."""
+        return self.rope_theta
+
+    @property
+    def attention_scale(self) -> float:
+        """What the attention scores q . k are multiplied by."""
+        return self.head_dim ** -0.5
+
+    # The decoder layer's form. Llama's: x + attn(norm(x)), then x + ffn(norm(x)) with a SwiGLU
+    # feed-forward, norms scaling by their weight. Gemma's differs in each of these (Gemma3TextSpec).
+    @property
+    def norm_offset(self) -> float:
+        """RMSNorm scales by (norm_offset + weight): 0 for Llama, 1 for Gemma."""
+        return 0.0
+
+    @property
+    def embedding_scale(self) -> float | None:
+        """What the embedding rows are multiplied by (None: nothing)."""
+        return None
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """True: the attention and feed-forward outputs are normalised again before the residual add."""
+        return False
+
+    @property
+    def ffn_activation(self) -> str:
+        """The gated feed-forward's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh-approximated)."""
+        return "silu"
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether every layer has the Llama form (the fused executors of gpu and npu compose only that)."""
+        return (self.norm_offset == 0 and self.embedding_scale is None and not self.sandwich_norms
+                and self.ffn_activation == "silu"
+                and all(self.rope_theta_for_layer(i) == self.rope_theta for i in range(self.num_hidden_layers)))
 
     def moe_for_layer(self, layer: int) -> "MoeConfig | None":
         """How the layer's feed-forward block routes to experts; None for a dense block."""
@@ -379,6 +421,106 @@ class Qwen3Spec(Qwen2Spec):
     @property
     def qk_norm(self) -> bool:
         return True
+
+
+@dataclass
+class Gemma3TextSpec(LlamaSpec):
+    """Gemma 3's text decoder (transformers' Gemma3TextConfig): embeddings scaled by sqrt(hidden_size),
+    RMSNorm by (1 + weight), the attention and feed-forward outputs normalised again before each
+    residual add, q/k norms per head, scores scaled by query_pre_attn_scalar ** -0.5, a GELU-tanh gated
+    feed-forward, and sliding-window layers (all but every sliding_window_pattern-th, unless
+    layer_types says) whose rotary base is rope_local_base_freq."""
+
+    model_type: str = "gemma3_text"
+    vocab_size: int = 262208
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 26
+    num_attention_heads: int = 8
+    num_key_value_heads: int | None = 4
+    head_dim: int | None = 256
+    max_position_embeddings: int = 131072
+    rope_theta: float = 1000000.0
+    tie_word_embeddings: bool = True
+    hidden_act: str = "gelu_pytorch_tanh"
+    hidden_activation: str | None = "gelu_pytorch_tanh"
+    query_pre_attn_scalar: float = 256
+    sliding_window: int | None = 4096
+    sliding_window_pattern: int = 6
+    layer_types: list[str] | None = None
+    rope_local_base_freq: float = 10000.0
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    use_bidirectional_attention: bool = False
+
+    FIELD_RULES: ClassVar[dict[str, FieldRule]] = {
+        "hidden_activation": FieldRule("text", nullable=True),
+        "query_pre_attn_scalar": FieldRule("positive"),
+        "sliding_window": FieldRule("size", nullable=True, maximum=MAX_POSITIONS),
+        "sliding_window_pattern": FieldRule("count", maximum=MAX_LAYERS),
+        "layer_types": FieldRule("layer_types", nullable=True),
+        "rope_local_base_freq": FieldRule("positive"),
+        "final_logit_softcapping": FieldRule("positive", nullable=True),
+        "attn_logit_softcapping": FieldRule("positive", nullable=True),
+        "use_bidirectional_attention": FieldRule("flag"),
+    }
+    ACTIVATIONS: ClassVar[tuple[str, ...]] = ("gelu_pytorch_tanh", "gelu_tanh")
+
+    def _derive_fields(self) -> None:
+        super()._derive_fields()
+        if self.layer_types is None:  # transformers: every sliding_window_pattern-th layer attends globally
+            self.layer_types = ["sliding_attention" if (i + 1) % self.sliding_window_pattern else "full_attention"
+                                for i in range(self.num_hidden_layers)]
+
+    def _check_activation(self) -> None:
+        # transformers' Gemma 3 takes hidden_activation (hidden_act is an older name, read when it is absent)
+        activation = self.hidden_activation or self.hidden_act
+        if activation not in self.ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_activation {activation!r} is not supported for {self.model_type}; "
+                                        f"supported: {', '.join(self.ACTIVATIONS)}")
+
+    def _check_consistency(self) -> None:
+        super()._check_consistency()
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if getattr(self, name) is not None:
+                raise UnsupportedModelError(f"{name} {show(getattr(self, name))} is not supported for "
+                                            f"{self.model_type} (Gemma 2's tanh soft-capping is not implemented)")
+        if self.use_bidirectional_attention:
+            raise UnsupportedModelError(f"use_bidirectional_attention is not supported for {self.model_type}: "
+                                        "zllm-edge runs causal decoders")
+        check_layer_types(self)
+
+    def sliding_window_for_layer(self, layer: int) -> int | None:
+        if not self.sliding_window or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def rope_theta_for_layer(self, layer: int) -> float:
+        return self.rope_local_base_freq if self.layer_types[layer] == "sliding_attention" else self.rope_theta
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar) ** -0.5
+
+    @property
+    def qk_norm(self) -> bool:
+        return True
+
+    @property
+    def norm_offset(self) -> float:
+        return 1.0
+
+    @property
+    def embedding_scale(self) -> float:
+        return self.hidden_size ** 0.5
+
+    @property
+    def sandwich_norms(self) -> bool:
+        return True
+
+    @property
+    def ffn_activation(self) -> str:
+        return "gelu_tanh"
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")

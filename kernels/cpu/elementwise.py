@@ -87,6 +87,19 @@ def silu_times(gate, up, out):
         out[i] = g / (np.float32(1.0) + exp_approx(-g)) * up[i]
 
 
+_GELU_2C = np.float32(2.0 * np.sqrt(2.0 / np.pi))
+_GELU_CUBIC = np.float32(0.044715)
+
+
+@helper
+def gelu_tanh_times(gate, up, out):
+    """out = gelu_tanh(gate) * up. 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3):
+    silu's form, so it vectorises the same way."""
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        out[i] = g / (np.float32(1.0) + exp_approx(-_GELU_2C * (g + _GELU_CUBIC * g * g * g))) * up[i]
+
+
 @helper
 def silu_times_in_place(gate, up):
     """gate = silu(gate) * up. silu_times with out = gate would give the same values, but LLVM's
@@ -145,6 +158,11 @@ def rope_kernel(x, cos, sin):
 @kernel(types.void(_f32_ro_1d, _f32_ro_1d, _f32_1d))
 def swiglu_kernel(gate, up, out):
     silu_times(gate, up, out)
+
+
+@kernel(types.void(_f32_ro_1d, _f32_ro_1d, _f32_1d))
+def gelu_tanh_gated_kernel(gate, up, out):
+    gelu_tanh_times(gate, up, out)
 
 
 @kernel(types.void(_f32_ro_2d, _f32_2d))
