@@ -144,7 +144,7 @@ class Transformer:
         self._fused_forward, self.forward_path = backend.compile_forward(ForwardModel(
             spec=spec, layers=self.layers, embed_tokens=self.embed_tokens, final_norm=self.final_norm,
             lm_head=self.lm_head, rope=self.rope, attention_scale=self.attention_scale, kv_format=kv_format,
-            moe=self.moe, forward_ops=_forward_ops_of(self)))
+            moe=self.moe, forward_ops=_forward_ops_of(self), layer_ropes=self.layer_ropes))
 
     @property
     def experts(self) -> ExpertSource | None:

@@ -16,8 +16,9 @@ from converters.convert import QuantPlan
 from edge.core.errors import UnsupportedModelError
 from edge.core.spec import spec_from_dict
 
-SLIDING_CASES = ("mistral_swa4", "qwen2_swa_layer1", "qwen2_layer_types", "qwen3_layer_types", "qwen3_moe_swa")
-PROMPT = random_prompt(12, seed=7)  # windows are 4 or 5: the prompt is 2-3 windows long
+SLIDING_CASES = ("mistral_swa4", "qwen2_swa_layer1", "qwen2_layer_types", "qwen3_layer_types", "qwen3_moe_swa",
+                 "gemma3_swa", "gemma3_pattern_linear")
+PROMPT = random_prompt(12, seed=7)  # windows are 4 to 6: the prompt is 2-3 windows long
 N_DECODE = 6
 REL_TOL = 1e-4
 F32 = QuantPlan(weights="f32")

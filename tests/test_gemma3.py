@@ -1,4 +1,5 @@
-"""Gemma 3 (transformers' Gemma3TextConfig) against transformers, and where it does not run.
+"""Gemma 3 (transformers' Gemma3TextConfig) against transformers on the reference and the cpu device's fused
+executor, and where it does not run.
 
 Its decoder layer differs from the Llama lineage's in each part: embeddings scaled by sqrt(hidden),
 RMSNorm by (1 + w), the attention's and the feed-forward's outputs normalised before each residual
@@ -44,6 +45,8 @@ def worst(ours, theirs) -> float:
 
 def run(path: str, device: str, fed: list[int]) -> list[np.ndarray]:
     with edge.load(path, device=device) as model:
+        if device.startswith("cpu"):  # the whole forward in one compiled call, as for the Llama lineage
+            assert model.device_info()["forward"] == "fused"
         session = model.session(capacity=32)
         return [session.prefill(PROMPT, all_logits=True)] + [session.decode(token) for token in fed]
 

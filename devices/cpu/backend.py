@@ -321,8 +321,10 @@ class CpuBackend:
             return None, "ops: q/k norm over the whole projection"
         if spec.clip_qkv is not None:
             return None, "ops: clip_qkv"
-        if not spec.llama_layers:
-            return None, f"ops: {spec.model_type}'s decoder layer (sandwich norms, GELU-gated feed-forward)"
+        if len(model.layer_ropes or {}) > 1:
+            return None, "ops: more than two rotary bases"
+        if spec.sandwich_norms and model.moe is not None:
+            return None, "ops: output norms around Mixture-of-Experts blocks"
         return FusedForward(model, self), "fused"
 
     def info(self) -> dict:

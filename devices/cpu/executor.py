@@ -61,6 +61,12 @@ class _ModelTables:
                 if vector is not None:
                     row[column] = self._vector(vector)
             row[fk.L_WINDOW] = layer.sliding_window or 0
+            for column, norm in ((fk.L_ATTN_OUT_NORM, layer.attention_output_norm),
+                                 (fk.L_FFN_OUT_NORM, layer.ffn_output_norm)):
+                if norm is not None:
+                    row[column] = self._vector(norm)
+            row[fk.L_ACTIVATION] = fk.GELU_TANH if spec.ffn_activation == "gelu_tanh" else fk.SILU
+            row[fk.L_ROPE_TABLE] = 0 if layer.rope_theta is None else 1  # (compile_forward allows one such base)
             layer_rows.append(row)
         self.layers = np.stack(layer_rows) if layer_rows else np.zeros((0, fk.LAYER_FIELDS), np.int64)
         self.dims = np.zeros(fk.MODEL_FIELDS, np.int64)
@@ -75,6 +81,8 @@ class _ModelTables:
         self.dims[fk.M_FINAL_NORM] = self._vector(model.final_norm)
         self.dims[fk.M_KV_BYTES] = np.dtype(KV_DTYPES[model.kv_format]).itemsize
         self.dims[fk.M_LAYERS] = spec.num_hidden_layers
+        self.dims[fk.M_EMBED_SCALE] = (fk.NO_PARAM if spec.embedding_scale is None
+                                       else self._vector(np.array([spec.embedding_scale], np.float32)))
         self.descriptors = np.stack([w.descriptor for w in self.weights])
         self.params = np.concatenate(self._vectors) if self._vectors else np.zeros(0, np.float32)
         self.max_cols_padded = int(self.descriptors[:, wf.W_COLS_PADDED].max())
@@ -133,6 +141,7 @@ class _Scratch:
             q_width = spec.num_attention_heads * spec.head_dim
             kv_width = spec.num_key_value_heads * spec.head_dim
             self.hidden = np.zeros((t, spec.hidden_size), np.float32)
+            self.branch = np.zeros((t, spec.hidden_size), np.float32)  # o / down output before its norm (Gemma)
             self.normed = np.zeros((t, spec.hidden_size), np.float32)
             self.qkv = np.zeros((t, q_width + 2 * kv_width), np.float32)
             self.attn = np.zeros((t, q_width), np.float32)
@@ -173,6 +182,8 @@ class FusedForward:
         self.backend = backend
         self.spec = model.spec
         self.rope = model.rope
+        # the sliding layers' rotary table where their base differs (Gemma), else None
+        self.layer_rope = next(iter(model.layer_ropes.values()), None) if model.layer_ropes else None
         self.eps = np.float32(self.spec.rms_norm_eps)
         self.scale = np.float32(model.attention_scale)
         self.tables = _ModelTables(model)
@@ -222,6 +233,9 @@ class FusedForward:
         n_tokens = len(ids)
         start = cache.length
         cos, sin = self.rope.cos_sin_span(start, n_tokens)
+        if self.layer_rope is not None:  # the kernel takes n_tokens rows per table
+            local_cos, local_sin = self.layer_rope.cos_sin_span(start, n_tokens)
+            cos, sin = np.concatenate([cos, local_cos]), np.concatenate([sin, local_sin])
         n_layers = self.spec.num_hidden_layers
         kv = self._kv_table(cache)
         scratch = self.scratch
@@ -273,5 +287,5 @@ class FusedForward:
             first, last, run_embedding, run_head, all_logits, self.backend.threads,
             s.hidden, s.normed, s.qkv, s.attn, s.gate, s.up, s.gate_t, s.up_t, s.xt, s.xq, s.x_natural, s.x_pairs,
             s.x_sums, s.tiles, s.blocks, s.row_scratch, s.embed_scratch, s.scores, s.peaks, s.totals, s.accs,
-            s.key_positions, s.sync, s.clock, s.router_logits, s.logits, s.replicas)
+            s.key_positions, s.sync, s.clock, s.router_logits, s.logits, s.replicas, s.branch)
         self._last_call = (first, last, run_embedding)

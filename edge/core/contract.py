@@ -82,6 +82,7 @@ class ForwardModel:
     kv_format: str                 # the K/V storage the session caches hold
     moe: MoeRunner | None          # None for a dense model
     forward_ops: Callable          # the op-by-op composition, same signature as an executor's __call__
+    layer_ropes: dict | None = None  # rotary base -> tables of the layers whose base is their own (Gemma's sliding)
 
 
 class ForwardExecutor(Protocol):

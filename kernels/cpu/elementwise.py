@@ -101,6 +101,14 @@ def gelu_tanh_times(gate, up, out):
 
 
 @helper
+def gelu_tanh_times_in_place(gate, up):
+    """gate = gelu_tanh(gate) * up (as silu_times_in_place, for its vectorised loop)."""
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        gate[i] = g / (np.float32(1.0) + exp_approx(-_GELU_2C * (g + _GELU_CUBIC * g * g * g))) * up[i]
+
+
+@helper
 def silu_times_in_place(gate, up):
     """gate = silu(gate) * up. silu_times with out = gate would give the same values, but LLVM's
     overlap check then keeps that loop scalar."""

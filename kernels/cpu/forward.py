@@ -36,7 +36,7 @@ import numba
 from numba import prange, types
 
 from kernels.cpu.attention import attention_item, decode_attention_item, decode_query, decode_splits, merge_partials
-from kernels.cpu.elementwise import embed_row, rms_norm_row, rope_row, silu_times_in_place
+from kernels.cpu.elementwise import embed_row, gelu_tanh_times_in_place, rms_norm_row, rope_row, silu_times_in_place
 from kernels.cpu.formats import W_ACTIVATIONS, W_COLS_PADDED, W_PREFILL_INT8, W_ROWS
 from kernels.cpu.intrinsics import (atomic_add, atomic_load, float32_pointer, half_bits, monotonic_seconds,
                                     sleep_microseconds, spin_pause, uint16_pointer)
@@ -48,9 +48,14 @@ from kernels.cpu.runtime import helper, kernel, mutable, readonly
 # Columns of the layer table. Weights are row indices into the descriptor table; norms and biases
 # are offsets into `params` (NO_PARAM: absent).
 (L_INPUT_NORM, L_Q, L_K, L_V, L_O, L_Q_BIAS, L_K_BIAS, L_V_BIAS, L_O_BIAS, L_Q_NORM, L_K_NORM,
- L_POST_NORM, L_GATE, L_UP, L_DOWN, L_GATE_BIAS, L_UP_BIAS, L_DOWN_BIAS, L_WINDOW, L_ROUTER, L_ROUTER_BIAS) = range(21)
-LAYER_FIELDS = 21
+ L_POST_NORM, L_GATE, L_UP, L_DOWN, L_GATE_BIAS, L_UP_BIAS, L_DOWN_BIAS, L_WINDOW, L_ROUTER, L_ROUTER_BIAS,
+ L_ATTN_OUT_NORM, L_FFN_OUT_NORM, L_ACTIVATION, L_ROPE_TABLE) = range(25)
+LAYER_FIELDS = 25
 NO_PARAM = -1
+# Gemma's layers: the attention's and the feed-forward's outputs go through their own norm (L_ATTN_OUT_NORM,
+# L_FFN_OUT_NORM) before the residual add, the feed-forward gates with GELU-tanh (L_ACTIVATION), and
+# sliding layers rotate by a table of their own (L_ROPE_TABLE: which block of cos/sin rows, 0 or 1).
+SILU, GELU_TANH = 0, 1
 # A Mixture-of-Experts layer has a router (L_ROUTER) instead of gate/up/down: its call ends with the
 # router logits [T, E] of the post-attention norm's output (in the gate/up step), and the caller
 # routes, mixes the experts and adds them to the residual stream before the next layer runs. So a
@@ -58,13 +63,15 @@ NO_PARAM = -1
 
 # Entries of the model vector `dims`.
 (M_HIDDEN, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_INTERMEDIATE, M_VOCAB, M_EMBED, M_LM_HEAD, M_FINAL_NORM,
- M_LAYERS, M_KV_BYTES) = range(11)
-MODEL_FIELDS = 11  # M_KV_BYTES: bytes of a cached K/V element, 4 (f32) or 2 (f16)
+ M_LAYERS, M_KV_BYTES, M_EMBED_SCALE) = range(12)
+MODEL_FIELDS = 12  # M_KV_BYTES: bytes of a cached K/V element, 4 (f32) or 2 (f16); M_EMBED_SCALE: a param or NO_PARAM
 
 # Steps of one layer (each is one serial task or a set of parallel tasks; 0 tasks = skipped).
-(S_INPUT_NORM, S_INPUT_T, S_QKV, S_ROPE, S_ATTEND, S_MERGE, S_ATTN_T, S_O, S_POST_NORM, S_POST_T,
- S_GATE_UP, S_DOWN_INPUT, S_DOWN) = range(13)
-LAYER_STEPS = 13
+(S_INPUT_NORM, S_INPUT_T, S_QKV, S_ROPE, S_ATTEND, S_MERGE, S_ATTN_T, S_O, S_ATTN_OUT_NORM, S_POST_NORM, S_POST_T,
+ S_GATE_UP, S_DOWN_INPUT, S_DOWN, S_FFN_OUT_NORM) = range(15)
+LAYER_STEPS = 15
+# (A layer with output norms writes its o and down projections into `branch`; the serial S_ATTN_OUT_NORM
+# and S_FFN_OUT_NORM steps normalise it and add it to the residual stream. Other layers skip both.)
 # (Prefill writes gate/up transposed, [I, T]: silu(gate) * up is then already the down
 # projection's transposed input, so the down projection needs no transpose step.)
 # Steps before and after the layers.
@@ -154,6 +161,10 @@ def plan(step, spec, weights, dims, start, n_tokens, n_out, n_threads, run_head)
         return SERIAL, 1
     if step == S_ROPE:  # decode does it within the attention step (run_task)
         return SERIAL, 1 if prefill else 0
+    if step == S_ATTN_OUT_NORM:
+        return SERIAL, 1 if spec[L_ATTN_OUT_NORM] != NO_PARAM else 0
+    if step == S_FFN_OUT_NORM:
+        return SERIAL, 1 if spec[L_FFN_OUT_NORM] != NO_PARAM and not is_moe(spec) else 0
     if step == S_INPUT_NORM or step == S_MERGE or step == S_POST_NORM:
         return (SERIAL if prefill else REPLICATED), 1
     if step == S_DOWN_INPUT:  # decode prepares the down projection's input vector; prefill quantizes it for
@@ -302,7 +313,7 @@ def write_kv(row, keys, values, kv_bytes, position, q_width, kv_width):
 
 @helper
 def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, first_token, cos, sin, keys, values,
-               embed_scratch, peaks, totals, accs, hidden, normed, qkv, attn):
+               embed_scratch, peaks, totals, accs, hidden, normed, qkv, attn, branch):
     """A SERIAL step: the embedding and RoPE with the cache write in any call; prefill's norms and
     attention merge, whose outputs the next step transposes (decode replicates those instead)."""
     d_model, n_heads, n_kv, head_dim = dims[M_HIDDEN], dims[M_HEADS], dims[M_KV_HEADS], dims[M_HEAD_DIM]
@@ -311,6 +322,17 @@ def run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, fir
         table = weights[dims[M_EMBED]]
         for t in range(n_tokens):
             embed_row(table, ids[t], embed_scratch, hidden[t])
+        if dims[M_EMBED_SCALE] != NO_PARAM:  # Gemma: rows times sqrt(hidden size)
+            scale = params[dims[M_EMBED_SCALE]]
+            for t in range(n_tokens):
+                for i in range(d_model):
+                    hidden[t, i] *= scale
+    elif step == S_ATTN_OUT_NORM or step == S_FFN_OUT_NORM:  # hidden += norm(branch)
+        norm = param(params, spec[L_ATTN_OUT_NORM if step == S_ATTN_OUT_NORM else L_FFN_OUT_NORM], d_model)
+        for t in range(n_tokens):
+            rms_norm_row(branch[t], norm, eps, branch[t])
+            for i in range(d_model):
+                hidden[t, i] += branch[t, i]
     elif step == S_INPUT_NORM or step == S_POST_NORM:
         norm = param(params, spec[L_INPUT_NORM if step == S_INPUT_NORM else L_POST_NORM], d_model)
         for t in range(n_tokens):
@@ -413,7 +435,7 @@ def project_part(weights, params, w_index, bias_offset, offset, begin, end, n_to
 def run_task(kind, step, task, n_tasks, spec, weights, params, dims, eps, scale, start, n_tokens, first_token,
              n_threads, cos, sin, keys, values, key_positions, x_natural, x_pairs, x_sums, xt, xq, tile, block,
              row_scratch, scores, peaks, totals, accs, hidden, normed, qkv, attn, gate, up, gate_t, up_t,
-             router_logits, logits):
+             router_logits, logits, branch):
     n_heads, n_kv, head_dim = dims[M_HEADS], dims[M_KV_HEADS], dims[M_HEAD_DIM]
     if kind == TRANSPOSE:  # this task's chunks of the next projection's input, transposed and/or quantized
         source, k_fill = transpose_input(step, spec, weights, dims)
@@ -445,9 +467,10 @@ def run_task(kind, step, task, n_tasks, spec, weights, params, dims, eps, scale,
                                   x_pairs, x_sums, xt, xq, tile, block, qkv, q_width, False, row_scratch)
             project_part(weights, params, spec[L_V], spec[L_V_BIAS], offset, begin, end, tokens, x_natural, x_pairs,
                          x_sums, xt, xq, tile, block, qkv, q_width + n_kv * head_dim, False, row_scratch)
-        elif step == S_O:
+        elif step == S_O:  # added to the residual stream, or into `branch` for its output norm
+            sandwich = spec[L_ATTN_OUT_NORM] != NO_PARAM
             project_rows(weights, spec[L_O], spec[L_O_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums,
-                         xt, xq, tile, block, hidden, 0, True, row_scratch)
+                         xt, xq, tile, block, branch if sandwich else hidden, 0, not sandwich, row_scratch)
         elif step == S_GATE_UP and is_moe(spec):  # router logits [T, E] (prefill reads the transposed input)
             project_rows(weights, spec[L_ROUTER], spec[L_ROUTER_BIAS], params, begin, end, tokens, x_natural, x_pairs,
                          x_sums, xt, xq, tile, block, router_logits, 0, False, row_scratch)
@@ -456,17 +479,19 @@ def run_task(kind, step, task, n_tasks, spec, weights, params, dims, eps, scale,
                          x_sums, xt, xq, tile, block, gate, 0, False, row_scratch)
             project_rows(weights, spec[L_UP], spec[L_UP_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums,
                          xt, xq, tile, block, up, 0, False, row_scratch)
-            silu_times_in_place(gate[0, begin:end], up[0, begin:end])
+            gated_in_place(spec, gate[0, begin:end], up[0, begin:end])
         elif step == S_GATE_UP:  # prefill: the same, transposed ([I, T]), so h^T is the down input
             project_rows(weights, spec[L_GATE], spec[L_GATE_BIAS], params, begin, end, tokens, x_natural, x_pairs,
                          x_sums, xt, xq, tile, block, gate_t, 0, False, row_scratch, True)
             project_rows(weights, spec[L_UP], spec[L_UP_BIAS], params, begin, end, tokens, x_natural, x_pairs, x_sums,
                          xt, xq, tile, block, up_t, 0, False, row_scratch, True)
             for r in range(begin, end):
-                silu_times_in_place(gate_t[r, :tokens], up_t[r, :tokens])
+                gated_in_place(spec, gate_t[r, :tokens], up_t[r, :tokens])
         elif step == S_DOWN:
+            sandwich = spec[L_FFN_OUT_NORM] != NO_PARAM
             project_rows(weights, spec[L_DOWN], spec[L_DOWN_BIAS], params, begin, end, tokens, x_natural, x_pairs,
-                         x_sums, gate_t if tokens > 1 else xt, xq, tile, block, hidden, 0, True, row_scratch)
+                         x_sums, gate_t if tokens > 1 else xt, xq, tile, block, branch if sandwich else hidden, 0,
+                         not sandwich, row_scratch)
         else:  # S_HEAD
             project_rows(weights, dims[M_LM_HEAD], NO_PARAM, params, begin, end, tokens, x_natural, x_pairs, x_sums,
                          xt, xq, tile, block, logits, 0, False, row_scratch)
@@ -495,6 +520,15 @@ def run_task(kind, step, task, n_tasks, spec, weights, params, dims, eps, scale,
 
 
 @helper
+def gated_in_place(spec, gate, up):
+    """gate = act(gate) * up, act the layer's: SiLU (SwiGLU) or GELU-tanh (Gemma)."""
+    if spec[L_ACTIVATION] == GELU_TANH:
+        gelu_tanh_times_in_place(gate, up)
+    else:
+        silu_times_in_place(gate, up)
+
+
+@helper
 def wait_for(address, target):
     """Wait until the int64 at `address` reaches target: spin first, then nap."""
     spins = 0
@@ -509,8 +543,9 @@ def wait_for(address, target):
 def _forward(weights, layers, params, dims, eps, scale, kv, ids, start, cos, sin, first, last,
              run_embedding, run_head, all_logits, n_threads, hidden, normed, qkv, attn, gate, up, gate_t, up_t, xt, xq,
              x_natural, x_pairs, x_sums, tiles, blocks, row_scratch, embed_scratch, scores, peaks, totals, accs,
-             key_positions, sync, clock, router_logits, logits, replicas):
-    """clock [>= n_steps + 1] receives the call's start time (clock[0]) and the time each step's
+             key_positions, sync, clock, router_logits, logits, replicas, branch):
+    """cos / sin hold n_tokens rows per rotary table, the model's first, then (if any layer has one) the
+    sliding layers' (L_ROPE_TABLE). clock [>= n_steps + 1] receives the call's start time (clock[0]) and the time each step's
     last task finished (clock[1 + step index]); 0 for skipped steps. A few clock reads per token."""
     n_tokens = ids.shape[0]
     first_token = 0 if all_logits else n_tokens - 1
@@ -545,18 +580,22 @@ def _forward(weights, layers, params, dims, eps, scale, kv, ids, start, cos, sin
                 continue
             kv_layer = max(layer, 0)
             keys, values = kv[kv_layer, 0], kv[kv_layer, 1]  # addresses of [capacity, Hkv, Dh] buffers
+            table = spec[L_ROPE_TABLE] * n_tokens
+            layer_cos, layer_sin = cos[table:table + n_tokens], sin[table:table + n_tokens]
             while True:
                 task = atomic_add(counters + 8 * (index * SYNC_STRIDE + NEXT), 1)
                 if task >= n_tasks:
                     break
                 if kind == SERIAL:
-                    run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, first_token, cos, sin,
-                               keys, values, embed_scratch, peaks, totals, accs, hidden, normed, qkv, attn)
+                    run_serial(step, spec, weights, params, dims, eps, ids, start, n_tokens, first_token, layer_cos,
+                               layer_sin, keys, values, embed_scratch, peaks, totals, accs, hidden, normed, qkv, attn,
+                               branch)
                 else:
                     run_task(kind, step, task, n_tasks, spec, weights, params, dims, eps, scale, start, n_tokens,
-                             first_token, n_threads, cos, sin, keys, values, visible_keys, x_natural_own, x_pairs_own,
-                             x_sums_own, xt, xq, tiles[thread], blocks[thread], row_scratch, scores[thread], peaks,
-                             totals, accs, hidden, normed, qkv, attn, gate, up, gate_t, up_t, router_logits, logits)
+                             first_token, n_threads, layer_cos, layer_sin, keys, values, visible_keys, x_natural_own,
+                             x_pairs_own, x_sums_own, xt, xq, tiles[thread], blocks[thread], row_scratch,
+                             scores[thread], peaks, totals, accs, hidden, normed, qkv, attn, gate, up, gate_t, up_t,
+                             router_logits, logits, branch)
                 if atomic_add(counters + 8 * (index * SYNC_STRIDE + DONE), 1) == n_tasks - 1:
                     clock[1 + index] = monotonic_seconds()  # this was the step's last task
             previous, previous_tasks = index, n_tasks
@@ -572,7 +611,7 @@ FORWARD_SIGNATURE = types.void(
     _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d, _f32_2d,  # hidden .. xt xq
     _f32_2d, _f32_2d, _f32_2d, _f32_3d, _f32_2d, _f32_1d, _f32_2d,  # x_natural .. embed_scratch (x_*: per thread)
     _f32_2d, _f32_1d, _f32_1d, _f32_2d, _i64_1d_ro, mutable(types.int64, 2),  # scores .. sync
-    mutable(types.float64, 1), _f32_2d, _f32_2d, _f32_2d,  # clock, router_logits, logits, replicas
+    mutable(types.float64, 1), _f32_2d, _f32_2d, _f32_2d, _f32_2d,  # clock, router_logits, logits, replicas, branch
 )
 forward_kernel = kernel(FORWARD_SIGNATURE, parallel=True)(_forward)
 
@@ -584,9 +623,10 @@ def sync_rows(n_layers: int) -> int:
 
 STEP_NAMES = {S_INPUT_NORM: "input norm", S_INPUT_T: "transpose (qkv input)", S_QKV: "q/k/v projection",
               S_ROPE: "q/k norm + rope + cache write", S_ATTEND: "attention", S_MERGE: "attention merge",
-              S_ATTN_T: "transpose (o input)", S_O: "o projection", S_POST_NORM: "post-attention norm",
+              S_ATTN_T: "transpose (o input)", S_O: "o projection", S_ATTN_OUT_NORM: "attention output norm",
+              S_POST_NORM: "post-attention norm",
               S_POST_T: "transpose (mlp input)", S_GATE_UP: "gate/up projection + silu (MoE: router)",
-              S_DOWN_INPUT: "down input", S_DOWN: "down projection",
+              S_DOWN_INPUT: "down input", S_DOWN: "down projection", S_FFN_OUT_NORM: "feed-forward output norm",
               S_EMBED: "embedding", S_FINAL_NORM: "final norm", S_HEAD_T: "transpose (head input)",
               S_HEAD: "lm head"}
 
