@@ -223,17 +223,21 @@ class GGUFSource:
         """What Gemma 3's decoder needs beyond the Llama keys, as llama.cpp reads (or assumes) it."""
         layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
         fields = {"sliding_window": self._count("attention.sliding_window"),
-                  "sliding_window_pattern": self._count("attention.sliding_window_pattern",
-                                                        GEMMA3_SLIDING_WINDOW_PATTERN),
                   "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
                   "query_pre_attn_scalar": (config["hidden_size"] // heads if layers == GEMMA3_27B_LAYERS
                                             else config["head_dim"])}
+        # gguf-py writes the pattern as one flag per layer (true: sliding); a period is read too
+        pattern = self._meta("attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+        if isinstance(pattern, list) and len(pattern) == layers and all(isinstance(f, bool) for f in pattern):
+            fields["layer_types"] = ["sliding_attention" if sliding else "full_attention" for sliding in pattern]
+        else:
+            fields["sliding_window_pattern"] = self._count("attention.sliding_window_pattern",
+                                                           GEMMA3_SLIDING_WINDOW_PATTERN)
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):  # (Gemma 2's; refused by the spec)
             if self._meta(key) is not None:
                 fields[key] = self._number(key)
-        log.info("%s: Gemma 3's sliding layers rotate with base %g (transformers' default; the GGUF does not "
-                 "say), and attend globally every %d layers", os.path.basename(self.path), GEMMA3_LOCAL_ROPE_BASE,
-                 fields["sliding_window_pattern"])
+        log.info("%s: Gemma 3's sliding layers rotate with base %g (transformers' default; the GGUF does not say)",
+                 os.path.basename(self.path), GEMMA3_LOCAL_ROPE_BASE)
         return fields
 
     def tensors(self) -> list[SourceTensor]:

@@ -132,7 +132,7 @@ def add_hf_metadata(writer: gguf.GGUFWriter, config) -> None:
     if "full_attention" in rope:  # Gemma 3: the global layers' rope; the sliding ones' base is not written
         rope = rope["full_attention"]
         writer.add_sliding_window(config.sliding_window)
-        writer.add_uint32(f"{writer.arch}.attention.sliding_window_pattern", config._sliding_window_pattern)
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
         if rope.get("rope_type", "default") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(rope["factor"]))

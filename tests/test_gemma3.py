@@ -16,7 +16,8 @@ import types
 import numpy as np
 import pytest
 import torch
-from gguf_files import write_hf_model_gguf
+import gguf
+from gguf_files import finish, write_hf_model_gguf
 from tiny_models import (
     GEMMA_CASE_NAMES,
     build_hf_model,
@@ -88,11 +89,28 @@ def test_each_gemma_setting_changes_transformers_logits(change, tiny_zoo):
     assert errors[first:].max() >= 1e-2
 
 
-def test_a_gguf_written_as_llama_cpp_writes_gemma3_matches_transformers(tiny_zoo, tmp_path):
+@pytest.mark.parametrize("pattern", ["per_layer_flags", "period"])
+def test_a_gguf_written_as_llama_cpp_writes_gemma3_matches_transformers(pattern, tiny_zoo, tmp_path):
     """llama.cpp's names (ffn_norm is the feed-forward's input norm, post_ffw_norm its output's), its
-    1 + w norm gains, its global rope in the metadata and linear scaling on the global layers only."""
+    1 + w norm gains, its global rope in the metadata and linear scaling on the global layers only; the
+    sliding pattern as gguf-py writes it (a flag per layer), or as a period."""
     hf = tiny_zoo.hf_model("gemma3_pattern_linear")
     path = write_hf_model_gguf(hf, tmp_path / "gemma3.gguf", "gemma3")
+    if pattern == "period":
+        reader = gguf.GGUFReader(path)
+        writer = gguf.GGUFWriter(str(tmp_path / "period.gguf"), "gemma3")
+        for field in reader.fields.values():
+            if field.name.startswith("GGUF.") or field.name in ("general.architecture",
+                                                                 "gemma3.attention.sliding_window_pattern"):
+                continue
+            writer.add_key_value(field.name, field.contents(), field.types[0],
+                                 field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+        writer.add_uint32("gemma3.attention.sliding_window_pattern", 3)
+        for tensor in reader.tensors:
+            writer.add_tensor(tensor.name, np.array(tensor.data), raw_shape=list(reversed(tensor.shape.tolist())),
+                              raw_dtype=tensor.tensor_type)
+        finish(writer)
+        path = tmp_path / "period.gguf"
     out = tmp_path / "converted"
     convert(str(path), str(out), F32, progress=False)
     prefill, steps, fed = hf_logits(hf, PROMPT, N_DECODE)
