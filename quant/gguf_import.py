@@ -1,9 +1,9 @@
 """GGUF tensors in, zllm quantized tensors (or float32 arrays) out.
 
-Three GGUF block types map onto a zllm scheme exactly, so they are repacked without
+Five GGUF block types map onto a zllm scheme exactly, so they are repacked without
 requantization; dequantizing the result gives the values gguf.quants.dequantize gives,
-bit for bit. All three use blocks of 32 elements along K with a float16 scale d first
-(little-endian, as every GGUF field):
+bit for bit. All five use blocks of 32 elements along K with a float16 scale d first
+(little-endian, as every GGUF field; layouts in gguf_blocks.py):
 
     Q4_0  18 bytes: d f16 | qs[16]          element i in the low nibble of qs[i],
                                             element i+16 in the high nibble;  w = d * (q - 8)
@@ -14,8 +14,12 @@ bit for bit. All three use blocks of 32 elements along K with a float16 scale d 
     Q8_0  34 bytes: d f16 | qs[32] int8                                       w = d * q
           -> int8_sym_g32: scale d, code q + 128 (so w = d * (code - 128)). GGUF allows
              q = -128, which becomes code 0; zllm's own quantizer never emits code 0.
+    Q5_0  22 bytes: d f16 | qh u32 | qs[16] 5-bit q                           w = d * (q - 16)
+          -> int8_sym_g32: scale d, code q + 112 (w = d * (code - 128)).
+    Q5_1  24 bytes: d f16 | m f16 | qh u32 | qs[16]                          w = d * q + m
+          -> int8_affine_g32: scale d, offset m, code q.
 
-Every other quantized type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ*, ...) is dequantized to
+Every other quantized type (Q4_K, Q5_K, Q6_K, IQ*, ...) is dequantized to
 float32 with gguf.quants and must be requantized by the caller. F32/F16/BF16 tensors and
 1-D tensors (norm weights) come back as float32 arrays.
 """
@@ -27,6 +31,7 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from edge.core.errors import ConversionError
+from quant import gguf_blocks
 from quant.formats import CODECS, FORMATS, FormatInfo, QuantizedTensor, Scheme
 
 
@@ -78,7 +83,34 @@ class Q8_0Blocks:
         return codes, _float16_field(blocks, 0), None
 
 
-LOSSLESS_BLOCKS = {blocks.ggml_type: blocks for blocks in (Q4_0Blocks, Q4_1Blocks, Q8_0Blocks)}
+class Q5_0Blocks:
+    ggml_type = GGMLQuantizationType.Q5_0
+    info: FormatInfo = FORMATS["Q5_0"]
+    scheme = Scheme("int8", 32, symmetric=True)
+
+    @staticmethod
+    def split(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+        """uint8 [N, G, 22] -> (codes uint8 [N, G, 32], scales float16 [N, G], no offsets)."""
+        unpacked = gguf_blocks.Q5_0.unpack(blocks)  # values q - 16, scale d
+        codes = (unpacked.values + 128).astype(np.uint8).reshape(blocks.shape[:-1] + (32,))
+        return codes, _float16_field(blocks, 0), None
+
+
+class Q5_1Blocks:
+    ggml_type = GGMLQuantizationType.Q5_1
+    info: FormatInfo = FORMATS["Q5_1"]
+    scheme = Scheme("int8", 32, symmetric=False)
+
+    @staticmethod
+    def split(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """uint8 [N, G, 24] -> (codes uint8 [N, G, 32], scales float16 [N, G], offsets float16 [N, G])."""
+        unpacked = gguf_blocks.Q5_1.unpack(blocks)  # values q, scale d, offset m
+        codes = unpacked.values.astype(np.uint8).reshape(blocks.shape[:-1] + (32,))
+        return codes, _float16_field(blocks, 0), _float16_field(blocks, 2)
+
+
+LOSSLESS_BLOCKS = {blocks.ggml_type: blocks
+                   for blocks in (Q4_0Blocks, Q4_1Blocks, Q8_0Blocks, Q5_0Blocks, Q5_1Blocks)}
 
 
 def is_lossless_gguf_type(ggml_type) -> bool:
@@ -94,7 +126,7 @@ def from_gguf(raw: np.ndarray, ggml_type, shape: tuple[int, ...]) -> QuantizedTe
 
     raw: GGUFReader(...).tensors[i].data (uint8 [N, bytes_per_row] for quantized types).
     shape: the logical numpy shape, i.e. the GGUF ne reversed: (N, K) for a matrix.
-    Returns a QuantizedTensor for 2-D Q4_0/Q4_1/Q8_0, a float32 array otherwise.
+    Returns a QuantizedTensor for 2-D Q4_0/Q4_1/Q8_0/Q5_0/Q5_1, a float32 array otherwise.
     """
     try:
         ggml_type = GGMLQuantizationType(ggml_type)

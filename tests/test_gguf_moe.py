@@ -152,7 +152,8 @@ def test_quantized_gguf_experts_import_bit_exact(tiny_zoo, tmp_path, case, arch)
 
 
 def test_other_gguf_types_dequantize_one_expert_at_a_time(tiny_zoo, tmp_path):
-    """Q5_0 / F16 stacks have no lossless scheme: each expert's slice is dequantized as gguf does it."""
+    """Q5_0 stacks (repacked into int8) and F16 ones (no lossless scheme): each expert's slice imports as the
+    gguf package dequantizes it."""
     types = {"ffn_gate_exps": Q.Q5_0, "ffn_up_exps": Q.F16, "ffn_down_exps": Q.Q5_0}
     source = write_hf_model_gguf(tiny_zoo.hf_model("olmoe"), tmp_path / "q5.gguf", "olmoe",
                                  qtype_for=lambda name, values: types.get(name.split(".")[-2], Q.F32))

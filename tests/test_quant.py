@@ -37,6 +37,8 @@ LOSSLESS_GGUF = {
     GGMLQuantizationType.Q4_0: "int4_sym_g32",
     GGMLQuantizationType.Q4_1: "int4_affine_g32",
     GGMLQuantizationType.Q8_0: "int8_sym_g32",
+    GGMLQuantizationType.Q5_0: "int8_sym_g32",
+    GGMLQuantizationType.Q5_1: "int8_affine_g32",
 }
 
 
@@ -379,11 +381,17 @@ def test_other_gguf_types_come_back_as_float_for_requantization(ggml_type, scale
     assert np.all(np.abs(qt.dequantize() - weight) <= error_bound(weight, qt))
 
 
-def test_gguf_q5_0_is_dequantized_not_repacked():
-    weight = np.random.default_rng(6).standard_normal((3, 64)).astype(np.float32)
-    raw = gguf.quants.quantize(weight, GGMLQuantizationType.Q5_0)
-    result = from_gguf(raw, GGMLQuantizationType.Q5_0, (3, 64))
-    assert same_bits(result, gguf.quants.dequantize(raw, GGMLQuantizationType.Q5_0))
+@pytest.mark.parametrize("ggml_type", [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1], ids=lambda t: t.name)
+def test_gguf_q5_blocks_of_random_bytes_repack_bit_exact(ggml_type):
+    """Every 5-bit code and fifth-bit pattern, as random bytes give them (with sane f16 scales)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+    raw = np.random.default_rng(6).integers(0, 256, size=(5, 4, type_size), dtype=np.uint8)
+    for start in (0, 2) if ggml_type == GGMLQuantizationType.Q5_1 else (0,):
+        raw[..., start:start + 2] = np.random.default_rng(start).uniform(-2, 2, (5, 4, 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(5, -1)
+    qt = from_gguf(raw, ggml_type, (5, 4 * block_size))
+    assert isinstance(qt, QuantizedTensor)
+    assert same_bits(qt.dequantize(), gguf.quants.dequantize(raw, ggml_type))
 
 
 def test_gguf_float_and_1d_tensors_come_back_as_float32():
