@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_worker.py")
 
 ZLLM_PLANS = {  # name -> QuantPlan arguments
-    "q4_1": dict(weights="source"),
+    "source": dict(weights="source"),  # GGUF blocks of our formats kept (SmolLM2's Q4_1), the others requantized
     "int8": dict(weights="int8", group_size=32, symmetric=True),
     "int4-sym": dict(weights="int4", group_size=32, symmetric=True),
 }

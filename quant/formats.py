@@ -222,7 +222,7 @@ ALL_SCHEMES: tuple[Scheme, ...] = (
 # gguf_blocks.py).
 _GGUF_SOURCE_FORMATS = tuple(FormatInfo(f.name, f.block_size, f.block_bytes, f.bits, f"GGUF: {f.description}")
                              for f in (gguf_blocks.Q4_0, gguf_blocks.Q4_1, gguf_blocks.Q8_0, gguf_blocks.Q5_0,
-                                       gguf_blocks.Q5_1))
+                                       gguf_blocks.Q5_1, gguf_blocks.IQ4_NL))
 
 FORMATS: dict[str, FormatInfo] = {
     info.name: info for info in (*map(_scheme_format, ALL_SCHEMES), *_GGUF_SOURCE_FORMATS)

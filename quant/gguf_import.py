@@ -1,8 +1,8 @@
 """GGUF tensors in, zllm quantized tensors (or float32 arrays) out.
 
-Five GGUF block types map onto a zllm scheme exactly, so they are repacked without
+Six GGUF block types map onto a zllm scheme exactly, so they are repacked without
 requantization; dequantizing the result gives the values gguf.quants.dequantize gives,
-bit for bit. All five use blocks of 32 elements along K with a float16 scale d first
+bit for bit. All six use blocks of 32 elements along K with a float16 scale d first
 (little-endian, as every GGUF field; layouts in gguf_blocks.py):
 
     Q4_0  18 bytes: d f16 | qs[16]          element i in the low nibble of qs[i],
@@ -18,8 +18,10 @@ bit for bit. All five use blocks of 32 elements along K with a float16 scale d f
           -> int8_sym_g32: scale d, code q + 112 (w = d * (code - 128)).
     Q5_1  24 bytes: d f16 | m f16 | qh u32 | qs[16]                          w = d * q + m
           -> int8_affine_g32: scale d, offset m, code q.
+    IQ4_NL 18 bytes: d f16 | qs[16] nibbles indexing a table of 16 int8 values w = d * table[q]
+          -> int8_sym_g32: scale d, code table[q] + 128.
 
-Every other quantized type (Q4_K, Q5_K, Q6_K, IQ*, ...) is dequantized to
+Every other quantized type (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, ...) is dequantized to
 float32 with gguf.quants and must be requantized by the caller. F32/F16/BF16 tensors and
 1-D tensors (norm weights) come back as float32 arrays.
 """
@@ -109,8 +111,21 @@ class Q5_1Blocks:
         return codes, _float16_field(blocks, 0), _float16_field(blocks, 2)
 
 
+class IQ4_NLBlocks:
+    ggml_type = GGMLQuantizationType.IQ4_NL
+    info: FormatInfo = FORMATS["IQ4_NL"]
+    scheme = Scheme("int8", 32, symmetric=True)
+
+    @staticmethod
+    def split(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+        """uint8 [N, G, 18] -> (codes uint8 [N, G, 32], scales float16 [N, G], no offsets)."""
+        unpacked = gguf_blocks.IQ4_NL.unpack(blocks)  # values table[q] in [-127, 113], scale d
+        codes = (unpacked.values + 128).astype(np.uint8).reshape(blocks.shape[:-1] + (32,))
+        return codes, _float16_field(blocks, 0), None
+
+
 LOSSLESS_BLOCKS = {blocks.ggml_type: blocks
-                   for blocks in (Q4_0Blocks, Q4_1Blocks, Q8_0Blocks, Q5_0Blocks, Q5_1Blocks)}
+                   for blocks in (Q4_0Blocks, Q4_1Blocks, Q8_0Blocks, Q5_0Blocks, Q5_1Blocks, IQ4_NLBlocks)}
 
 
 def is_lossless_gguf_type(ggml_type) -> bool:
@@ -126,7 +141,7 @@ def from_gguf(raw: np.ndarray, ggml_type, shape: tuple[int, ...]) -> QuantizedTe
 
     raw: GGUFReader(...).tensors[i].data (uint8 [N, bytes_per_row] for quantized types).
     shape: the logical numpy shape, i.e. the GGUF ne reversed: (N, K) for a matrix.
-    Returns a QuantizedTensor for 2-D Q4_0/Q4_1/Q8_0/Q5_0/Q5_1, a float32 array otherwise.
+    Returns a QuantizedTensor for 2-D Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/IQ4_NL, a float32 array otherwise.
     """
     try:
         ggml_type = GGMLQuantizationType(ggml_type)

@@ -39,7 +39,7 @@ LOSSLESS_GGUF = {
     GGMLQuantizationType.Q8_0: "int8_sym_g32",
     GGMLQuantizationType.Q5_0: "int8_sym_g32",
     GGMLQuantizationType.Q5_1: "int8_affine_g32",
-}
+}  # (and IQ4_NL into int8_sym_g32, which the gguf package cannot quantize: random blocks below)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -381,9 +381,11 @@ def test_other_gguf_types_come_back_as_float_for_requantization(ggml_type, scale
     assert np.all(np.abs(qt.dequantize() - weight) <= error_bound(weight, qt))
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1], ids=lambda t: t.name)
-def test_gguf_q5_blocks_of_random_bytes_repack_bit_exact(ggml_type):
-    """Every 5-bit code and fifth-bit pattern, as random bytes give them (with sane f16 scales)."""
+@pytest.mark.parametrize("ggml_type", [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+                                       GGMLQuantizationType.IQ4_NL], ids=lambda t: t.name)
+def test_gguf_blocks_of_random_bytes_repack_into_int8_bit_exact(ggml_type):
+    """Every code (5-bit, or a 4-bit table index) and fifth-bit pattern, as random bytes give them (with sane
+    f16 scales)."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
     raw = np.random.default_rng(6).integers(0, 256, size=(5, 4, type_size), dtype=np.uint8)
     for start in (0, 2) if ggml_type == GGMLQuantizationType.Q5_1 else (0,):
