@@ -40,6 +40,7 @@ from quant import GROUP_SIZES, QuantizedTensor, Scheme, quantize
 from quant import checkpoint as ckpt
 from quant.expert_file import EXPERTS_FILE, PROJECTIONS, ExpertLayout
 from quant.formats import describe_non_finite
+from quant.gguf_import import LOSSLESS_BLOCKS
 from quant.metrics import quantization_error
 from quant.safetensors_io import NUMPY_TO_SAFETENSORS, SafetensorsFormatError
 
@@ -50,11 +51,8 @@ TENSOR_CLASSES = ("embeddings", "attention", "ffn", "lm_head", "experts", "route
 # Routers stay f32 unless overridden: routing is a discrete choice that must match the source model.
 CLASS_DEFAULTS = {"router": "f32"}
 # GGUF formats that map onto one of our schemes without requantization.
-LOSSLESS_SOURCE_SCHEMES = {
-    "Q4_0": Scheme("int4", 32, True),
-    "Q4_1": Scheme("int4", 32, False),
-    "Q8_0": Scheme("int8", 32, True),
-}
+# GGUF block types kept as they are (repacked into one of our schemes without loss), by source format name
+LOSSLESS_SOURCE_SCHEMES = {blocks.info.name: blocks.scheme for blocks in LOSSLESS_BLOCKS.values()}
 
 
 def tensor_class(name: str) -> str:
@@ -131,7 +129,7 @@ class QuantPlan:
             return Scheme("f16")
         if tensor.source_format in ("F32", "BF16", "F64"):
             return Scheme("f32")
-        # Any other GGUF quantization (K-quants, Q5_x, ...) is requantized to 8 bits, the
+        # Any other GGUF quantization (K-quants, IQ4_XS, ...) is requantized to 8 bits, the
         # nearest of our schemes that does not lose more than the source already did.
         return Scheme("int8", self.group_size, self.symmetric)
 

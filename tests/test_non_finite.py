@@ -61,7 +61,7 @@ def gguf_with_field(hf_model, path: Path, qtype: Q, row: int, block: int, field:
     (Q.Q8_0, "int4_sym_g64", 0, INF, "(int4_sym_g64): the source holds a non-finite scale (inf) at row 3, group 1"),
     (Q.Q4_1, "f16", 2, NAN, "(f16): the source holds a non-finite offset (nan) at row 3, group 1"),
     (Q.Q5_0, "int8", 0, NAN, "(int8_sym_g32): the source holds a non-finite scale (nan) at row 3, group 1"),
-    (Q.Q5_1, "int8", 2, INF, "(int8_sym_g32): the source holds a non-finite offset (inf) at row 3, group 1"),
+    (Q.Q5_1, "int8", 2, INF, "(int8_affine_g32): the source holds a non-finite offset (inf) at row 3, group 1"),
     (Q.Q5_0, "int4", 0, NAN, "(int4_sym_g32): the source holds a non-finite scale (nan) at row 3, group 1"),
 ])
 def test_non_finite_gguf_block_fields_are_refused(tiny_zoo, tmp_path, qtype, weights, field, bits, found):
