@@ -85,6 +85,13 @@ class Q8_0Blocks:
         return codes, _float16_field(blocks, 0), None
 
 
+def _int8_codes(block_format: type[gguf_blocks.BlockFormat], blocks: np.ndarray, zero_point: int) -> np.ndarray:
+    """uint8 [N, G, bytes] of a 32-value block format whose unpacked values v fit int8 codes v + zero_point
+    -> codes uint8 [N, G, 32]."""
+    values = block_format.unpack(blocks).values + zero_point
+    return values.astype(np.uint8).reshape(blocks.shape[:-1] + (32,))
+
+
 class Q5_0Blocks:
     ggml_type = GGMLQuantizationType.Q5_0
     info: FormatInfo = FORMATS["Q5_0"]
@@ -93,9 +100,7 @@ class Q5_0Blocks:
     @staticmethod
     def split(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
         """uint8 [N, G, 22] -> (codes uint8 [N, G, 32], scales float16 [N, G], no offsets)."""
-        unpacked = gguf_blocks.Q5_0.unpack(blocks)  # values q - 16, scale d
-        codes = (unpacked.values + 128).astype(np.uint8).reshape(blocks.shape[:-1] + (32,))
-        return codes, _float16_field(blocks, 0), None
+        return _int8_codes(gguf_blocks.Q5_0, blocks, 128), _float16_field(blocks, 0), None  # values q - 16
 
 
 class Q5_1Blocks:
@@ -106,9 +111,7 @@ class Q5_1Blocks:
     @staticmethod
     def split(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """uint8 [N, G, 24] -> (codes uint8 [N, G, 32], scales float16 [N, G], offsets float16 [N, G])."""
-        unpacked = gguf_blocks.Q5_1.unpack(blocks)  # values q, scale d, offset m
-        codes = unpacked.values.astype(np.uint8).reshape(blocks.shape[:-1] + (32,))
-        return codes, _float16_field(blocks, 0), _float16_field(blocks, 2)
+        return _int8_codes(gguf_blocks.Q5_1, blocks, 0), _float16_field(blocks, 0), _float16_field(blocks, 2)
 
 
 class IQ4_NLBlocks:
@@ -119,9 +122,8 @@ class IQ4_NLBlocks:
     @staticmethod
     def split(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
         """uint8 [N, G, 18] -> (codes uint8 [N, G, 32], scales float16 [N, G], no offsets)."""
-        unpacked = gguf_blocks.IQ4_NL.unpack(blocks)  # values table[q] in [-127, 113], scale d
-        codes = (unpacked.values + 128).astype(np.uint8).reshape(blocks.shape[:-1] + (32,))
-        return codes, _float16_field(blocks, 0), None
+        # values table[q] in [-127, 113]
+        return _int8_codes(gguf_blocks.IQ4_NL, blocks, 128), _float16_field(blocks, 0), None
 
 
 LOSSLESS_BLOCKS = {blocks.ggml_type: blocks
