@@ -483,7 +483,8 @@ def load(path, *positional, options: LoadOptions | None = None, **settings) -> M
     The settings are LoadOptions.of's keyword arguments: device ("reference", "cpu", "cpu:f32", "gpu",
     "npu:openvino", ...), threads, memory_budget, kv_capacity, kv_cache, verify, the expert streaming
     options of a MoE model (storage, expert_strategy, expert_policy, prefetch_depth, prefetch_threads),
-    gpu_expert_cache and io_engine (the first ones may be given by position, in that order: edge.load(path, "cpu"));
+    gpu_expert_cache, io_engine and expert_engine (the first ones may be given by position, in that order:
+    edge.load(path, "cpu"));
     edge/options.py says what each takes. Or pass one LoadOptions as `options`.
     """
     if options is None:

@@ -42,7 +42,7 @@ import psutil
 from devices.base import DeviceUnavailableError, split_device_list
 from edge.core.errors import InvalidArgumentError, ZllmError
 from edge.core.process_memory import peak_rss_bytes, resident_bytes
-from streaming.options import IO_ENGINES
+from streaming.options import EXPERT_ENGINES, IO_ENGINES
 
 PROMPT_TOPIC = "execmodel"  # pydoc_data.topics entry the text prompt is cut from: plain English prose
 PROMPT_SEED = 0
@@ -676,6 +676,8 @@ def add_arguments(parser) -> None:
     moe.add_argument("--prefetch-depth", type=int, default=2, help="MoE layers ahead the predictor prefetches")
     moe.add_argument("--io-engine", choices=IO_ENGINES, default="auto",
                      help="how streamed experts are read (edge.load's io_engine)")
+    moe.add_argument("--expert-engine", choices=EXPERT_ENGINES, default="auto",
+                     help="which expert cache streams them (edge.load's expert_engine)")
     moe.add_argument("--plot", default=None, metavar="FILE.png", help="plot tokens/s and hit rate against the budget")
     moe.add_argument("--random-moe", nargs="?", const="stress", default=None, metavar="SHAPE",
                      help="benchmark a built-in random MoE (built on first use): stress (the default: the I/O "

@@ -163,6 +163,7 @@ def summarize(strategy: str, budget: str, loaded: dict, runs: list[dict], peak_r
         "predictor_recall_by_distance": {d: _ratio(totals[f"predictor_hits_{d}"], totals[f"predictor_actual_{d}"])
                                          for d in distances},
         "storage": final.get("storage"), "io_mode": final.get("io_mode"), "io_engine": final.get("io_engine"),
+        "expert_engine": final.get("expert_engine"),
         # the RSS before the measured load, after the warm-up load (the runtime as a long-running process has it)
         "peak_rss_bytes": peak_rss, "baseline_rss_bytes": baseline, "peak_rss_over_baseline_bytes": over_baseline,
         # the whole process against the budget: peak RSS over what importing the package took (the
@@ -191,7 +192,7 @@ def check_moe_counts(prompt_tokens: int, new_tokens: int, repeats: int) -> None:
 def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str], storage: str | None,
                   device: str = "cpu", threads: int | None = None, prompt_tokens: int = 64, new_tokens: int = 64,
                   repeats: int = 1, prefetch_depth: int = 2, progress=None, options: str = "--memory-budget",
-                  io_engine: str = "auto") -> dict:
+                  io_engine: str = "auto", expert_engine: str = "auto") -> dict:
     """Measure every (strategy, budget); returns the report (what --json writes). `options`: the command
     line options that asked for this benchmark, which a refusal of a dense checkpoint names."""
     from quant.checkpoint import read_manifest
@@ -217,7 +218,8 @@ def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str
     rows = []
     for strategy, budget in configs:
         options = {**STRATEGY_OPTIONS[strategy], "memory_budget": budget, "storage": storage,
-                   "prefetch_depth": prefetch_depth, "kv_capacity": prompt_tokens + new_tokens, "io_engine": io_engine}
+                   "prefetch_depth": prefetch_depth, "kv_capacity": prompt_tokens + new_tokens, "io_engine": io_engine,
+                   "expert_engine": expert_engine}
         progress(f"{strategy} at {budget}: loading")
         try:
             worker = DeviceWorker(checkpoint_path, device, threads, options)
@@ -265,6 +267,7 @@ def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str
         "model": os.path.abspath(checkpoint_path), "model_type": manifest["model"]["model_type"],
         "device": device, "threads": threads, "storage": storage or "native", "budgets": budgets,
         "strategies": strategies, "prefetch_depth": prefetch_depth, "io_engine": io_engine,
+        "expert_engine": expert_engine,
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens, "decode_steps": new_tokens - 1, "repeats": repeats, "prompt_source": prompt_source,
         # (the RSS after the warm-up load, before the measured one: interpreter and warm runtime)
@@ -388,6 +391,8 @@ def format_moe_table(report: dict) -> str:
              f"{report['storage']}, prefetch depth {report['prefetch_depth']}",
              f"prompt: {report['prompt_tokens']} tokens ({report['prompt_source']}); {report['new_tokens']} greedy "
              f"tokens; {report['repeats']} timed run(s) per config, each in its own process",
+             "streamed experts: " + (", ".join(sorted({str(r.get("expert_engine")) for r in report["configs"]
+                                                       if r.get("expert_engine")})) or "-"),
              "reads: expert records read per decoded token; floor reads: expert reads per token an omniscient (Belady) cache of that size needs, replaying the "
              "resident run's routes; bound t/s: 1 / max(resident token time, the floor's reads on the disk: on the "
              "slower of the emulated device and this machine's disk, which every emulated read also goes through); "
@@ -454,7 +459,7 @@ def cmd_bench_moe(args) -> int:
     # default MoE is built (minutes), not as a refusal of every configuration after it
     device = args.device.strip()
     LoadOptions.of(device, load_threads(device, args.threads), prefetch_depth=args.prefetch_depth,
-                   io_engine=args.io_engine)
+                   io_engine=args.io_engine, expert_engine=args.expert_engine)
     if args.plot:
         try:  # checked before the sweep, not after minutes of it
             import matplotlib  # noqa: F401
@@ -476,7 +481,8 @@ def cmd_bench_moe(args) -> int:
     report = run_moe_bench(path, budgets, strategies, args.storage, device=device, threads=args.threads,
                            prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
                            prefetch_depth=args.prefetch_depth, progress=progress,
-                           options=", ".join(given) or "--memory-budget", io_engine=args.io_engine)
+                           options=", ".join(given) or "--memory-budget", io_engine=args.io_engine,
+                           expert_engine=args.expert_engine)
     emit_report(format_moe_table(report), report, args.json)
     refused = [row for row in report["configs"] if "error" in row]
     if len(refused) == len(report["configs"]):  # nothing measured: a failure, not a report

@@ -11,7 +11,7 @@ import sys
 import threading
 
 from edge.core.errors import InvalidArgumentError, ZllmError
-from streaming.options import IO_ENGINES
+from streaming.options import EXPERT_ENGINES, IO_ENGINES
 
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
@@ -290,7 +290,7 @@ def _memory_options(args) -> dict:
     return {"memory_budget": args.memory_budget, "storage": args.storage, "expert_strategy": args.expert_strategy,
             "expert_policy": args.expert_policy, "prefetch_depth": args.prefetch_depth,
             "prefetch_threads": args.prefetch_threads, "gpu_expert_cache": args.gpu_expert_cache,
-            "io_engine": args.io_engine}
+            "io_engine": args.io_engine, "expert_engine": args.expert_engine}
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -327,6 +327,9 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io-engine", choices=IO_ENGINES, default="auto",
                    help="MoE: how streamed experts are read: io_uring (no reader threads), threads, or auto "
                         "(io_uring where the kernel allows it)")
+    p.add_argument("--expert-engine", choices=EXPERT_ENGINES, default="auto",
+                   help="MoE: the streamed expert cache: compiled (a slot table in compiled calls; io_uring, "
+                        "uncompressed records, lru/lfu/nextuse), python, or auto (compiled where it runs)")
     p.add_argument("--gpu-expert-cache", default=None,
                    help="MoE on --device gpu: bytes of experts kept on the GPU: 64MB, bytes, or P%% of all experts "
                         "(default: every expert if they take at most half the adapter's memory)")

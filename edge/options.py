@@ -71,10 +71,11 @@ class LoadOptions:
            verify: bool = False, storage: str | None = None, expert_strategy: str | None = None,
            expert_policy: str | None = None, prefetch_depth: int = 2, prefetch_threads: int = 4,
            kv_capacity: int | None = None, kv_cache: str = "f32",
-           gpu_expert_cache: int | str | None = None, io_engine: str = "auto") -> "LoadOptions":
+           gpu_expert_cache: int | str | None = None, io_engine: str = "auto",
+           expert_engine: str = "auto") -> "LoadOptions":
         """From edge.load's keyword arguments (the streaming ones flat)."""
         streaming = StreamingOptions(storage, expert_strategy, expert_policy, prefetch_depth, prefetch_threads,
-                                     io_engine)
+                                     io_engine, expert_engine)
         return cls(device, threads, memory_budget, kv_capacity, kv_cache, verify, streaming, gpu_expert_cache)
 
     @classmethod

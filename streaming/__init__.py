@@ -59,9 +59,19 @@ def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: in
         raise ZllmError("expert_policy 'forecast' needs the expert predictor; use expert_strategy 'predictive' "
                         "or expert_policy 'lru' or 'lfu'")
     # streamed experts are always checked against their crc32: a damaged record must never become output
-    return StreamingExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage, predictor=predictor,
-                            policy=policy, depth=depth, threads=options.prefetch_threads, verify=True,
-                            io_engine=options.io_engine)
+    slots = _imported("streaming.slots")
+    refusal = slots.slot_engine_refusal(index, policy, options.io_engine, options.expert_engine)
+    if refusal is not None and options.expert_engine == "compiled":
+        raise ZllmError(f"expert_engine 'compiled' cannot stream this model: {refusal}; use expert_engine 'auto' "
+                        "or 'python'")
+    if refusal is None:
+        return slots.SlotExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage,
+                                 predictor=predictor, policy=policy, depth=depth, verify=True)
+    source = StreamingExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage, predictor=predictor,
+                              policy=policy, depth=depth, threads=options.prefetch_threads, verify=True,
+                              io_engine=options.io_engine)
+    source.expert_engine_reason = refusal
+    return source
 
 
 __all__ = ["open_expert_source"]

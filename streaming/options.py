@@ -7,6 +7,9 @@ from edge.core.arguments import choice, integer, shown
 from edge.core.errors import InvalidArgumentError
 
 IO_ENGINES = ("auto", "io_uring", "threads")  # auto: io_uring where the kernel allows it, else threads
+# compiled: the slot table in compiled calls (streaming/slots.py); python: the cache and loaders of
+# streaming/source.py and streaming/prefetch.py; auto: compiled where it runs, else python
+EXPERT_ENGINES = ("auto", "compiled", "python")
 # Each loading thread is an operating system thread with a read of its own in flight; a count beyond
 # what any storage queue serves only adds threads that wait (and a huge one would never finish starting).
 MAX_PREFETCH_THREADS = 256
@@ -31,7 +34,11 @@ class StreamingOptions:
     default otherwise, evicts exactly what that cycle needs next;
     io_engine: how streamed experts are read: "io_uring" (submitted and collected by the model's
     thread in compiled calls, no reader threads), "threads" (prefetch_threads reader threads) or
-    "auto" (io_uring where the kernel and the records allow it, else threads)."""
+    "auto" (io_uring where the kernel and the records allow it, else threads);
+    expert_engine: where the expert cache, its loads and its waits run: "compiled" (a slot table in
+    compiled calls, no Python per read: io_uring, uncompressed records, the lru, lfu and nextuse
+    policies), "python" (streaming/source.py: every engine, policy and record format) or "auto"
+    (compiled where it runs, else python; `model.stats()["expert_engine"]` says which and why)."""
 
     storage: str | None = None
     expert_strategy: str | None = None
@@ -39,6 +46,7 @@ class StreamingOptions:
     prefetch_depth: int = 2
     prefetch_threads: int = 4
     io_engine: str = "auto"
+    expert_engine: str = "auto"
 
     def __post_init__(self) -> None:
         """Every setting checked when made (InvalidArgumentError), whether or not the strategy uses it:
@@ -48,6 +56,7 @@ class StreamingOptions:
         from streaming.storage import StorageModel, parse_storage
 
         check_io_engine(self.io_engine)
+        choice("expert_engine", self.expert_engine, EXPERT_ENGINES)
         if self.expert_strategy is not None:
             choice("expert_strategy", self.expert_strategy, STRATEGIES)
         if self.expert_policy is not None:

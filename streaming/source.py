@@ -93,7 +93,65 @@ def prepared_expert(index: ExpertIndex, prepare_weight, layer: int, expert: int,
                          down=prepare_weight(weights["down_proj"]))
 
 
-class StreamingExperts:
+class LayerPasses:
+    """Where the model is in its forward passes over the MoE layers, for an expert source: a layer's
+    position (pass * MoE layers + ordinal), the layers until one is computed again, and the lookahead's
+    feedback at the end of each decode pass. A source says how long it has stalled in all."""
+
+    def _start_passes(self, layers, predictor, depth: int) -> None:
+        self.order = list(layers)
+        self._ordinal = {layer: i for i, layer in enumerate(self.order)}
+        self.predictor = predictor
+        self.lookahead = Lookahead(depth) if predictor is not None else None
+        self._pass, self._last_ordinal = 0, None
+        self._pass_started, self._pass_stall, self._pass_tokens = time.monotonic(), 0.0, 0
+
+    def _stall_seconds(self) -> float:
+        raise NotImplementedError
+
+    @property
+    def depth(self) -> int:
+        """MoE layers ahead the prefetches reach now (0 without a predictor)."""
+        return self.lookahead.depth if self.lookahead is not None else 0
+
+    @property
+    def strategy(self) -> str:
+        return "predictive" if self.predictor is not None else "ondemand"
+
+    def forecast_path(self) -> str:
+        """How the predictor forecasts a decode step (ExpertPredictor.forecast_path); "none" without one."""
+        return self.predictor.forecast_path() if self.predictor is not None else "none"
+
+    def _layers_until(self, layer: int) -> int:
+        """MoE layers from the one running now until `layer` runs again (1..number of MoE layers)."""
+        here = self._last_ordinal if self._last_ordinal is not None else -1
+        return (self._ordinal[layer] - here) % len(self.order) or len(self.order)
+
+    def _position(self, layer: int, n_tokens: int) -> int:
+        if layer not in self._ordinal:
+            raise ZllmError(f"layer {layer} is not a MoE layer of this model; MoE layers: {self.order}")
+        ordinal = self._ordinal[layer]
+        if self._last_ordinal is not None and ordinal <= self._last_ordinal:
+            self._pass += 1  # a new forward pass started
+            self._pass_done()
+        self._last_ordinal = ordinal
+        self._pass_tokens = max(self._pass_tokens, n_tokens)
+        return self._pass * len(self.order) + ordinal
+
+    def _pass_done(self) -> None:
+        """A forward pass ended: a decode pass (one token) tells the lookahead how long it waited."""
+        now, stall = time.monotonic(), self._stall_seconds()
+        if self.lookahead is not None and self._pass_tokens == 1:
+            self.lookahead.pass_done(now - self._pass_started, stall - self._pass_stall)
+        self._pass_started, self._pass_stall, self._pass_tokens = now, stall, 0
+
+    def _next_pass_targets(self) -> list[int]:
+        """The MoE layers of the next forward pass within `depth` layers of the one running now."""
+        ahead = self._last_ordinal + self.depth - len(self.order)  # ordinals of the next pass reached
+        return self.order[: max(0, ahead + 1)]
+
+
+class StreamingExperts(LayerPasses):
     def __init__(self, index: ExpertIndex, prepare_weight, layers: dict[int, MoeConfig], cache_bytes: int,
                  storage=None, predictor=None, policy: str = "lru", depth: int = 2, threads: int = 2,
                  verify: bool = True, direct_io: bool = True, store: ExpertStore | None = None,
@@ -101,9 +159,7 @@ class StreamingExperts:
         self.index = index
         self._prepare_weight = prepare_weight
         self.layers = dict(sorted(layers.items()))
-        self._ordinal = {layer: i for i, layer in enumerate(self.layers)}
-        self.predictor = predictor
-        self.lookahead = Lookahead(depth) if predictor is not None else None
+        self._start_passes(self.layers, predictor, depth)
         self.prefetch_width = prefetch_width
         self.store = store or ExpertStore(index, storage, verify=verify, direct_io=direct_io)
         self.cache = ExpertCache(cache_bytes, make_policy(policy, predictor.need_vector if predictor else None,
@@ -121,9 +177,9 @@ class StreamingExperts:
         else:
             self.prefetcher = ThreadLoader(self.store, self.cache, self._prepare, threads, load_batch)
         self.policy = policy
+        # why the compiled slot table (streaming/slots.py) does not serve this source
+        self.expert_engine_reason = "the Python cache was asked for"
         self.counters = StreamingCounters()
-        self._pass, self._last_ordinal = 0, None
-        self._pass_started, self._pass_stall, self._pass_tokens = time.monotonic(), 0.0, 0
         self._current: StreamedLayer | None = None
 
     def _engine_refusal(self, io_engine: str) -> str | None:
@@ -154,37 +210,8 @@ class StreamingExperts:
         it alive."""
         self._prepared.pop(address, None)
 
-    @property
-    def depth(self) -> int:
-        """MoE layers ahead the prefetches reach now (0 without a predictor)."""
-        return self.lookahead.depth if self.lookahead is not None else 0
-
-    @property
-    def strategy(self) -> str:
-        return "predictive" if self.predictor is not None else "ondemand"
-
-    def _layers_until(self, layer: int) -> int:
-        """MoE layers from the one running now until `layer` runs again (1..number of MoE layers)."""
-        here = self._last_ordinal if self._last_ordinal is not None else -1
-        return (self._ordinal[layer] - here) % len(self.layers) or len(self.layers)
-
-    def _position(self, layer: int, n_tokens: int) -> int:
-        if layer not in self._ordinal:
-            raise ZllmError(f"layer {layer} is not a MoE layer of this model; MoE layers: {list(self.layers)}")
-        ordinal = self._ordinal[layer]
-        if self._last_ordinal is not None and ordinal <= self._last_ordinal:
-            self._pass += 1  # a new forward pass started
-            self._pass_done()
-        self._last_ordinal = ordinal
-        self._pass_tokens = max(self._pass_tokens, n_tokens)
-        return self._pass * len(self.layers) + ordinal
-
-    def _pass_done(self) -> None:
-        """A forward pass ended: a decode pass (one token) tells the lookahead how long it waited."""
-        now = time.monotonic()
-        if self.lookahead is not None and self._pass_tokens == 1:
-            self.lookahead.pass_done(now - self._pass_started, self.counters.stall_seconds - self._pass_stall)
-        self._pass_started, self._pass_stall, self._pass_tokens = now, self.counters.stall_seconds, 0
+    def _stall_seconds(self) -> float:
+        return self.counters.stall_seconds
 
     def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
                 router_logits: np.ndarray | None = None) -> Mapping[int, ExpertWeights]:
@@ -219,11 +246,6 @@ class StreamingExperts:
         with self.cache.lock:
             self._schedule_locked(position, forecast, free_entries, n_tokens)
 
-    def _next_pass_targets(self) -> list[int]:
-        """The MoE layers of the next forward pass within `depth` layers of the one running now."""
-        ahead = self._last_ordinal + self.depth - len(self.layers)  # ordinals of the next pass reached
-        return list(self.layers)[: max(0, ahead + 1)]
-
     def _schedule_locked(self, position: int, forecast: dict[int, np.ndarray], free_entries: int,
                          n_tokens: int) -> None:
         here = self._last_ordinal
@@ -247,10 +269,6 @@ class StreamingExperts:
                 if expert not in cached:  # (prefetch would skip it too)
                     self.prefetcher.prefetch((target, expert), position + distance, distance, score)
 
-    def forecast_path(self) -> str:
-        """How the predictor forecasts a decode step (ExpertPredictor.forecast_path); "none" without one."""
-        return self.predictor.forecast_path() if self.predictor is not None else "none"
-
     def begin_request(self) -> None:
         """A new request starts: the predictor restarts its per-request frequencies (the cache stays)."""
         if self.predictor is not None:
@@ -261,6 +279,7 @@ class StreamingExperts:
         store, prefetch = self.store.stats(), self.prefetcher.stats()
         stats = self.counters.to_dict(io_seconds=prefetch["io_seconds"])
         stats.update({"expert_source": self.strategy, "expert_policy": self.policy,
+                      "expert_engine": f"python cache: {self.expert_engine_reason}",
                       "io_engine_reason": self.io_engine_reason,
                       "bytes_read": store["bytes_read"], "io_mode": store["io_mode"], "storage": store["storage"],
                       "expert_cache_bytes": self.cache.capacity_bytes,
@@ -291,7 +310,25 @@ class StreamingExperts:
         self.store.close()
 
 
-class StreamedLayer(ChosenExperts):
+class RouteWindow(ChosenExperts):
+    """A route's experts (`ids`, ascending) of which at most `room` are pinned at once."""
+
+    ids: list[int]
+    room: int
+
+    @property
+    def window_size(self) -> int:
+        """How many experts' weights stay valid together (edge/core/moe.py ExpertSource)."""
+        return self.room
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class StreamedLayer(RouteWindow):
     """The experts one layer's route needs: expert id -> ExpertWeights, loaded and pinned."""
 
     def __init__(self, source: StreamingExperts, layer: int, ids: list[int], room: int):
@@ -387,14 +424,3 @@ class StreamedLayer(ChosenExperts):
         if expert not in self._handed_out:
             self._handed_out.append(expert)
         return entry.weights
-
-    @property
-    def window_size(self) -> int:
-        """How many experts' weights stay valid together (edge/core/moe.py ExpertSource)."""
-        return self.room
-
-    def __iter__(self):
-        return iter(self.ids)
-
-    def __len__(self) -> int:
-        return len(self.ids)

@@ -274,6 +274,14 @@ class ExpertStore:
                 self.bytes_read += again
         return out[:self.index.layout(layer).raw_length]
 
+    def read_again(self, layer: int, expert: int, out: np.ndarray) -> np.ndarray:
+        """Another engine's read of (layer, expert) into `out` failed, came back short or damaged: read it
+        once more, whole (`_read_again`): its raw record view, or its typed error."""
+        again = self._read_again(layer, expert, out, self.index.record(layer, expert))
+        with self._lock:
+            self.bytes_read += again
+        return out[:self.index.layout(layer).raw_length]
+
     def _check_batch(self, requests, records, got: np.ndarray, crcs: np.ndarray) -> tuple[list, int]:
         """read_batch's results record by record: buffered reads drop their pages, and a record whose
         read failed, came back short or damaged is read again (`_read_again`): its raw view, or the

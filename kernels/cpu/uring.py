@@ -27,7 +27,7 @@ from numba import types
 
 import kernels.cpu.record_io  # noqa: F401  (loads ISA-L, whose crc32 ring_complete calls)
 from kernels.cpu.intrinsics import atomic_add, atomic_load, int64_pointer, sleep_microseconds, spin_pause
-from kernels.cpu.runtime import kernel, mutable, readonly
+from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
 RING_BYTES = 1024  # room for liburing's struct io_uring (216 bytes in liburing 2.x)
 EINTR, EAGAIN = 4, 11
@@ -77,6 +77,31 @@ _cqe_seen = types.ExternalFunction("io_uring_cqe_seen", types.void(U64, U64))
 _crc32 = types.ExternalFunction("crc32_gzip_refl", U32(U32, U64, U64))
 
 
+@helper
+def submit_queued(ring):
+    """Hands the ring's queued entries to the kernel, trying again while it takes none for a passing
+    reason (EINTR, EAGAIN, nothing taken) up to SUBMIT_ATTEMPTS times; the last status."""
+    status, attempts = 0, 0
+    while _sq_ready(ring) > 0:
+        status = _submit(ring)
+        if status > 0:
+            attempts = 0
+        elif (status == 0 or status == -EINTR or status == -EAGAIN) and attempts < SUBMIT_ATTEMPTS:
+            attempts += 1
+            sleep_microseconds(WAIT_MICROSECONDS)
+        else:
+            break
+    return status
+
+
+@helper
+def void_entry(sqe):
+    """A queued entry the kernel did not take becomes a no-op that ring_complete skips."""
+    _prep_nop(sqe)
+    _set_data(sqe, np.uint64(VOID_TAG))
+    _set_flags(sqe, np.uint32(0))
+
+
 @kernel(I32(I64, I64))
 def ring_init(ring, entries):
     """Set up a ring of `entries` submission slots in the struct at `ring`: 0, or -errno."""
@@ -115,21 +140,10 @@ def ring_submit(ring, fd, offsets, spans, addresses, tags, done, refused):
         done[tags[i]] = 0
         sqes[i] = sqe
         queued += 1
-    status, attempts = 0, 0
-    while queued > 0 and _sq_ready(np.uint64(ring)) > 0:
-        status = _submit(np.uint64(ring))
-        if status > 0:
-            attempts = 0
-        elif (status == 0 or status == -EINTR or status == -EAGAIN) and attempts < SUBMIT_ATTEMPTS:
-            attempts += 1
-            sleep_microseconds(WAIT_MICROSECONDS)
-        else:
-            break
+    status = submit_queued(np.uint64(ring)) if queued > 0 else 0
     left = min(queued, np.int64(_sq_ready(np.uint64(ring))))  # ours were queued last: the ones not taken
     for i in range(queued - left, queued):
-        _prep_nop(sqes[i])
-        _set_data(sqes[i], np.uint64(VOID_TAG))
-        _set_flags(sqes[i], np.uint32(0))
+        void_entry(sqes[i])
     if left > 0:
         refused[0] = -status if status < 0 else EAGAIN
     return queued - left

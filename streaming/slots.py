@@ -1,0 +1,416 @@
+"""SlotExperts: the streamed ExpertSource whose cache, loads and waits run in compiled calls.
+
+T = tokens, A = active experts per token, E = routed experts of a layer, S = slots.
+
+It does what StreamingExperts (streaming/source.py) does, with the expert cache held as a slot table
+in plain arrays (kernels/cpu/expert_slots.py) and every read going through io_uring: per MoE layer
+the model's thread makes one compiled call that pins the route's cached experts, reserves slots for
+the misses by the eviction policy and submits their reads ahead of every prefetch, one call that
+queues and submits the predictor's prefetches, and, while it mixes the experts in ascending id
+order, one call per run of delivered experts that waits for the next one. One completion thread,
+in a compiled loop that never returns to Python (kernels/cpu/uring.py ring_complete), collects the
+reads and checks their crc32. So no Python runs per expert read, on any thread.
+
+Slots are buffers of one size (the largest expert record, page aligned) in one anonymous mapping
+reserved for every expert of the model and touched only as slots fill: the memory follows the
+slots used, and slots given up (a smaller cache) are handed back to the system.
+
+Used where io_uring runs, records are stored uncompressed and the policy is one the slot table
+implements (lru, lfu, nextuse); `open_expert_source` says which engine it chose, and why, in
+`model.stats()["expert_engine"]`. The weights a slot holds are the same bytes decoded the same way
+as on every other path, so results are bit-identical to the all-resident run.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+
+import numpy as np
+
+from edge.core.errors import ZllmError
+from edge.core.moe import ExpertWeights, MoeConfig, distinct_experts
+from quant.expert_file import ExpertIndex
+from streaming.cache import ENTRY_OVERHEAD
+from streaming.source import PREFETCH_WIDTH, LayerPasses, RouteWindow, prepared_expert
+from streaming.stats import StreamingCounters
+from streaming.store import IO_DIRECT, PAGE, ExpertReadError, ExpertStore
+
+# Reads the ring keeps in flight: the disk's queue depth. Demand loads beyond it wait in the queue,
+# ahead of every prefetch, and go out as reads complete.
+RING_DEPTH = 16
+# Sleeps of kernels/cpu/uring.py WAIT_MICROSECONDS a wait lasts before it looks again whether the
+# completion thread is still there.
+WAIT_SLEEPS = 5000
+ENGINE = "compiled slot table"
+_NO_SLOTS = np.zeros(0, np.int64)
+
+
+def slot_engine_refusal(index: ExpertIndex, policy: str, io_engine: str, expert_engine: str = "auto") -> str | None:
+    """None when SlotExperts can stream this checkpoint, else why StreamingExperts does."""
+    from kernels.cpu import expert_slots, uring
+
+    if expert_engine == "python":
+        return "expert_engine 'python' asked for"
+    if io_engine == "threads":
+        return "io_engine 'threads' asked for"
+    if index.compression is not None:
+        return "compressed records are decompressed by reader threads"
+    if policy not in expert_slots.POLICY_CODES:
+        return f"expert_policy {policy!r} is served by the Python cache"
+    return uring.unavailable_reason()
+
+
+class SlotExperts(LayerPasses):
+    def __init__(self, index: ExpertIndex, prepare_weight, layers: dict[int, MoeConfig], cache_bytes: int,
+                 storage=None, predictor=None, policy: str = "nextuse", depth: int = 2, verify: bool = True,
+                 direct_io: bool = True, store: ExpertStore | None = None, prefetch_width: float = PREFETCH_WIDTH,
+                 ring_depth: int = RING_DEPTH):
+        from kernels.cpu import expert_slots as ks, uring
+
+        self._ks, self._uring = ks, uring
+        self.index = index
+        self._prepare_weight = prepare_weight
+        self.layers = dict(sorted(layers.items()))
+        self._start_passes(self.layers, predictor, depth)
+        self.prefetch_width = prefetch_width
+        self.policy = policy
+        self.io_engine_reason = None
+        self.store = store or ExpertStore(index, storage, verify=verify, direct_io=direct_io)
+        self.slot_bytes = max(self.store.buffer_bytes(layer) for layer in self.layers)
+        self.max_slots = sum(len(index.layers[layer].records) for layer in self.layers)
+        self.capacity_bytes = int(cache_bytes)
+        capacity = self._slots_for(cache_bytes)
+        if capacity < 1:
+            raise ZllmError(f"an expert record needs {self.slot_bytes + ENTRY_OVERHEAD} bytes, more than the whole "
+                            f"expert cache ({cache_bytes} bytes); raise memory_budget")
+        # One reservation for every slot the model could use; pages are only backed as slots fill.
+        self._mapping = mmap.mmap(-1, self.max_slots * self.slot_bytes,
+                                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+        self.slab = np.frombuffer(self._mapping, np.uint8)
+        base = self.slab.ctypes.data
+        if base % PAGE:
+            raise ZllmError("the expert slab is not page aligned; O_DIRECT reads need aligned buffers")
+        n_experts = max(config.num_experts for config in self.layers.values())
+        self.slots = np.zeros((self.max_slots, ks.SLOT_FIELDS), np.int64)
+        self.slots[:, ks.S_LAYER] = -1
+        self.times = np.zeros((self.max_slots, ks.SLOT_TIMES), np.float64)
+        self.experts_table = np.zeros((len(self.order), n_experts, ks.EXPERT_FIELDS), np.int64)
+        self.experts_table[:, :, ks.X_SLOT] = ks.NO_SLOT
+        for ordinal, layer in enumerate(self.order):
+            for expert, record in enumerate(index.layers[layer].records):
+                self.experts_table[ordinal, expert, ks.X_OFFSET] = record.offset
+                self.experts_table[ordinal, expert, ks.X_LENGTH] = record.length
+                self.experts_table[ordinal, expert, ks.X_CRC] = record.crc32
+        self.visits = np.zeros(len(self.order), np.int64)
+        self.gaps = np.full((len(self.order), n_experts), float(len(self.order)))  # (no use, no visit yet)
+        self.ahead = np.zeros(len(self.order), np.float64)
+        self.state = np.zeros(ks.STATE_FIELDS, np.int64)
+        self.clocks = np.zeros(ks.CLOCK_FIELDS, np.float64)
+        self.queue = np.zeros(self.max_slots, np.int64)
+        self.flight = np.zeros(ring_depth, np.int64)
+        self.addresses = (base + self.slot_bytes * np.arange(self.max_slots, dtype=np.uint64)).astype(np.uint64)
+        self.lengths = np.zeros(self.max_slots, np.int64)
+        self.results = np.zeros(self.max_slots, np.int64)
+        self.crcs = np.zeros(self.max_slots, np.uint32)
+        self.done = np.zeros(self.max_slots, np.int64)
+        self._ring = np.zeros(uring.RING_BYTES, np.uint8)
+        status = uring.ring_init(self._ring.ctypes.data, 2 * ring_depth)
+        if status < 0:
+            raise OSError(-status, "io_uring_setup failed")
+        s = self.state
+        s[ks.G_RING], s[ks.G_VERIFY], s[ks.G_POLICY] = self._ring.ctypes.data, int(verify), ks.POLICY_CODES[policy]
+        s[ks.G_DEPTH], s[ks.G_CAPACITY], s[ks.G_LAYERS] = ring_depth, capacity, len(self.order)
+        s[ks.G_ORDINAL] = -1
+        self._sync_store()
+        if self.store.storage is not None:
+            self.clocks[ks.C_LATENCY] = self.store.storage.latency_s
+            self.clocks[ks.C_BANDWIDTH] = self.store.storage.bandwidth_bytes_per_s
+        self._table = (self.slots, self.times, self.experts_table, self.visits, self.gaps, self.ahead, self.state, self.clocks, self.queue,
+                       self.flight, self.addresses, self.lengths, self.results, self.crcs, self.done)
+        self._prepared: dict[tuple[int, tuple], ExpertWeights] = {}  # (slot, layout signature) -> weights
+        self._signature = {layer: index.layout(layer).signature for layer in self.layers}
+        self._order_scratch = np.zeros(n_experts, np.int64)
+        self.counters = StreamingCounters()
+        self._current: SlotLayer | None = None
+        self._closed = False
+        for compiled in (ks.slot_acquire, ks.slot_prefetch, ks.slot_ready_run, ks.slot_drain, uring.ring_complete,
+                         uring.ring_stop):
+            compiled.dispatcher  # compiled (or loaded from the cache) now, not at the first layer
+        self._completion_error = 0
+        self._completer = threading.Thread(target=self._complete, name="zllm-io-uring", daemon=True)
+        self._completer.start()
+
+    # --- the ring's completion thread ---------------------------------------------------------
+    def _complete(self) -> None:
+        self._completion_error = self._uring.ring_complete(self._ring.ctypes.data, self.addresses, self.lengths,
+                                                           self.store.verify, self.results, self.crcs, self.done)
+
+    def _sync_store(self) -> None:
+        """The store's file and read mode (it turns to buffered reads where O_DIRECT is refused)."""
+        ks = self._ks
+        direct = self.store.io_mode == IO_DIRECT
+        self.state[ks.G_FD], self.state[ks.G_BUFFERED] = self.store.fd, int(not direct)
+        lengths = self.experts_table[:, :, ks.X_LENGTH]
+        self.experts_table[:, :, ks.X_SPAN] = (lengths + PAGE - 1) // PAGE * PAGE if direct else lengths
+
+    # --- sizes ---------------------------------------------------------------------------------
+    def _slots_for(self, cache_bytes: int) -> int:
+        return min(self.max_slots, int(cache_bytes) // (self.slot_bytes + ENTRY_OVERHEAD))
+
+    @property
+    def capacity(self) -> int:
+        return int(self.state[self._ks.G_CAPACITY])
+
+    def buffer(self, slot: int, layer: int) -> np.ndarray:
+        """The raw record bytes of `layer`'s expert in `slot`."""
+        begin = slot * self.slot_bytes
+        return self.slab[begin: begin + self.index.layout(layer).raw_length]
+
+    def weights(self, slot: int, layer: int, expert: int) -> ExpertWeights:
+        """The backend's weights of the record in `slot` (prepared once per slot and layout: they point
+        into the slot's buffer, whatever expert it holds)."""
+        key = (slot, self._signature[layer])
+        weights = self._prepared.get(key)
+        if weights is None:
+            weights = self._prepared[key] = prepared_expert(self.index, self._prepare_weight, layer, expert,
+                                                            self.buffer(slot, layer))
+        return weights
+
+    # --- the ExpertSource --------------------------------------------------------------------------
+    def _stall_seconds(self) -> float:
+        return float(self.clocks[self._ks.C_STALL])
+
+    def experts(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
+                router_logits: np.ndarray | None = None) -> "SlotLayer":
+        if self._closed:
+            raise ZllmError("the expert source is closed")
+        ks = self._ks
+        position = self._position(layer, len(expert_ids))
+        finished, self._current = self._current, None
+        release, finished_ordinal = _NO_SLOTS, -1
+        if finished is not None:
+            release, finished_ordinal = finished.detach(), finished.ordinal
+        self.state[ks.G_POSITION] = position
+        ids = distinct_experts(expert_ids)
+        room = self.capacity
+        self._current = SlotLayer(self, layer, ids, room, release, finished_ordinal)
+        if self.predictor is not None:
+            self.predictor.observe(layer, expert_ids, residual, router_logits=router_logits)
+            forecast = self.predictor.forecast(layer, residual)
+            forecast.update({first: self.predictor.need_vector(first) for first in self._next_pass_targets()})
+            self._schedule(forecast, room - len(ids), len(expert_ids))
+        return self._current
+
+    def _schedule(self, forecast: dict[int, np.ndarray], free_slots: int, n_tokens: int) -> None:
+        """Queue prefetches of the likeliest experts of the layers ahead, nearest layer first (one call)."""
+        if free_slots <= 0 or not forecast:
+            return
+        here = self._last_ordinal
+        chosen = sorted((self._layers_until(target), target) for target in forecast)
+        chosen = [(distance, target) for distance, target in chosen if distance <= self.depth]
+        if not chosen:
+            return
+        targets = np.array([self._ordinal[target] for _, target in chosen], np.int64)
+        distances = np.array([distance for distance, _ in chosen], np.int64)
+        widths = np.array([int(np.ceil(self.layers[target].top_k * (1 if self._ordinal[target] <= here else n_tokens)
+                                       * self.prefetch_width)) for _, target in chosen], np.int64)
+        needs = [forecast[target] for _, target in chosen]
+        offsets = np.zeros(len(needs) + 1, np.int64)
+        np.cumsum([len(need) for need in needs], out=offsets[1:])
+        self._ks.slot_prefetch(*self._table, targets, widths, distances, offsets,
+                               np.concatenate(needs).astype(np.float64, copy=False), free_slots, self._order_scratch)
+
+    def begin_request(self) -> None:
+        if self.predictor is not None:
+            self.predictor.begin_request()
+
+    def resize_cache(self, cache_bytes: int) -> None:
+        """A new bound: slots past it are emptied (and their pages given back) once nothing uses them."""
+        ks = self._ks
+        capacity = self._slots_for(cache_bytes)
+        if capacity < 1:
+            raise ZllmError(f"an expert record needs {self.slot_bytes + ENTRY_OVERHEAD} bytes, more than the whole "
+                            f"expert cache ({cache_bytes} bytes); raise memory_budget")
+        self.capacity_bytes = int(cache_bytes)
+        old = self.capacity
+        if capacity < old:
+            if self._current is not None:
+                self.release_current()
+            ks.slot_drain(*self._table, WAIT_SLEEPS)
+            for s in range(capacity, old):
+                layer = int(self.slots[s, ks.S_LAYER])
+                if layer >= 0:
+                    self.experts_table[layer, self.slots[s, ks.S_EXPERT], ks.X_SLOT] = ks.NO_SLOT
+                    self.state[ks.G_USED_SLOTS] -= 1
+                self.slots[s, ks.S_LAYER], self.slots[s, ks.S_STATE] = -1, ks.EMPTY
+            self._prepared = {key: w for key, w in self._prepared.items() if key[0] < capacity}
+            self._mapping.madvise(mmap.MADV_DONTNEED, capacity * self.slot_bytes, (old - capacity) * self.slot_bytes)
+        self.state[ks.G_CAPACITY] = capacity
+
+    def release_current(self) -> None:
+        if self._current is not None:
+            release = self._current.detach()
+            self.slots[release, self._ks.S_PINS] -= 1
+            self._current = None
+
+    def stats(self) -> dict:
+        ks, s, c = self._ks, self.state, self.clocks
+        counters = StreamingCounters(hits=int(s[ks.G_HITS]), misses=int(s[ks.G_MISSES]),
+                                     late_prefetches=int(s[ks.G_LATE]), stall_seconds=float(c[ks.C_STALL]))
+        store = self.store.stats()
+        stats = counters.to_dict(io_seconds=float(c[ks.C_IO_SECONDS]))
+        stats.update({"expert_source": self.strategy, "expert_policy": self.policy, "expert_engine": ENGINE,
+                      "io_engine_reason": None, "bytes_read": int(s[ks.G_BYTES_READ]) + store["bytes_read"],
+                      "io_mode": store["io_mode"], "storage": store["storage"],
+                      "expert_cache_bytes": self.capacity_bytes,
+                      "expert_cache_peak_bytes": int(s[ks.G_PEAK_SLOTS]) * (self.slot_bytes + ENTRY_OVERHEAD),
+                      "expert_evictions": int(s[ks.G_EVICTIONS]),
+                      "prefetches_evicted_unused": int(s[ks.G_UNUSED_PREFETCHES]),
+                      "prefetch_depth": self.lookahead.most if self.lookahead is not None else 0,
+                      "prefetch_lookahead": self.depth,
+                      "prefetch_lookahead_changes": self.lookahead.changes if self.lookahead is not None else 0,
+                      "prefetches_queued": int(s[ks.G_PREFETCHES_QUEUED]),
+                      "prefetches_loaded": int(s[ks.G_PREFETCHES_LOADED]),
+                      "prefetches_cancelled": int(s[ks.G_PREFETCHES_CANCELLED]),
+                      "prefetches_skipped_full": int(s[ks.G_PREFETCHES_SKIPPED]),
+                      "demand_loads": int(s[ks.G_DEMAND_LOADS]), "prefetch_threads": 1, "io_engine": "io_uring",
+                      "io_uring_reads_refused": int(s[ks.G_SUBMISSIONS_REFUSED]),
+                      "expert_reads": int(s[ks.G_READS]) + store["reads"],
+                      "expert_read_calls": int(s[ks.G_READ_CALLS]) + store["read_calls"],
+                      "expert_reads_again": store["reads_again"],
+                      "emulated_wait_seconds": float(c[ks.C_EMULATED_WAIT]) + store["emulated_wait_seconds"]})
+        if self.predictor is not None:
+            stats.update(self.predictor.stats())
+        else:
+            stats.update({"predictor_precision": None, "predictor_recall": None})
+        return stats
+
+    # --- failures ------------------------------------------------------------------------------------
+    def recover(self, slot: int, layer: int, expert: int) -> None:
+        """Slot's read failed, came back short or damaged: read it again here (a fault on the way passes)
+        or raise its typed error (the slot is then read again by the next layer that needs it)."""
+        ks = self._ks
+        if self._completion_error:
+            error = OSError(-self._completion_error, "the io_uring completion thread stopped")
+            raise self.store.read_error(layer, expert, self.index.record(layer, expert), error)
+        self.store.read_again(layer, expert, self.buffer(slot, layer))
+        self._sync_store()
+        self.slots[slot, ks.S_STATE] = ks.READY
+
+    def completion_alive(self) -> bool:
+        return self._completer.is_alive()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.release_current()
+        uring = self._uring
+        while self._ks.slot_drain(*self._table, WAIT_SLEEPS) and self._completer.is_alive():
+            pass  # the kernel may still write into the slots' buffers
+        if self._completer.is_alive() and uring.ring_stop(self._ring.ctypes.data) == 0:
+            self._completer.join()
+        uring.ring_exit(self._ring.ctypes.data)
+        self.store.close()
+
+
+class SlotLayer(RouteWindow):
+    """The experts one layer's route needs, pinned in their slots: expert id -> ExpertWeights.
+
+    A route that needs more distinct experts than the cache has slots (a long prefill under a small
+    budget) gets a rolling window: the first ones in ascending id order are pinned up front, and handing
+    out a later one releases the earliest one handed out (the MoE block uses each expert's weights right
+    after it gets them, in ascending id order)."""
+
+    def __init__(self, source: SlotExperts, layer: int, ids: list[int], room: int, release: np.ndarray,
+                 finished: int = -1):
+        self.source, self.layer, self.ids = source, layer, ids
+        self.ordinal = source._ordinal[layer]
+        self.room = max(room, 1)
+        self.whole = self.room >= len(ids)  # every expert of the route pinned at once
+        self._index = {expert: i for i, expert in enumerate(ids)}
+        self._ready: dict[int, ExpertWeights] = {}
+        self._slots = np.array(ids[: self.room], np.int64)  # (their slots, once acquired)
+        self._acquire(release, self._slots, finished)
+        self._held = dict(zip(ids[: self.room], self._slots.tolist()))  # pinned: expert -> slot
+        self._handed_out: list[int] = []
+
+    def _acquire(self, release: np.ndarray, out: np.ndarray, finished: int = -1) -> None:
+        """Pin the slots of the experts `out` (overwritten with them), unpinning `release` and counting a
+        visit of the MoE layer (ordinal) `finished`."""
+        source = self.source
+        if source._ks.slot_acquire(*source._table, release, finished, self.ordinal, 0, len(out), out) == \
+                source._ks.FULL:
+            raise ZllmError(f"the expert cache ({source.capacity} slots of {source.slot_bytes} bytes) cannot hold "
+                            f"layer {self.layer} expert {int(out[-1])}: every slot is pinned by the layer being "
+                            f"computed; raise memory_budget")
+
+    def detach(self) -> np.ndarray:
+        """The slots this layer pinned, for the next call to release; it hands out nothing more."""
+        pins = np.fromiter(self._held.values(), np.int64, len(self._held))
+        self._held, self._ready, self._handed_out = {}, {}, []
+        return pins
+
+    def _release_pins(self) -> None:
+        self.source.slots[self.detach(), self.source._ks.S_PINS] -= 1
+        if self.source._current is self:
+            self.source._current = None
+
+    def _wait(self, run: np.ndarray, start: int) -> int:
+        """slot_ready_run on `run` from `start`, with failed reads read again (or raised)."""
+        source = self.source
+        ks = source._ks
+        while True:
+            n = ks.slot_ready_run(*source._table, run, start, WAIT_SLEEPS)
+            if n > 0:
+                return n
+            slot = int(run[start])
+            expert = int(source.slots[slot, ks.S_EXPERT])
+            if n == ks.FAILURE:
+                try:
+                    source.recover(slot, self.layer, expert)
+                except BaseException:
+                    self._release_pins()
+                    raise
+            elif not source.completion_alive():
+                self._release_pins()
+                error = OSError(-source._completion_error, "the io_uring completion thread stopped")
+                raise ExpertReadError(f"{source.index.path}: reading layer {self.layer} expert {expert} did not "
+                                      f"complete: {error}; check the disk holding the checkpoint")
+
+    def ready_run(self, ids: list[int], start: int) -> int:
+        """How many of the experts ids[start:] (ascending, this route's) are loaded in a row, at least one:
+        waits for ids[start]. A consumer that mixes experts in ascending id order computes with the loaded
+        ones while the others are read."""
+        if not self.whole or (ids is not self.ids and list(ids) != self.ids):
+            self[ids[start]]
+            return 1
+        n = self._wait(self._slots, start)
+        for i in range(start, start + n):
+            expert = self.ids[i]
+            if expert not in self._ready:
+                self._ready[expert] = self.source.weights(int(self._slots[i]), self.layer, expert)
+        return n
+
+    def __getitem__(self, expert: int) -> ExpertWeights:
+        weights = self._ready.get(expert)
+        if weights is not None:
+            return weights
+        expert = int(expert)
+        if expert not in self._index:
+            raise KeyError(f"layer {self.layer} expert {expert} is not in this route; it needs {self.ids}")
+        slot = self._held.get(expert)
+        if slot is None:  # rolling window: free the earliest expert handed out
+            release = _NO_SLOTS
+            if len(self._held) >= self.room and self._handed_out:
+                oldest = self._handed_out.pop(0)
+                release = np.array([self._held.pop(oldest)], np.int64)
+                self._ready.pop(oldest, None)
+            out = np.array([expert], np.int64)
+            self._acquire(release, out)
+            slot = self._held[expert] = int(out[0])
+        self._wait(np.array([slot], np.int64), 0)
+        weights = self._ready[expert] = self.source.weights(slot, self.layer, expert)
+        if expert not in self._handed_out:
+            self._handed_out.append(expert)
+        return weights

@@ -1,0 +1,161 @@
+"""The compiled slot table (streaming/slots.py, kernels/cpu/expert_slots.py): the same bits, figures and
+failures as the Python cache, with no Python per expert read."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_streaming_model import MIXED, PROMPT, greedy_run, resident_run
+from tiny_models import greedy_decode
+
+import edge
+from edge.core.errors import ZllmError
+from kernels.cpu import expert_slots as ks
+from kernels.cpu.uring import unavailable_reason
+from quant.expert_file import ExpertChecksumError
+from streaming.slots import ENGINE, SlotExperts
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"io_uring: {unavailable_reason()}")
+CASE = "qwen3_moe_norm"
+BUDGETS = [
+    pytest.param(dict(memory_budget="25%", expert_strategy="ondemand", prefetch_threads=2), id="25%-ondemand-lru"),
+    pytest.param(dict(memory_budget="40%"), id="40%-predictive-nextuse"),
+    pytest.param(dict(memory_budget="50%", expert_policy="lfu", storage="nvme"), id="50%-lfu-nvme"),
+    pytest.param(dict(memory_budget="30%", expert_policy="lru", prefetch_depth=3, prefetch_threads=2), id="30%-lru-depth3"),
+]
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu"])
+@pytest.mark.parametrize("options", BUDGETS)
+def test_both_engines_give_the_resident_bits_and_the_same_figures(tiny_zoo, options, device):
+    """Tokens and every logit equal the all-resident run's on both engines, and both report the same
+    statistics (keys), each saying which engine ran."""
+    path = tiny_zoo.converted(CASE, MIXED)
+    expected_tokens, expected_logits, _ = resident_run(path, device)
+    figures = {}
+    for engine in ("compiled", "python"):
+        tokens, logits, stats = greedy_run(path, device, expert_engine=engine, **options)
+        assert tokens == expected_tokens, engine
+        assert all(np.array_equal(got, want) for got, want in zip(logits, expected_logits)), engine
+        assert stats["expert_misses"] > 0 and stats["expert_reads"] >= stats["expert_misses"]
+        assert stats["expert_cache_peak_bytes"] <= stats["expert_cache_bytes"]
+        figures[engine] = stats
+    assert figures["compiled"]["expert_engine"] == ENGINE
+    assert figures["python"]["expert_engine"] == "python cache: expert_engine 'python' asked for"
+    assert set(figures["compiled"]) == set(figures["python"])
+    assert figures["compiled"]["io_engine"] == "io_uring"
+
+
+def test_the_default_engine_is_the_compiled_one_where_it_runs(tiny_zoo):
+    path = tiny_zoo.converted(CASE, MIXED)
+    with edge.load(path, memory_budget="50%") as model:
+        assert isinstance(model.experts, SlotExperts)
+        assert model.stats()["expert_engine"] == ENGINE
+    with edge.load(path, memory_budget="50%", expert_policy="cycle") as model:  # a policy it does not implement
+        assert model.stats()["expert_engine"] == "python cache: expert_policy 'cycle' is served by the Python cache"
+    with edge.load(path, memory_budget="50%", io_engine="threads") as model:
+        assert model.stats()["expert_engine"] == "python cache: io_engine 'threads' asked for"
+
+
+@pytest.mark.parametrize("options, reason", [
+    (dict(expert_policy="forecast"), "expert_policy 'forecast' is served by the Python cache"),
+    (dict(io_engine="threads"), "io_engine 'threads' asked for"),
+])
+def test_asking_for_the_compiled_engine_where_it_cannot_run_is_refused(tiny_zoo, options, reason):
+    path = tiny_zoo.converted(CASE, MIXED)
+    with pytest.raises(ZllmError) as error:
+        edge.load(path, memory_budget="50%", expert_engine="compiled", **options)
+    assert str(error.value) == (f"expert_engine 'compiled' cannot stream this model: {reason}; use expert_engine "
+                                "'auto' or 'python'")
+
+
+def test_a_bad_expert_engine_is_refused(tiny_zoo):
+    with pytest.raises(ZllmError, match="expert_engine"):
+        edge.load(tiny_zoo.converted(CASE, MIXED), memory_budget="50%", expert_engine="numba")
+
+
+class DamagedOnTheWay:
+    """The next `times` reads of one expert arrive damaged, as a bit flipped in transfer would make them:
+    the slot table expects another crc32 for them (the record on disk is intact, so a second read,
+    which the store makes itself, passes)."""
+
+    def __init__(self, monkeypatch, source: SlotExperts, ordinal: int, expert: int, times: int):
+        self.source, self.row, self.remaining, self.struck = source, (ordinal, expert), times, 0
+        self.crc = int(source.experts_table[ordinal, expert, ks.X_CRC])
+        source.experts_table[ordinal, expert, ks.X_CRC] = self.crc ^ 1
+        recover = source.recover
+
+        def counted(slot, layer, expert_id):
+            if (source._ordinal[layer], expert_id) == self.row:
+                self.struck += 1
+                self.remaining -= 1
+                if self.remaining == 0:
+                    source.experts_table[self.row][ks.X_CRC] = self.crc
+            return recover(slot, layer, expert_id)
+
+        monkeypatch.setattr(source, "recover", counted)
+
+
+def pinned(source: SlotExperts) -> list[tuple[int, int]]:
+    slots = source.slots[: source.capacity]
+    held = slots[slots[:, ks.S_PINS] > 0]
+    return sorted((source.order[layer], expert) for layer, expert in held[:, [ks.S_LAYER, ks.S_EXPERT]].tolist())
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu"])
+def test_a_read_damaged_on_the_way_passes_with_a_second_read(tiny_zoo, monkeypatch, device):
+    path = tiny_zoo.converted(CASE, MIXED)
+    expected_tokens, expected_logits, _ = resident_run(path, device)
+    with edge.load(path, device=device, memory_budget="40%") as model:
+        source = model.experts
+        damage = DamagedOnTheWay(monkeypatch, source, 1, 0, times=2)
+        tokens, logits = greedy_decode(model, PROMPT, 6, capacity=32)
+        stats = model.stats()
+        assert tokens == expected_tokens
+        assert all(np.array_equal(got, want) for got, want in zip(logits, expected_logits))
+        assert damage.struck >= 1 and stats["expert_reads_again"] == damage.struck
+        # nothing in flight or queued once the reads settle; only the last layer's experts stay pinned
+        assert source._ks.slot_drain(*source._table, 1000) == 0
+        last = source._current
+        assert pinned(source) == sorted((last.layer, expert) for expert in last._held)
+
+
+def test_a_record_damaged_on_disk_is_reported_with_its_layer_and_expert_and_the_model_serves_on(tiny_zoo,
+                                                                                                   monkeypatch):
+    """Every read of layer 1's experts fails its crc32: the request that needs one raises the typed error,
+    no pin outlives it, and once the record reads back whole the same model serves the request."""
+    path = tiny_zoo.converted(CASE, MIXED)
+    expected_tokens, _, _ = resident_run(path, "cpu")
+    with edge.load(path, device="cpu", memory_budget="40%") as model:
+        source = model.experts
+        ordinal = source._ordinal[1]
+        crcs = source.experts_table[ordinal, :, ks.X_CRC].copy()
+        source.experts_table[ordinal, :, ks.X_CRC] ^= 1
+        monkeypatch.setattr(source.store.index.layers[1], "records",
+                            [dataclasses.replace(record, crc32=record.crc32 ^ 1)
+                             for record in source.store.index.layers[1].records])
+        with pytest.raises(ExpertChecksumError) as error:
+            model.session(capacity=32).prefill(PROMPT)
+        assert str(error.value).startswith(f"{source.index.path}: layer 1 expert ")
+        assert pinned(source) == [] and source._current is None
+        monkeypatch.undo()
+        source.experts_table[ordinal, :, ks.X_CRC] = crcs
+        tokens, _ = greedy_decode(model, PROMPT, 6, capacity=32)
+        assert tokens == expected_tokens
+
+
+def test_a_budget_that_shrinks_gives_slots_back(tiny_zoo):
+    path = tiny_zoo.converted(CASE, MIXED)
+    expected_tokens, _, _ = resident_run(path, "cpu")
+    with edge.load(path, device="cpu", memory_budget="50%") as model:
+        source = model.experts
+        greedy_decode(model, PROMPT, 2, capacity=32)
+        source.release_current()
+        before = source.capacity
+        source.resize_cache(source.capacity_bytes // 2)
+        assert source.capacity == source._slots_for(source.capacity_bytes) < before
+        assert (source.slots[source.capacity:, ks.S_STATE] == ks.EMPTY).all()
+        assert (source.experts_table[:, :, ks.X_SLOT] < source.capacity).all()
+        tokens, _ = greedy_decode(model, PROMPT, 6, capacity=32)
+        assert tokens == expected_tokens
