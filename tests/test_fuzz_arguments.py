@@ -52,7 +52,7 @@ from edge.options import LoadOptions
 from edge.sampling import SamplingParams, sample_token
 from streaming.budget import STRATEGIES
 from streaming.cache import POLICIES
-from streaming.options import IO_ENGINES
+from streaming.options import EXPERT_ENGINES, IO_ENGINES
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = int(os.environ.get("ZLLM_EDGE_FUZZ_EXAMPLES", "60"))
@@ -210,20 +210,22 @@ def text_model(text_files):
 # ---------------------------------------------------------------------------------- edge.load
 
 LOAD_SETTINGS = list(inspect.signature(LoadOptions.of).parameters)
-STREAMING_SETTINGS = {"storage", "expert_strategy", "expert_policy", "prefetch_depth", "prefetch_threads", "io_engine"}
+STREAMING_SETTINGS = {"storage", "expert_strategy", "expert_policy", "prefetch_depth", "prefetch_threads", "io_engine",
+                      "expert_engine"}
 TAKES = {  # the types each setting takes; any other is an InvalidArgumentError
     "device": lambda v: isinstance(v, str), "threads": lambda v: v is None or is_integer(v),
     "memory_budget": size_like, "verify": bool_like, "storage": name_or_none, "expert_strategy": name_or_none,
     "expert_policy": name_or_none, "prefetch_depth": is_integer, "prefetch_threads": is_integer,
     "kv_capacity": lambda v: v is None or is_integer(v), "kv_cache": lambda v: isinstance(v, str),
     "gpu_expert_cache": size_like, "io_engine": lambda v: isinstance(v, str),
+    "expert_engine": lambda v: isinstance(v, str),
 }
 assert set(TAKES) == set(LOAD_SETTINGS), "a new edge.load setting: say which types it takes"
 SETTING_WORDS = ["reference", "cpu", "cpu:f32", "cpu:int8", "cpu:", "cpu:int9", "cpu:f32:f32", "reference:x",
                  "npu:", "npu:bogus", "CPU", " cpu", "cpu\x00", "f32", "f16", "int8", "f8", *STRATEGIES, *POLICIES,
                  "native", "nvme", "sd", "NVME", "custom:bw=500MB,lat=200us", "custom:bw=1,lat=1us",
                  "custom:bw=1GB,lat=99999999999999999999s", "custom:bw=1e400MB,lat=1us", "custom:bw=5MB",
-                 "custom:", *IO_ENGINES, "50%", "0%", "100%", "150%", "1GB", "1e9", "-1", "1e400", "512MB", "1.5GiB",
+                 "custom:", *IO_ENGINES, *EXPERT_ENGINES, "50%", "0%", "100%", "150%", "1GB", "1e9", "-1", "1e400", "512MB", "1.5GiB",
                  "0.5", "lots"]
 
 
@@ -234,6 +236,7 @@ TAKEN = {  # values each setting takes, so that loads also get past the checks, 
     "storage": [None, "native", "nvme", "custom:bw=500MB,lat=100us"], "expert_strategy": [None, *STRATEGIES],
     "expert_policy": [None, "lru", "lfu", "cycle", "nextuse"], "prefetch_depth": [1, 2, 3, 2**63],
     "prefetch_threads": [1, 4, 256], "gpu_expert_cache": [None], "io_engine": list(IO_ENGINES),
+    "expert_engine": list(EXPERT_ENGINES),
 }
 assert set(TAKEN) == set(LOAD_SETTINGS)
 LOAD_SETTING = st.sampled_from(LOAD_SETTINGS).flatmap(lambda name: st.tuples(st.just(name), st.one_of(
@@ -300,6 +303,7 @@ STREAMING = {  # values the streaming settings take
     "prefetch_depth": st.one_of(st.integers(1, 4), st.just(2**63)),
     "prefetch_threads": st.one_of(st.integers(1, 4), st.just(256)),
     "io_engine": st.sampled_from(IO_ENGINES),
+    "expert_engine": st.sampled_from(EXPERT_ENGINES),
 }
 WILD_STORAGE = st.builds("custom:bw={}{},lat={}{}".format, st.one_of(st.integers(-5, 10**12), st.floats(0, 1e30)),
                          st.sampled_from(["", "B", "KB", "MB", "GB", "GiB", "MB/s", "xB"]),
@@ -312,16 +316,16 @@ WILD_STORAGE = st.builds("custom:bw={}{},lat={}{}".format, st.one_of(st.integers
        odd=st.one_of(st.none(), st.tuples(st.sampled_from(sorted(STREAMING)), st.one_of(odd_values(), WILD_STORAGE))),
        budget=st.sampled_from([None, "25%", "50%", "100%", "1%", "1GB"]))
 @example(values=dict(expert_strategy="ondemand", expert_policy=None, storage=None, prefetch_depth=2,
-                     prefetch_threads=4, io_engine="threads"), odd=("prefetch_threads", 2**63), budget="50%")
+                     prefetch_threads=4, io_engine="threads", expert_engine="auto"), odd=("prefetch_threads", 2**63), budget="50%")
 @example(values=dict(expert_strategy="predictive", expert_policy=None, storage=None, prefetch_depth=2,
-                     prefetch_threads=4, io_engine="auto"), odd=("storage", "custom:bw=1e-300B,lat=0s"), budget="50%")
+                     prefetch_threads=4, io_engine="auto", expert_engine="compiled"), odd=("storage", "custom:bw=1e-300B,lat=0s"), budget="50%")
 def test_streaming_settings(moe_path, values, odd, budget):
     settings = dict(values)
     if odd is not None:
         settings[odd[0]] = odd[1]
     wrong_type = not all(name_or_none(settings[name]) for name in ("expert_strategy", "expert_policy", "storage")) or \
         not (is_integer(settings["prefetch_depth"]) and is_integer(settings["prefetch_threads"])
-             and isinstance(settings["io_engine"], str))
+             and isinstance(settings["io_engine"], str) and isinstance(settings["expert_engine"], str))
     model = outcome(lambda: edge.load(moe_path, memory_budget=budget, **settings), wrong_type=wrong_type)
     if refused(model):
         return
