@@ -323,12 +323,12 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
                         "furthest ahead, with the predictive strategy; else lru)")
     p.add_argument("--prefetch-depth", type=int, default=2, help="MoE: layers ahead the predictor prefetches")
     p.add_argument("--prefetch-threads", type=int, default=4,
-                   help="MoE, io engine 'threads': expert loading threads (each keeps one read in flight)")
+                   help="MoE, io engine 'threads': expert reader threads (each keeps one read in flight)")
     p.add_argument("--io-engine", choices=IO_ENGINES, default="auto",
                    help="MoE: how streamed experts are read: io_uring (no reader threads), threads, or auto "
                         "(io_uring where the kernel allows it)")
     p.add_argument("--expert-engine", choices=EXPERT_ENGINES, default="auto",
-                   help="MoE: the streamed expert cache: compiled (a slot table in compiled calls; io_uring, "
+                   help="MoE: the streamed expert cache: compiled (a slot table in compiled calls; "
                         "uncompressed records, lru/lfu/nextuse), python, or auto (compiled where it runs)")
     p.add_argument("--gpu-expert-cache", default=None,
                    help="MoE on --device gpu: bytes of experts kept on the GPU: 64MB, bytes, or P%% of all experts "

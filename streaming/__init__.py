@@ -60,13 +60,14 @@ def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: in
                         "or expert_policy 'lru' or 'lfu'")
     # streamed experts are always checked against their crc32: a damaged record must never become output
     slots = _imported("streaming.slots")
-    refusal = slots.slot_engine_refusal(index, policy, options.io_engine, options.expert_engine)
+    refusal = slots.slot_engine_refusal(index, policy, options.expert_engine)
     if refusal is not None and options.expert_engine == "compiled":
         raise ZllmError(f"expert_engine 'compiled' cannot stream this model: {refusal}; use expert_engine 'auto' "
                         "or 'python'")
     if refusal is None:
         return slots.SlotExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage,
-                                 predictor=predictor, policy=policy, depth=depth, verify=True)
+                                 predictor=predictor, policy=policy, depth=depth, verify=True,
+                                 io_engine=options.io_engine, readers=options.prefetch_threads)
     source = StreamingExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage, predictor=predictor,
                               policy=policy, depth=depth, threads=options.prefetch_threads, verify=True,
                               io_engine=options.io_engine)

@@ -32,13 +32,14 @@ class StreamingOptions:
     "nextuse" (evict the expert whose next use is expected furthest ahead: the cycle order weighed by
     how often each expert's layer uses it; the default with the predictive strategy); "lru", the
     default otherwise, evicts exactly what that cycle needs next;
-    io_engine: how streamed experts are read: "io_uring" (submitted and collected by the model's
-    thread in compiled calls, no reader threads), "threads" (prefetch_threads reader threads) or
+    io_engine: how streamed experts are read: "io_uring" (submitted by the model's thread in compiled
+    calls, collected by one completion thread), "threads" (prefetch_threads reader threads: compiled
+    loops under the compiled expert engine, batches read in compiled calls under the python one) or
     "auto" (io_uring where the kernel and the records allow it, else threads);
     expert_engine: where the expert cache, its loads and its waits run: "compiled" (a slot table in
-    compiled calls, no Python per read: io_uring, uncompressed records, the lru, lfu and nextuse
-    policies), "python" (streaming/source.py: every engine, policy and record format) or "auto"
-    (compiled where it runs, else python; `model.stats()["expert_engine"]` says which and why)."""
+    compiled calls, no Python per read: uncompressed records, the lru, lfu and nextuse policies),
+    "python" (streaming/source.py: every policy and record format) or "auto" (compiled where it runs,
+    else python; `model.stats()["expert_engine"]` says which and why)."""
 
     storage: str | None = None
     expert_strategy: str | None = None

@@ -3,26 +3,30 @@
 T = tokens, A = active experts per token, E = routed experts of a layer, S = slots.
 
 It does what StreamingExperts (streaming/source.py) does, with the expert cache held as a slot table
-in plain arrays (kernels/cpu/expert_slots.py) and every read going through io_uring: per MoE layer
-the model's thread makes one compiled call that pins the route's cached experts, reserves slots for
-the misses by the eviction policy and submits their reads ahead of every prefetch, one call that
-queues and submits the predictor's prefetches, and, while it mixes the experts in ascending id
-order, one call per run of delivered experts that waits for the next one. One completion thread,
-in a compiled loop that never returns to Python (kernels/cpu/uring.py ring_complete), collects the
-reads and checks their crc32. So no Python runs per expert read, on any thread.
+in plain arrays (kernels/cpu/expert_slots.py): per MoE layer the model's thread makes one compiled
+call that pins the route's cached experts, reserves slots for the misses by the eviction policy and
+submits their reads ahead of every prefetch, one call that queues and submits the predictor's
+prefetches, and, while it mixes the experts in ascending id order, one call per run of delivered
+experts that waits for the next one. Reads go through io_uring, collected by one completion thread
+(kernels/cpu/uring.py ring_complete), or where io_uring does not run (or io_engine 'threads' asks)
+through reader threads (kernels/cpu/readers.py reader_loop); both are compiled loops that never
+return to Python and check each record's crc32. So no Python runs per expert read, on any thread.
 
 Slots are buffers of one size (the largest expert record, page aligned) in one anonymous mapping
 reserved for every expert of the model and touched only as slots fill: the memory follows the
 slots used, and slots given up (a smaller cache) are handed back to the system.
 
-Used where io_uring runs, records are stored uncompressed and the policy is one the slot table
-implements (lru, lfu, nextuse); `open_expert_source` says which engine it chose, and why, in
-`model.stats()["expert_engine"]`. The weights a slot holds are the same bytes decoded the same way
-as on every other path, so results are bit-identical to the all-resident run.
+Used where records are stored uncompressed and the policy is one the slot table implements (lru,
+lfu, nextuse); `open_expert_source` says which engine it chose, and why, in
+`model.stats()["expert_engine"]`, and `io_engine` which reads. The weights a slot holds are the same
+bytes decoded the same way as on every other path, so results are bit-identical to the all-resident
+run.
 """
 from __future__ import annotations
 
+import errno
 import mmap
+import os
 import threading
 
 import numpy as np
@@ -45,36 +49,141 @@ ENGINE = "compiled slot table"
 _NO_SLOTS = np.zeros(0, np.int64)
 
 
-def slot_engine_refusal(index: ExpertIndex, policy: str, io_engine: str, expert_engine: str = "auto") -> str | None:
+def slot_engine_refusal(index: ExpertIndex, policy: str, expert_engine: str = "auto") -> str | None:
     """None when SlotExperts can stream this checkpoint, else why StreamingExperts does."""
-    from kernels.cpu import expert_slots, uring
+    from kernels.cpu import expert_slots
 
     if expert_engine == "python":
         return "expert_engine 'python' asked for"
-    if io_engine == "threads":
-        return "io_engine 'threads' asked for"
     if index.compression is not None:
         return "compressed records are decompressed by reader threads"
     if policy not in expert_slots.POLICY_CODES:
         return f"expert_policy {policy!r} is served by the Python cache"
-    return uring.unavailable_reason()
+    return None
+
+
+class RingIO:
+    """Reads through io_uring: the slot table submits them, one completion thread (a compiled loop,
+    kernels/cpu/uring.py ring_complete) publishes them."""
+
+    name = "io_uring"
+
+    def __init__(self, depth: int = RING_DEPTH):
+        from kernels.cpu import readers, uring
+
+        self._uring = uring
+        self.depth = depth
+        self.threads = 1
+        self.lanes = np.zeros((0, readers.LANE_FIELDS), np.int64)
+        self._ring = np.zeros(uring.RING_BYTES, np.uint8)
+        status = uring.ring_init(self._ring.ctypes.data, 2 * depth)
+        if status < 0:
+            raise OSError(-status, "io_uring_setup failed")
+        self.address = self._ring.ctypes.data
+        self._error = 0
+        self._thread = None
+
+    def start(self, addresses, lengths, verify: bool, results, crcs, done) -> None:
+        def complete():
+            self._error = self._uring.ring_complete(self.address, addresses, lengths, verify, results, crcs, done)
+
+        # compiled (or loaded from the cache) now, where the memory budget's plan counts them, not when used
+        self._uring.ring_complete.dispatcher, self._uring.ring_stop.dispatcher
+        self._thread = threading.Thread(target=complete, name="zllm-io-uring", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def error(self) -> OSError | None:
+        """Why the completion thread stopped, once it has."""
+        return OSError(-self._error, "the io_uring completion thread stopped") if self._error else None
+
+    def stop(self) -> None:
+        if self.alive() and self._uring.ring_stop(self.address) == 0:
+            self._thread.join()
+        self._uring.ring_exit(self.address)
+
+
+class ReaderIO:
+    """Reads through `count` reader threads, each a compiled loop (kernels/cpu/readers.py reader_loop)
+    with one read of its own in flight: for kernels and sandboxes without io_uring."""
+
+    name = "threads"
+
+    def __init__(self, count: int):
+        from kernels.cpu import readers
+
+        self._readers = readers
+        self.depth = self.threads = count
+        self.address = 0
+        self.lanes = np.zeros((count, readers.LANE_FIELDS), np.int64)
+        self._events = []
+        try:
+            for r in range(count):
+                self._events.append(os.eventfd(0))
+                self.lanes[r, readers.L_EVENT] = self._events[-1]
+        except OSError:
+            self._close_events()
+            raise
+        self._threads: list[threading.Thread] = []
+
+    def start(self, addresses, lengths, verify: bool, results, crcs, done) -> None:
+        loop = self._readers.reader_loop
+        loop.dispatcher, self._readers.reader_stop.dispatcher  # (as RingIO.start)
+        self._threads = [threading.Thread(target=loop, args=(self.lanes, r, addresses, lengths, verify, results, crcs,
+                                                             done), name=f"zllm-expert-reader-{r}", daemon=True)
+                         for r in range(self.threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def alive(self) -> bool:
+        return all(thread.is_alive() for thread in self._threads)
+
+    def error(self) -> OSError | None:
+        return None if self.alive() else OSError(errno.EIO, "an expert reader thread stopped")
+
+    def stop(self) -> None:
+        for r, thread in enumerate(self._threads):
+            if thread.is_alive():
+                self._readers.reader_stop(self.lanes, r)
+        for thread in self._threads:
+            thread.join()
+        self._close_events()
+
+    def _close_events(self) -> None:
+        for event in self._events:
+            os.close(event)
+        self._events = []
+
+
+def open_io(io_engine: str, readers: int) -> tuple[RingIO | ReaderIO, str | None]:
+    """The slot table's I/O engine for `io_engine` ("auto", "io_uring", "threads") and why it is not
+    io_uring (None when it is)."""
+    from kernels.cpu import uring
+
+    reason = "io_engine 'threads' asked for" if io_engine == "threads" else uring.unavailable_reason()
+    if reason is None:
+        return RingIO(), None
+    if io_engine == "io_uring":
+        raise ZllmError(f"io_engine 'io_uring' cannot run here: {reason}; use io_engine 'auto' or 'threads'")
+    return ReaderIO(readers), reason
 
 
 class SlotExperts(LayerPasses):
     def __init__(self, index: ExpertIndex, prepare_weight, layers: dict[int, MoeConfig], cache_bytes: int,
                  storage=None, predictor=None, policy: str = "nextuse", depth: int = 2, verify: bool = True,
                  direct_io: bool = True, store: ExpertStore | None = None, prefetch_width: float = PREFETCH_WIDTH,
-                 ring_depth: int = RING_DEPTH):
-        from kernels.cpu import expert_slots as ks, uring
+                 io_engine: str = "auto", readers: int = 4):
+        from kernels.cpu import expert_slots as ks
 
-        self._ks, self._uring = ks, uring
+        self._ks = ks
         self.index = index
         self._prepare_weight = prepare_weight
         self.layers = dict(sorted(layers.items()))
         self._start_passes(self.layers, predictor, depth)
         self.prefetch_width = prefetch_width
         self.policy = policy
-        self.io_engine_reason = None
         self.store = store or ExpertStore(index, storage, verify=verify, direct_io=direct_io)
         self.slot_bytes = max(self.store.buffer_bytes(layer) for layer in self.layers)
         self.max_slots = sum(len(index.layers[layer].records) for layer in self.layers)
@@ -107,43 +216,33 @@ class SlotExperts(LayerPasses):
         self.state = np.zeros(ks.STATE_FIELDS, np.int64)
         self.clocks = np.zeros(ks.CLOCK_FIELDS, np.float64)
         self.queue = np.zeros(self.max_slots, np.int64)
-        self.flight = np.zeros(ring_depth, np.int64)
+        self.io, self.io_engine_reason = open_io(io_engine, readers)
+        self.flight = np.zeros(self.io.depth, np.int64)
         self.addresses = (base + self.slot_bytes * np.arange(self.max_slots, dtype=np.uint64)).astype(np.uint64)
         self.lengths = np.zeros(self.max_slots, np.int64)
         self.results = np.zeros(self.max_slots, np.int64)
         self.crcs = np.zeros(self.max_slots, np.uint32)
         self.done = np.zeros(self.max_slots, np.int64)
-        self._ring = np.zeros(uring.RING_BYTES, np.uint8)
-        status = uring.ring_init(self._ring.ctypes.data, 2 * ring_depth)
-        if status < 0:
-            raise OSError(-status, "io_uring_setup failed")
         s = self.state
-        s[ks.G_RING], s[ks.G_VERIFY], s[ks.G_POLICY] = self._ring.ctypes.data, int(verify), ks.POLICY_CODES[policy]
-        s[ks.G_DEPTH], s[ks.G_CAPACITY], s[ks.G_LAYERS] = ring_depth, capacity, len(self.order)
+        s[ks.G_RING], s[ks.G_VERIFY], s[ks.G_POLICY] = self.io.address, int(verify), ks.POLICY_CODES[policy]
+        s[ks.G_DEPTH], s[ks.G_CAPACITY], s[ks.G_LAYERS] = self.io.depth, capacity, len(self.order)
+        s[ks.G_ENGINE] = ks.RING if isinstance(self.io, RingIO) else ks.READERS
         s[ks.G_ORDINAL] = -1
         self._sync_store()
         if self.store.storage is not None:
             self.clocks[ks.C_LATENCY] = self.store.storage.latency_s
             self.clocks[ks.C_BANDWIDTH] = self.store.storage.bandwidth_bytes_per_s
         self._table = (self.slots, self.times, self.experts_table, self.visits, self.gaps, self.ahead, self.state, self.clocks, self.queue,
-                       self.flight, self.addresses, self.lengths, self.results, self.crcs, self.done)
+                       self.flight, self.addresses, self.lengths, self.results, self.crcs, self.done, self.io.lanes)
         self._prepared: dict[tuple[int, tuple], ExpertWeights] = {}  # (slot, layout signature) -> weights
         self._signature = {layer: index.layout(layer).signature for layer in self.layers}
         self._order_scratch = np.zeros(n_experts, np.int64)
         self.counters = StreamingCounters()
         self._current: SlotLayer | None = None
         self._closed = False
-        for compiled in (ks.slot_acquire, ks.slot_prefetch, ks.slot_ready_run, ks.slot_drain, uring.ring_complete,
-                         uring.ring_stop):
+        for compiled in (ks.slot_acquire, ks.slot_prefetch, ks.slot_ready_run, ks.slot_drain):
             compiled.dispatcher  # compiled (or loaded from the cache) now, not at the first layer
-        self._completion_error = 0
-        self._completer = threading.Thread(target=self._complete, name="zllm-io-uring", daemon=True)
-        self._completer.start()
-
-    # --- the ring's completion thread ---------------------------------------------------------
-    def _complete(self) -> None:
-        self._completion_error = self._uring.ring_complete(self._ring.ctypes.data, self.addresses, self.lengths,
-                                                           self.store.verify, self.results, self.crcs, self.done)
+        self.io.start(self.addresses, self.lengths, self.store.verify, self.results, self.crcs, self.done)
 
     def _sync_store(self) -> None:
         """The store's file and read mode (it turns to buffered reads where O_DIRECT is refused)."""
@@ -260,7 +359,7 @@ class SlotExperts(LayerPasses):
         store = self.store.stats()
         stats = counters.to_dict(io_seconds=float(c[ks.C_IO_SECONDS]))
         stats.update({"expert_source": self.strategy, "expert_policy": self.policy, "expert_engine": ENGINE,
-                      "io_engine_reason": None, "bytes_read": int(s[ks.G_BYTES_READ]) + store["bytes_read"],
+                      "io_engine_reason": self.io_engine_reason, "bytes_read": int(s[ks.G_BYTES_READ]) + store["bytes_read"],
                       "io_mode": store["io_mode"], "storage": store["storage"],
                       "expert_cache_bytes": self.capacity_bytes,
                       "expert_cache_peak_bytes": int(s[ks.G_PEAK_SLOTS]) * (self.slot_bytes + ENTRY_OVERHEAD),
@@ -273,7 +372,7 @@ class SlotExperts(LayerPasses):
                       "prefetches_loaded": int(s[ks.G_PREFETCHES_LOADED]),
                       "prefetches_cancelled": int(s[ks.G_PREFETCHES_CANCELLED]),
                       "prefetches_skipped_full": int(s[ks.G_PREFETCHES_SKIPPED]),
-                      "demand_loads": int(s[ks.G_DEMAND_LOADS]), "prefetch_threads": 1, "io_engine": "io_uring",
+                      "demand_loads": int(s[ks.G_DEMAND_LOADS]), "prefetch_threads": self.io.threads, "io_engine": self.io.name,
                       "io_uring_reads_refused": int(s[ks.G_SUBMISSIONS_REFUSED]),
                       "expert_reads": int(s[ks.G_READS]) + store["reads"],
                       "expert_read_calls": int(s[ks.G_READ_CALLS]) + store["read_calls"],
@@ -290,27 +389,24 @@ class SlotExperts(LayerPasses):
         """Slot's read failed, came back short or damaged: read it again here (a fault on the way passes)
         or raise its typed error (the slot is then read again by the next layer that needs it)."""
         ks = self._ks
-        if self._completion_error:
-            error = OSError(-self._completion_error, "the io_uring completion thread stopped")
+        error = self.io.error()
+        if error is not None:
             raise self.store.read_error(layer, expert, self.index.record(layer, expert), error)
         self.store.read_again(layer, expert, self.buffer(slot, layer))
         self._sync_store()
         self.slots[slot, ks.S_STATE] = ks.READY
 
     def completion_alive(self) -> bool:
-        return self._completer.is_alive()
+        return self.io.alive()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.release_current()
-        uring = self._uring
-        while self._ks.slot_drain(*self._table, WAIT_SLEEPS) and self._completer.is_alive():
+        while self._ks.slot_drain(*self._table, WAIT_SLEEPS) and self.io.alive():
             pass  # the kernel may still write into the slots' buffers
-        if self._completer.is_alive() and uring.ring_stop(self._ring.ctypes.data) == 0:
-            self._completer.join()
-        uring.ring_exit(self._ring.ctypes.data)
+        self.io.stop()
         self.store.close()
 
 
@@ -374,7 +470,7 @@ class SlotLayer(RouteWindow):
                     raise
             elif not source.completion_alive():
                 self._release_pins()
-                error = OSError(-source._completion_error, "the io_uring completion thread stopped")
+                error = source.io.error()
                 raise ExpertReadError(f"{source.index.path}: reading layer {self.layer} expert {expert} did not "
                                       f"complete: {error}; check the disk holding the checkpoint")
 

@@ -3,6 +3,12 @@ failures as the Python cache, with no Python per expert read."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
 
 import numpy as np
 import pytest
@@ -16,7 +22,8 @@ from kernels.cpu.uring import unavailable_reason
 from quant.expert_file import ExpertChecksumError
 from streaming.slots import ENGINE, SlotExperts
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"io_uring: {unavailable_reason()}")
+# the slot table's I/O engines that run here: reader threads everywhere, io_uring where the kernel allows it
+IO_ENGINES = ["threads"] + (["io_uring"] if unavailable_reason() is None else [])
 CASE = "qwen3_moe_norm"
 BUDGETS = [
     pytest.param(dict(memory_budget="25%", expert_strategy="ondemand", prefetch_threads=2), id="25%-ondemand-lru"),
@@ -26,16 +33,17 @@ BUDGETS = [
 ]
 
 
+@pytest.mark.parametrize("io_engine", IO_ENGINES)
 @pytest.mark.parametrize("device", ["reference", "cpu"])
 @pytest.mark.parametrize("options", BUDGETS)
-def test_both_engines_give_the_resident_bits_and_the_same_figures(tiny_zoo, options, device):
+def test_both_engines_give_the_resident_bits_and_the_same_figures(tiny_zoo, options, device, io_engine):
     """Tokens and every logit equal the all-resident run's on both engines, and both report the same
     statistics (keys), each saying which engine ran."""
     path = tiny_zoo.converted(CASE, MIXED)
     expected_tokens, expected_logits, _ = resident_run(path, device)
     figures = {}
     for engine in ("compiled", "python"):
-        tokens, logits, stats = greedy_run(path, device, expert_engine=engine, **options)
+        tokens, logits, stats = greedy_run(path, device, expert_engine=engine, io_engine=io_engine, **options)
         assert tokens == expected_tokens, engine
         assert all(np.array_equal(got, want) for got, want in zip(logits, expected_logits)), engine
         assert stats["expert_misses"] > 0 and stats["expert_reads"] >= stats["expert_misses"]
@@ -44,7 +52,7 @@ def test_both_engines_give_the_resident_bits_and_the_same_figures(tiny_zoo, opti
     assert figures["compiled"]["expert_engine"] == ENGINE
     assert figures["python"]["expert_engine"] == "python cache: expert_engine 'python' asked for"
     assert set(figures["compiled"]) == set(figures["python"])
-    assert figures["compiled"]["io_engine"] == "io_uring"
+    assert figures["compiled"]["io_engine"] == io_engine
 
 
 def test_the_default_engine_is_the_compiled_one_where_it_runs(tiny_zoo):
@@ -52,15 +60,19 @@ def test_the_default_engine_is_the_compiled_one_where_it_runs(tiny_zoo):
     with edge.load(path, memory_budget="50%") as model:
         assert isinstance(model.experts, SlotExperts)
         assert model.stats()["expert_engine"] == ENGINE
+        assert model.stats()["io_engine"] == IO_ENGINES[-1]
     with edge.load(path, memory_budget="50%", expert_policy="cycle") as model:  # a policy it does not implement
         assert model.stats()["expert_engine"] == "python cache: expert_policy 'cycle' is served by the Python cache"
-    with edge.load(path, memory_budget="50%", io_engine="threads") as model:
-        assert model.stats()["expert_engine"] == "python cache: io_engine 'threads' asked for"
+    with edge.load(path, memory_budget="50%", io_engine="threads") as model:  # reads through its reader threads
+        stats = model.stats()
+        assert stats["expert_engine"] == ENGINE
+        assert (stats["io_engine"], stats["io_engine_reason"]) == ("threads", "io_engine 'threads' asked for")
+        assert stats["prefetch_threads"] == 4
 
 
 @pytest.mark.parametrize("options, reason", [
     (dict(expert_policy="forecast"), "expert_policy 'forecast' is served by the Python cache"),
-    (dict(io_engine="threads"), "io_engine 'threads' asked for"),
+    (dict(expert_policy="cycle"), "expert_policy 'cycle' is served by the Python cache"),
 ])
 def test_asking_for_the_compiled_engine_where_it_cannot_run_is_refused(tiny_zoo, options, reason):
     path = tiny_zoo.converted(CASE, MIXED)
@@ -103,11 +115,12 @@ def pinned(source: SlotExperts) -> list[tuple[int, int]]:
     return sorted((source.order[layer], expert) for layer, expert in held[:, [ks.S_LAYER, ks.S_EXPERT]].tolist())
 
 
+@pytest.mark.parametrize("io_engine", IO_ENGINES)
 @pytest.mark.parametrize("device", ["reference", "cpu"])
-def test_a_read_damaged_on_the_way_passes_with_a_second_read(tiny_zoo, monkeypatch, device):
+def test_a_read_damaged_on_the_way_passes_with_a_second_read(tiny_zoo, monkeypatch, device, io_engine):
     path = tiny_zoo.converted(CASE, MIXED)
     expected_tokens, expected_logits, _ = resident_run(path, device)
-    with edge.load(path, device=device, memory_budget="40%") as model:
+    with edge.load(path, device=device, memory_budget="40%", io_engine=io_engine) as model:
         source = model.experts
         damage = DamagedOnTheWay(monkeypatch, source, 1, 0, times=2)
         tokens, logits = greedy_decode(model, PROMPT, 6, capacity=32)
@@ -121,13 +134,15 @@ def test_a_read_damaged_on_the_way_passes_with_a_second_read(tiny_zoo, monkeypat
         assert pinned(source) == sorted((last.layer, expert) for expert in last._held)
 
 
+@pytest.mark.parametrize("io_engine", IO_ENGINES)
 def test_a_record_damaged_on_disk_is_reported_with_its_layer_and_expert_and_the_model_serves_on(tiny_zoo,
-                                                                                                   monkeypatch):
+                                                                                                   monkeypatch,
+                                                                                                   io_engine):
     """Every read of layer 1's experts fails its crc32: the request that needs one raises the typed error,
     no pin outlives it, and once the record reads back whole the same model serves the request."""
     path = tiny_zoo.converted(CASE, MIXED)
     expected_tokens, _, _ = resident_run(path, "cpu")
-    with edge.load(path, device="cpu", memory_budget="40%") as model:
+    with edge.load(path, device="cpu", memory_budget="40%", io_engine=io_engine) as model:
         source = model.experts
         ordinal = source._ordinal[1]
         crcs = source.experts_table[ordinal, :, ks.X_CRC].copy()
@@ -159,3 +174,38 @@ def test_a_budget_that_shrinks_gives_slots_back(tiny_zoo):
         assert (source.experts_table[:, :, ks.X_SLOT] < source.capacity).all()
         tokens, _ = greedy_decode(model, PROMPT, 6, capacity=32)
         assert tokens == expected_tokens
+
+
+def test_without_liburing_the_slot_table_reads_through_its_reader_threads(tiny_zoo):
+    """A Python where the liburing package cannot be imported (a platform without its wheel): the slot
+    table's kernels still compile, the reads go through reader threads, and the bits are the resident's."""
+    path = tiny_zoo.converted(CASE, MIXED)
+    expected_tokens, expected_logits, _ = resident_run(path, "cpu")
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.modules["liburing"] = None  # import liburing raises ImportError
+        import numpy as np
+        from test_streaming_model import N_DECODE, PROMPT
+        from tiny_models import greedy_decode
+        import edge
+        with edge.load({path!r}, device="cpu", memory_budget="40%") as model:
+            tokens, logits = greedy_decode(model, PROMPT, N_DECODE, capacity=32)
+            stats = model.stats()
+        np.savez(sys.argv[1], *logits)
+        print(json.dumps(dict(tokens=tokens, engine=stats["expert_engine"], io=stats["io_engine"],
+                              reason=stats["io_engine_reason"], reads=stats["expert_reads"])))
+    """)
+    with tempfile.TemporaryDirectory() as folder:
+        logits_file = os.path.join(folder, "logits.npz")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+        run = subprocess.run([sys.executable, "-c", script, logits_file], capture_output=True, text=True, env=env,
+                             timeout=600)
+        assert run.returncode == 0, run.stderr
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        with np.load(logits_file) as saved:
+            logits = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    assert (got["engine"], got["io"]) == (ENGINE, "threads")
+    assert got["reason"].startswith("the liburing package is not usable here")
+    assert got["reads"] > 0 and got["tokens"] == expected_tokens
+    assert len(logits) == len(expected_logits)
+    assert all(np.array_equal(a, b) for a, b in zip(logits, expected_logits))

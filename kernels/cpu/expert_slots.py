@@ -1,5 +1,5 @@
-"""The streamed experts' slot table in compiled calls: lookup, pins, eviction, reads through io_uring
-and waiting for them, with no Python per expert read.
+"""The streamed experts' slot table in compiled calls: lookup, pins, eviction, reads (through io_uring
+or reader threads) and waiting for them, with no Python per expert read.
 
 L = MoE layers (by ordinal), E = the most routed experts of a layer, S = slots (cache entries).
 
@@ -14,17 +14,20 @@ Every piece of state is a plain array the caller owns (streaming/slots.py):
     visits  [L]                      how many times each layer has been computed
     gaps    [L, E] float64           nextuse's n (1 - p) / p of each expert (below), kept up to date
     ahead   [L] float64              MoE layers from the one computed now until each is computed again
-    state   [STATE_FIELDS] int64     the ring, the file, the policy, the clock, counters
+    state   [STATE_FIELDS] int64     the I/O engine and ring, the file, the policy, the clock, counters
     clocks  [CLOCK_FIELDS] float64   the emulated device (busy until, latency, bandwidth), stall time
-    queue   [S]   slots reserved and waiting for the ring (demand loads first, then prefetches by
-                  layer distance and score);  flight [depth]: slots whose read is in the ring
+    queue   [S]   slots reserved and waiting for the I/O engine (demand loads first, then prefetches
+                  by layer distance and score);  flight [depth]: slots whose read is out
+    lanes   [R, LANE_FIELDS]  the reader threads' rows (kernels/cpu/readers.py; none with io_uring)
 
-A slot's buffer is `slab + slot * slot_bytes`; the ring's tag of a read is its slot, so
-kernels/cpu/uring.py ring_complete (the completion thread) publishes results[slot], crcs[slot] and
-done[slot]. A read is delivered (READY) when the completion thread has published it, its bytes and
-crc32 are whole, and the emulated device (if any) would have delivered it: max(issued + latency,
-busy until) + bytes / bandwidth, booked when the ring takes it. A read that failed, came back short
-or damaged is FAILED with its result; the caller reads it again and raises its typed error.
+A slot's buffer is `slab + slot * slot_bytes`. Reads go through io_uring, whose tag of a read is its
+slot, so kernels/cpu/uring.py ring_complete (the completion thread) publishes results[slot],
+crcs[slot] and done[slot]; or, where io_uring does not run, through reader threads
+(kernels/cpu/readers.py reader_loop) that publish them the same way. A read is delivered (READY) when
+it is published, its bytes and crc32 are whole, and the emulated device (if any) would have
+delivered it: max(issued + latency, busy until) + bytes / bandwidth, booked when the read goes out.
+A read that failed, came back short or damaged is FAILED with its result; the caller reads it again
+and raises its typed error.
 
 Eviction (a demand load takes any unpinned, delivered slot; a prefetch also spares slots prefetched
 for a layer still ahead):
@@ -41,6 +44,7 @@ import numpy as np
 from numba import types
 
 from kernels.cpu.intrinsics import atomic_load, monotonic_seconds, sleep_microseconds, spin_pause
+from kernels.cpu.readers import lane_idle, post_read
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 from kernels.cpu.uring import IOSQE_ASYNC, WAIT_MICROSECONDS, _get_sqe, _prep_read, _set_data, _set_flags
 from kernels.cpu.uring import _sq_ready, submit_queued, void_entry
@@ -61,8 +65,9 @@ EXPERT_FIELDS = 6
 (G_RING, G_FD, G_VERIFY, G_BUFFERED, G_POLICY, G_DEPTH, G_CAPACITY, G_LAYERS, G_POSITION, G_ORDINAL, G_CLOCK,
  G_SEQUENCE, G_QUEUED, G_IN_FLIGHT, G_HITS, G_MISSES, G_LATE, G_EVICTIONS, G_UNUSED_PREFETCHES,
  G_PREFETCHES_QUEUED, G_PREFETCHES_LOADED, G_PREFETCHES_CANCELLED, G_PREFETCHES_SKIPPED, G_DEMAND_LOADS,
- G_READS, G_READ_CALLS, G_BYTES_READ, G_SUBMISSIONS_REFUSED, G_PEAK_SLOTS, G_USED_SLOTS) = range(30)
-STATE_FIELDS = 30
+ G_READS, G_READ_CALLS, G_BYTES_READ, G_SUBMISSIONS_REFUSED, G_PEAK_SLOTS, G_USED_SLOTS, G_ENGINE) = range(31)
+STATE_FIELDS = 31
+RING, READERS = range(2)  # state[G_ENGINE]: io_uring, or reader threads (kernels/cpu/readers.py)
 # clocks[...]
 C_BUSY_UNTIL, C_LATENCY, C_BANDWIDTH, C_STALL, C_IO_SECONDS, C_EMULATED_WAIT, C_SUBMIT = range(7)
 CLOCK_FIELDS = 7  # C_SUBMIT: time spent handing reads to the kernel
@@ -71,7 +76,7 @@ POLICY_CODES = {"lru": LRU, "lfu": LFU, "nextuse": NEXTUSE}
 NO_SLOT = -1
 # What the calls answer besides a count (negative, so that a count is never mistaken for one).
 FULL = -1          # acquire: no slot can be freed, every one is pinned by the layer being computed
-NOT_YET = -2       # wait: the read is still out after the sleeps allowed; the caller checks the ring
+NOT_YET = -2       # wait: the read is still out after the sleeps allowed; the caller checks the I/O engine
 FAILURE = -3       # wait: the read failed (slots[s, S_RESULT]: -errno, or the bytes read, short or damaged)
 SPINS_BEFORE_SLEEP = 200
 POSIX_FADV_DONTNEED = 4
@@ -83,9 +88,9 @@ _VISITS, _STATE, _CLOCKS, _QUEUE, _FLIGHT = (mutable(_I64, 1), mutable(_I64, 1),
                                              mutable(_I64, 1))
 _ADDRESSES, _LENGTHS, _RESULTS, _CRCS, _DONE = (readonly(types.uint64, 1), mutable(_I64, 1), readonly(_I64, 1),
                                                 readonly(types.uint32, 1), mutable(_I64, 1))
-_GAPS, _AHEAD = mutable(_F64, 2), mutable(_F64, 1)
+_GAPS, _AHEAD, _LANES = mutable(_F64, 2), mutable(_F64, 1), mutable(_I64, 2)
 _TABLE = (_SLOTS, _TIMES, _EXPERTS, _VISITS, _GAPS, _AHEAD, _STATE, _CLOCKS, _QUEUE, _FLIGHT, _ADDRESSES, _LENGTHS, _RESULTS,
-          _CRCS, _DONE)
+          _CRCS, _DONE, _LANES)
 
 
 @helper
@@ -162,7 +167,7 @@ def _touch(slots, experts, visits, gaps, state, s):
 
 @helper
 def _reserve(slots, times, experts, state, queue, layer, expert, s, distance, score, needed_at):
-    """Slot s (emptied by the caller's choice) now holds (layer, expert), queued for the ring."""
+    """Slot s (emptied by the caller's choice) now holds (layer, expert), queued for the I/O engine."""
     _evict(slots, times, experts, state, s)
     slots[s, S_LAYER], slots[s, S_EXPERT], slots[s, S_STATE] = layer, expert, QUEUED
     slots[s, S_DISTANCE], slots[s, S_NEEDED_AT] = distance, needed_at
@@ -245,7 +250,50 @@ def _book(clocks, n_bytes, now):
 
 
 @helper
-def _submit(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done):
+def _start(slots, times, state, clocks, flight, lengths, s, now):
+    """Slot s's read went out now: LOADING, in flight, booked on the emulated device."""
+    slots[s, S_STATE] = LOADING
+    times[s, T_ISSUED] = now
+    times[s, T_DUE] = _book(clocks, lengths[s], now)
+    times[s, T_SEEN] = 0.0
+    flight[state[G_IN_FLIGHT]] = s
+    state[G_IN_FLIGHT] += 1
+
+
+@helper
+def _submit(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done, lanes):
+    """Hand the queue's head to the I/O engine while fewer than `depth` reads are in flight; -> reads
+    that went out."""
+    if state[G_ENGINE] == READERS:
+        return _post(slots, times, experts, state, clocks, queue, flight, lengths, done, lanes)
+    return _submit_to_ring(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done)
+
+
+@helper
+def _post(slots, times, experts, state, clocks, queue, flight, lengths, done, lanes):
+    """Hand the queue's head to idle reader threads, one read each; -> reads posted."""
+    started = monotonic_seconds()
+    n = 0
+    for r in range(lanes.shape[0]):
+        if state[G_QUEUED] == 0 or state[G_IN_FLIGHT] >= state[G_DEPTH]:
+            break
+        if not lane_idle(lanes, r):
+            continue
+        i = _first_queued(slots, times, state, queue)
+        s = queue[i]
+        _unqueue(state, queue, i)
+        record = experts[slots[s, S_LAYER], slots[s, S_EXPERT]]
+        lengths[s] = record[X_LENGTH]
+        done[s] = 0
+        _start(slots, times, state, clocks, flight, lengths, s, monotonic_seconds())
+        post_read(lanes, r, s, state[G_FD], record[X_OFFSET], record[X_SPAN])
+        n += 1
+    clocks[C_SUBMIT] += monotonic_seconds() - started
+    return n
+
+
+@helper
+def _submit_to_ring(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done):
     """Hand the queue's head to the ring while fewer than `depth` reads are in flight; -> reads the
     kernel took. Reads it did not take (interrupted, out of resources: tried again a few times) become
     no-ops in the ring and go back to the queue for the next call."""
@@ -278,12 +326,7 @@ def _submit(slots, times, experts, state, clocks, queue, flight, addresses, leng
     for k in range(n):
         s = picked[k]
         if k < n - left:
-            slots[s, S_STATE] = LOADING
-            times[s, T_ISSUED] = now
-            times[s, T_DUE] = _book(clocks, lengths[s], now)
-            times[s, T_SEEN] = 0.0
-            flight[state[G_IN_FLIGHT]] = s
-            state[G_IN_FLIGHT] += 1
+            _start(slots, times, state, clocks, flight, lengths, s, now)
         else:
             void_entry(sqes[k])
             queue[state[G_QUEUED]] = s
@@ -332,13 +375,13 @@ def _collect(slots, times, experts, state, clocks, flight, results, crcs, done):
 
 @helper
 def _wait_for_delivery(slots, times, experts, state, clocks, queue, flight, addresses, lengths, results, crcs,
-                       done, s, sleeps):
+                       done, lanes, s, sleeps):
     """Until slot s is READY or FAILED: collect, submit, spin then sleep. -> READY, FAILED, or NOT_YET
     after `sleeps` sleeps (the caller checks that the completion thread is still there)."""
     spins = 0
     while True:
         _collect(slots, times, experts, state, clocks, flight, results, crcs, done)
-        _submit(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done)
+        _submit(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done, lanes)
         slot_state = slots[s, S_STATE]
         if slot_state == READY or slot_state == FAILED:
             return slot_state
@@ -353,7 +396,7 @@ def _wait_for_delivery(slots, times, experts, state, clocks, queue, flight, addr
 
 @kernel(_I64(*_TABLE, mutable(_I64, 1), _I64, _I64, _I64, _I64, mutable(_I64, 1)))
 def slot_acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
-                 results, crcs, done, release, finished, layer, ids_begin, ids_end, out):
+                 results, crcs, done, lanes, release, finished, layer, ids_begin, ids_end, out):
     """The layer with ordinal `layer` at position state[G_POSITION] needs experts out[ids_begin:ids_end]
     (ascending ids; overwritten with their slots): unpin the slots in `release`, count a visit of the
     layer `finished` (an ordinal; -1: none), pin each needed expert's
@@ -404,7 +447,7 @@ def slot_acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queu
                 if s != NO_SLOT or state[G_IN_FLIGHT] == 0:
                     break
                 _wait_for_delivery(slots, times, experts, state, clocks, queue, flight, addresses, lengths, results,
-                                   crcs, done, flight[0], 1 << 40)
+                                   crcs, done, lanes, flight[0], 1 << 40)
             if s == NO_SLOT:  # this call's pins go, and the caller learns which expert found no room
                 for j in range(ids_begin, k):
                     slots[out[j], S_PINS] -= 1
@@ -417,14 +460,14 @@ def slot_acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queu
         slots[s, S_PINS] += 1
         _touch(slots, experts, visits, gaps, state, s)
         out[k] = s
-    _submit(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done)
+    _submit(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done, lanes)
     return misses
 
 
 @kernel(_I64(*_TABLE, readonly(_I64, 1), readonly(_I64, 1), readonly(_I64, 1), readonly(_I64, 1), readonly(_F64, 1),
              _I64, mutable(_I64, 1)))
 def slot_prefetch(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths, results, crcs,
-                  done, targets, widths, distances, offsets, need, free_slots, order):
+                  done, lanes, targets, widths, distances, offsets, need, free_slots, order):
     """Queue prefetches for the layers ahead, nearest first: for target t (ordinal targets[t], reached in
     distances[t] layers), its widths[t] likeliest experts by need[offsets[t]:offsets[t + 1]] (ties to the
     lower id; none with need 0), within `free_slots` slots beside the layer's own (each likely expert
@@ -462,13 +505,13 @@ def slot_prefetch(slots, times, experts, visits, gaps, ahead, state, clocks, que
                      needed_at)
             state[G_PREFETCHES_QUEUED] += 1
             queued += 1
-    _submit(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done)
+    _submit(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done, lanes)
     return queued
 
 
 @kernel(_I64(*_TABLE, readonly(_I64, 1), _I64, _I64))
 def slot_ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths, results, crcs,
-                   done, run, start, sleeps):
+                   done, lanes, run, start, sleeps):
     """Wait (without the GIL) until the slot run[start] is delivered, then -> how many of run[start:] are
     delivered in a row (at least 1); FAILURE when run[start]'s read failed, NOT_YET when it is still out
     after `sleeps` sleeps. The time waited is I/O stall."""
@@ -476,7 +519,7 @@ def slot_ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, qu
     if slots[s, S_STATE] != READY:
         started = monotonic_seconds()
         outcome = _wait_for_delivery(slots, times, experts, state, clocks, queue, flight, addresses, lengths,
-                                     results, crcs, done, s, sleeps)
+                                     results, crcs, done, lanes, s, sleeps)
         clocks[C_STALL] += monotonic_seconds() - started
         if outcome == FAILED:
             return FAILURE
@@ -484,7 +527,7 @@ def slot_ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, qu
             return NOT_YET
     else:
         _collect(slots, times, experts, state, clocks, flight, results, crcs, done)
-        _submit(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done)
+        _submit(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done, lanes)
     n = 1
     while start + n < run.shape[0] and slots[run[start + n], S_STATE] == READY:
         n += 1
@@ -492,7 +535,7 @@ def slot_ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, qu
 
 
 @kernel(_I64(*_TABLE, _I64))
-def slot_drain(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths, results, crcs, done,
+def slot_drain(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths, results, crcs, done, lanes,
                sleeps):
     """Drop every queued read and wait until none is in flight (closing, resizing): -> reads still in
     flight after `sleeps` sleeps each (0: drained)."""
@@ -502,6 +545,6 @@ def slot_drain(slots, times, experts, visits, gaps, ahead, state, clocks, queue,
         _forget_queued(slots, experts, state, s)
     while state[G_IN_FLIGHT] > 0:
         if _wait_for_delivery(slots, times, experts, state, clocks, queue, flight, addresses, lengths, results, crcs,
-                              done, flight[0], sleeps) == NOT_YET:
+                              done, lanes, flight[0], sleeps) == NOT_YET:
             break
     return state[G_IN_FLIGHT]

@@ -11,8 +11,9 @@ GIL or the model thread's time, and no Python runs per read outside the model's 
 The functions are liburing's, bound by symbol name from the shared library the PyPI package
 `liburing` ships (its extension module exports the library's inline helpers too), as ISA-L's
 crc32 is bound in record_io.py. Where the package is missing (it has wheels for x86-64 Linux) or
-the kernel refuses io_uring (old kernels, seccomp sandboxes such as Android apps'), `available()`
-says why and the streaming falls back to its reader threads (streaming/prefetch.py).
+the kernel refuses io_uring (old kernels, seccomp sandboxes such as Android apps'),
+`unavailable_reason()` says why and the streaming reads through reader threads instead
+(kernels/cpu/readers.py for the slot table, streaming/prefetch.py for the Python cache).
 
 A ring is a caller-owned byte array holding liburing's `struct io_uring`; addresses are int64
 `array.ctypes.data` values; the caller keeps the arrays alive.
@@ -30,7 +31,7 @@ from kernels.cpu.intrinsics import atomic_add, atomic_load, int64_pointer, sleep
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
 RING_BYTES = 1024  # room for liburing's struct io_uring (216 bytes in liburing 2.x)
-EINTR, EAGAIN = 4, 11
+EINTR, EAGAIN, ENOSYS = 4, 11, 38
 IOSQE_ASYNC = 1 << 4  # hand the request to the kernel's workers instead of issuing it inline
 STOP_TAG = (1 << 62) - 1  # the user data of ring_stop's no-op
 VOID_TAG = STOP_TAG - 1  # the user data of a read the kernel did not take, turned into a no-op
@@ -50,6 +51,36 @@ try:
     llvm.load_library_permanently(_libraries[0])
 except (ImportError, OSError, RuntimeError) as exc:  # no wheel for this platform, or the library does not load
     _unavailable = f"the liburing package is not usable here ({exc})"
+
+
+def _bind_refusing_stubs() -> list:
+    """Where liburing does not load, its symbols still resolve, to functions that refuse (no ring: -ENOSYS;
+    no submission entry), so that kernels which also read through reader threads (the slot table's)
+    compile on every platform. ring_init refuses first, so nothing else is ever called."""
+    import ctypes as c
+
+    import llvmlite.binding as llvm
+
+    stubs = []
+    for name, restype, argtypes, value in (
+            ("io_uring_queue_init", c.c_int32, (c.c_uint32, c.c_uint64, c.c_uint32), -ENOSYS),
+            ("io_uring_queue_exit", None, (c.c_uint64,), None),
+            ("io_uring_get_sqe", c.c_uint64, (c.c_uint64,), 0),
+            ("io_uring_prep_read", None, (c.c_uint64, c.c_int32, c.c_uint64, c.c_uint32, c.c_uint64), None),
+            ("io_uring_sqe_set_data64", None, (c.c_uint64, c.c_uint64), None),
+            ("io_uring_sqe_set_flags", None, (c.c_uint64, c.c_uint32), None),
+            ("io_uring_prep_nop", None, (c.c_uint64,), None),
+            ("io_uring_submit", c.c_int32, (c.c_uint64,), -ENOSYS),
+            ("io_uring_sq_ready", c.c_uint32, (c.c_uint64,), 0),
+            ("io_uring_wait_cqe", c.c_int32, (c.c_uint64, c.c_uint64), -ENOSYS),
+            ("io_uring_cqe_seen", None, (c.c_uint64, c.c_uint64), None)):
+        stub = c.CFUNCTYPE(restype, *argtypes)(lambda *args, value=value: value)
+        llvm.add_symbol(name, c.cast(stub, c.c_void_p).value)
+        stubs.append(stub)  # kept alive: the symbols point into them
+    return stubs
+
+
+_stubs = _bind_refusing_stubs() if _unavailable is not None else []
 
 I32, U32, I64, U64 = types.int32, types.uint32, types.int64, types.uint64
 # int io_uring_queue_init(unsigned entries, struct io_uring *ring, unsigned flags)
