@@ -355,7 +355,8 @@ class RingLoader(LoadQueue):
 
     def _complete(self) -> None:
         self._completion_error = self._uring.ring_complete(self._ring.ctypes.data, self._addresses, self._lengths,
-                                                           self.store.verify, self._results, self._crcs, self._done)
+                                                           self.store.verify, self._results, self._crcs, self._done,
+                                                           self._uring.NO_WAKE)
 
     # --- submitting (the lock is held) -------------------------------------------------------------
     def _submit(self) -> None:

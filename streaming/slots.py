@@ -33,6 +33,7 @@ import numpy as np
 
 from edge.core.errors import ZllmError
 from edge.core.moe import ExpertWeights, MoeConfig, distinct_experts
+from kernels.cpu.wake import W_EVENT, WAKE_FIELDS
 from quant.expert_file import ExpertIndex
 from streaming.cache import ENTRY_OVERHEAD
 from streaming.source import PREFETCH_WIDTH, LayerPasses, RouteWindow, prepared_expert
@@ -83,9 +84,10 @@ class RingIO:
         self._error = 0
         self._thread = None
 
-    def start(self, addresses, lengths, verify: bool, results, crcs, done) -> None:
+    def start(self, addresses, lengths, verify: bool, results, crcs, done, wake) -> None:
         def complete():
-            self._error = self._uring.ring_complete(self.address, addresses, lengths, verify, results, crcs, done)
+            self._error = self._uring.ring_complete(self.address, addresses, lengths, verify, results, crcs, done,
+                                                    wake)
 
         # compiled (or loaded from the cache) now, where the memory budget's plan counts them, not when used
         self._uring.ring_complete.dispatcher, self._uring.ring_stop.dispatcher
@@ -128,11 +130,11 @@ class ReaderIO:
             raise
         self._threads: list[threading.Thread] = []
 
-    def start(self, addresses, lengths, verify: bool, results, crcs, done) -> None:
+    def start(self, addresses, lengths, verify: bool, results, crcs, done, wake) -> None:
         loop = self._readers.reader_loop
         loop.dispatcher, self._readers.reader_stop.dispatcher  # (as RingIO.start)
         self._threads = [threading.Thread(target=loop, args=(self.lanes, r, addresses, lengths, verify, results, crcs,
-                                                             done), name=f"zllm-expert-reader-{r}", daemon=True)
+                                                             done, wake), name=f"zllm-expert-reader-{r}", daemon=True)
                          for r in range(self.threads)]
         for thread in self._threads:
             thread.start()
@@ -217,6 +219,9 @@ class SlotExperts(LayerPasses):
         self.clocks = np.zeros(ks.CLOCK_FIELDS, np.float64)
         self.queue = np.zeros(self.max_slots, np.int64)
         self.io, self.io_engine_reason = open_io(io_engine, readers)
+        # the thread waiting for a read is woken when one is published (kernels/cpu/wake.py)
+        self.wake = np.zeros(WAKE_FIELDS, np.int64)
+        self.wake[W_EVENT] = os.eventfd(0, os.EFD_NONBLOCK)
         self.flight = np.zeros(self.io.depth, np.int64)
         self.addresses = (base + self.slot_bytes * np.arange(self.max_slots, dtype=np.uint64)).astype(np.uint64)
         self.lengths = np.zeros(self.max_slots, np.int64)
@@ -232,17 +237,19 @@ class SlotExperts(LayerPasses):
         if self.store.storage is not None:
             self.clocks[ks.C_LATENCY] = self.store.storage.latency_s
             self.clocks[ks.C_BANDWIDTH] = self.store.storage.bandwidth_bytes_per_s
-        self._table = (self.slots, self.times, self.experts_table, self.visits, self.gaps, self.ahead, self.state, self.clocks, self.queue,
-                       self.flight, self.addresses, self.lengths, self.results, self.crcs, self.done, self.io.lanes)
+        self._table = (self.slots, self.times, self.experts_table, self.visits, self.gaps, self.ahead, self.state,
+                       self.clocks, self.queue, self.flight, self.addresses, self.lengths, self.results, self.crcs,
+                       self.done, self.io.lanes, self.wake)
         self._prepared: dict[tuple[int, tuple], ExpertWeights] = {}  # (slot, layout signature) -> weights
         self._signature = {layer: index.layout(layer).signature for layer in self.layers}
         self._order_scratch = np.zeros(n_experts, np.int64)
+        self._plans: dict[tuple, tuple | None] = {}  # _prefetch_plan's, by place
         self.counters = StreamingCounters()
         self._current: SlotLayer | None = None
         self._closed = False
         for compiled in (ks.slot_acquire, ks.slot_prefetch, ks.slot_ready_run, ks.slot_drain):
             compiled.dispatcher  # compiled (or loaded from the cache) now, not at the first layer
-        self.io.start(self.addresses, self.lengths, self.store.verify, self.results, self.crcs, self.done)
+        self.io.start(self.addresses, self.lengths, self.store.verify, self.results, self.crcs, self.done, self.wake)
 
     def _sync_store(self) -> None:
         """The store's file and read mode (it turns to buffered reads where O_DIRECT is refused)."""
@@ -304,20 +311,37 @@ class SlotExperts(LayerPasses):
         """Queue prefetches of the likeliest experts of the layers ahead, nearest layer first (one call)."""
         if free_slots <= 0 or not forecast:
             return
-        here = self._last_ordinal
-        chosen = sorted((self._layers_until(target), target) for target in forecast)
-        chosen = [(distance, target) for distance, target in chosen if distance <= self.depth]
-        if not chosen:
+        plan = self._prefetch_plan(tuple(forecast), n_tokens)
+        if plan is None:
             return
-        targets = np.array([self._ordinal[target] for _, target in chosen], np.int64)
-        distances = np.array([distance for distance, _ in chosen], np.int64)
-        widths = np.array([int(np.ceil(self.layers[target].top_k * (1 if self._ordinal[target] <= here else n_tokens)
-                                       * self.prefetch_width)) for _, target in chosen], np.int64)
-        needs = [forecast[target] for _, target in chosen]
-        offsets = np.zeros(len(needs) + 1, np.int64)
-        np.cumsum([len(need) for need in needs], out=offsets[1:])
-        self._ks.slot_prefetch(*self._table, targets, widths, distances, offsets,
-                               np.concatenate(needs).astype(np.float64, copy=False), free_slots, self._order_scratch)
+        chosen, targets, widths, distances, offsets, need = plan
+        for k, target in enumerate(chosen):
+            need[offsets[k]: offsets[k + 1]] = forecast[target]
+        self._ks.slot_prefetch(*self._table, targets, widths, distances, offsets, need, free_slots,
+                               self._order_scratch)
+
+    def _prefetch_plan(self, forecast_layers: tuple[int, ...], n_tokens: int):
+        """slot_prefetch's arrays for a forecast of these layers, made from here: (the layers within reach,
+        nearest first; their ordinals, widths, distances, offsets into `need`; `need`, to fill), or None.
+        They depend only on where the model is, so they are made once per (place, layers, depth, tokens)."""
+        key = (self._last_ordinal, forecast_layers, self.depth, n_tokens, self.prefetch_width)
+        if key in self._plans:
+            return self._plans[key]
+        here = self._last_ordinal
+        reach = sorted((self._layers_until(target), target) for target in forecast_layers)
+        reach = [(distance, target) for distance, target in reach if distance <= self.depth]
+        plan = None
+        if reach:
+            chosen = [target for _, target in reach]
+            sizes = [self.layers[target].num_experts for target in chosen]
+            offsets = np.zeros(len(chosen) + 1, np.int64)
+            np.cumsum(sizes, out=offsets[1:])
+            widths = [int(np.ceil(self.layers[target].top_k * (1 if self._ordinal[target] <= here else n_tokens)
+                                  * self.prefetch_width)) for target in chosen]
+            plan = (chosen, np.array([self._ordinal[target] for target in chosen], np.int64), np.array(widths, np.int64),
+                    np.array([distance for distance, _ in reach], np.int64), offsets, np.zeros(offsets[-1], np.float64))
+        self._plans[key] = plan
+        return plan
 
     def begin_request(self) -> None:
         if self.predictor is not None:
@@ -407,6 +431,7 @@ class SlotExperts(LayerPasses):
         while self._ks.slot_drain(*self._table, WAIT_SLEEPS) and self.io.alive():
             pass  # the kernel may still write into the slots' buffers
         self.io.stop()
+        os.close(int(self.wake[W_EVENT]))
         self.store.close()
 
 

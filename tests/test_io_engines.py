@@ -197,7 +197,8 @@ def test_reads_the_kernel_did_not_take_never_run_later(expert_file):
             os.dup2(saved, ring_fd)
         assert (taken, int(refused[0])) == (0, errno.EOPNOTSUPP)
         completer = threading.Thread(target=uring.ring_complete, daemon=True,
-                                     args=(ring.ctypes.data, addresses, lengths, True, results, crcs, done))
+                                     args=(ring.ctypes.data, addresses, lengths, True, results, crcs, done,
+                                           uring.NO_WAKE))
         completer.start()
         taken = uring.ring_submit(ring.ctypes.data, fd, offsets, spans, addresses[1:], np.array([1]), done, refused)
         assert (taken, int(refused[0])) == (1, 0)

@@ -19,6 +19,7 @@ Every piece of state is a plain array the caller owns (streaming/slots.py):
     queue   [S]   slots reserved and waiting for the I/O engine (demand loads first, then prefetches
                   by layer distance and score);  flight [depth]: slots whose read is out
     lanes   [R, LANE_FIELDS]  the reader threads' rows (kernels/cpu/readers.py; none with io_uring)
+    wake    [WAKE_FIELDS]     how a thread waiting for a read is woken (kernels/cpu/wake.py)
 
 A slot's buffer is `slab + slot * slot_bytes`. Reads go through io_uring, whose tag of a read is its
 slot, so kernels/cpu/uring.py ring_complete (the completion thread) publishes results[slot],
@@ -45,6 +46,7 @@ from numba import types
 
 from kernels.cpu.intrinsics import atomic_load, monotonic_seconds, sleep_microseconds, spin_pause
 from kernels.cpu.readers import lane_idle, post_read
+from kernels.cpu.wake import W_EVENT, await_wake, raise_waiting
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 from kernels.cpu.uring import IOSQE_ASYNC, WAIT_MICROSECONDS, _get_sqe, _prep_read, _set_data, _set_flags
 from kernels.cpu.uring import _sq_ready, submit_queued, void_entry
@@ -88,9 +90,9 @@ _VISITS, _STATE, _CLOCKS, _QUEUE, _FLIGHT = (mutable(_I64, 1), mutable(_I64, 1),
                                              mutable(_I64, 1))
 _ADDRESSES, _LENGTHS, _RESULTS, _CRCS, _DONE = (readonly(types.uint64, 1), mutable(_I64, 1), readonly(_I64, 1),
                                                 readonly(types.uint32, 1), mutable(_I64, 1))
-_GAPS, _AHEAD, _LANES = mutable(_F64, 2), mutable(_F64, 1), mutable(_I64, 2)
+_GAPS, _AHEAD, _LANES, _WAKE = mutable(_F64, 2), mutable(_F64, 1), mutable(_I64, 2), mutable(_I64, 1)
 _TABLE = (_SLOTS, _TIMES, _EXPERTS, _VISITS, _GAPS, _AHEAD, _STATE, _CLOCKS, _QUEUE, _FLIGHT, _ADDRESSES, _LENGTHS, _RESULTS,
-          _CRCS, _DONE, _LANES)
+          _CRCS, _DONE, _LANES, _WAKE)
 
 
 @helper
@@ -374,11 +376,25 @@ def _collect(slots, times, experts, state, clocks, flight, results, crcs, done):
 
 
 @helper
+def _next_due(times, state, flight, done):
+    """The earliest time a published read in flight is delivered (its emulated due time; 0 without
+    emulation), inf when none is published yet."""
+    due = np.inf
+    for i in range(state[G_IN_FLIGHT]):
+        s = flight[i]
+        if atomic_load(done.ctypes.data + 8 * s) != 0:
+            due = min(due, times[s, T_DUE])
+    return due
+
+
+@helper
 def _wait_for_delivery(slots, times, experts, state, clocks, queue, flight, addresses, lengths, results, crcs,
-                       done, lanes, s, sleeps):
-    """Until slot s is READY or FAILED: collect, submit, spin then sleep. -> READY, FAILED, or NOT_YET
-    after `sleeps` sleeps (the caller checks that the completion thread is still there)."""
+                       done, lanes, wake, s, sleeps):
+    """Until slot s is READY or FAILED: collect, submit; spin a little, then block until a read is
+    published (kernels/cpu/wake.py) or one the emulated device holds is due. -> READY, FAILED, or
+    NOT_YET after `sleeps` x WAIT_MICROSECONDS (the caller checks that the I/O engine still runs)."""
     spins = 0
+    deadline = monotonic_seconds() + sleeps * WAIT_MICROSECONDS * 1e-6
     while True:
         _collect(slots, times, experts, state, clocks, flight, results, crcs, done)
         _submit(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done, lanes)
@@ -388,15 +404,25 @@ def _wait_for_delivery(slots, times, experts, state, clocks, queue, flight, addr
         spins += 1
         if spins < SPINS_BEFORE_SLEEP:
             spin_pause()
-        elif spins - SPINS_BEFORE_SLEEP < sleeps:
-            sleep_microseconds(WAIT_MICROSECONDS)
-        else:
+            continue
+        now = monotonic_seconds()
+        if now >= deadline:
             return NOT_YET
+        if wake[W_EVENT] < 0:
+            sleep_microseconds(WAIT_MICROSECONDS)
+            continue
+        raise_waiting(wake, 1)
+        until = min(_next_due(times, state, flight, done), deadline)  # (looked at after raising the flag)
+        if state[G_IN_FLIGHT] == 0:  # nothing out to wake this thread: the ring refused, try again soon
+            until = min(until, now + WAIT_MICROSECONDS * 1e-6)
+        if until > now:
+            await_wake(wake, until - now)
+        raise_waiting(wake, -1)
 
 
 @kernel(_I64(*_TABLE, mutable(_I64, 1), _I64, _I64, _I64, _I64, mutable(_I64, 1)))
 def slot_acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
-                 results, crcs, done, lanes, release, finished, layer, ids_begin, ids_end, out):
+                 results, crcs, done, lanes, wake, release, finished, layer, ids_begin, ids_end, out):
     """The layer with ordinal `layer` at position state[G_POSITION] needs experts out[ids_begin:ids_end]
     (ascending ids; overwritten with their slots): unpin the slots in `release`, count a visit of the
     layer `finished` (an ordinal; -1: none), pin each needed expert's
@@ -447,7 +473,7 @@ def slot_acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queu
                 if s != NO_SLOT or state[G_IN_FLIGHT] == 0:
                     break
                 _wait_for_delivery(slots, times, experts, state, clocks, queue, flight, addresses, lengths, results,
-                                   crcs, done, lanes, flight[0], 1 << 40)
+                                   crcs, done, lanes, wake, flight[0], 1 << 40)
             if s == NO_SLOT:  # this call's pins go, and the caller learns which expert found no room
                 for j in range(ids_begin, k):
                     slots[out[j], S_PINS] -= 1
@@ -467,7 +493,7 @@ def slot_acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queu
 @kernel(_I64(*_TABLE, readonly(_I64, 1), readonly(_I64, 1), readonly(_I64, 1), readonly(_I64, 1), readonly(_F64, 1),
              _I64, mutable(_I64, 1)))
 def slot_prefetch(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths, results, crcs,
-                  done, lanes, targets, widths, distances, offsets, need, free_slots, order):
+                  done, lanes, wake, targets, widths, distances, offsets, need, free_slots, order):
     """Queue prefetches for the layers ahead, nearest first: for target t (ordinal targets[t], reached in
     distances[t] layers), its widths[t] likeliest experts by need[offsets[t]:offsets[t + 1]] (ties to the
     lower id; none with need 0), within `free_slots` slots beside the layer's own (each likely expert
@@ -511,7 +537,7 @@ def slot_prefetch(slots, times, experts, visits, gaps, ahead, state, clocks, que
 
 @kernel(_I64(*_TABLE, readonly(_I64, 1), _I64, _I64))
 def slot_ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths, results, crcs,
-                   done, lanes, run, start, sleeps):
+                   done, lanes, wake, run, start, sleeps):
     """Wait (without the GIL) until the slot run[start] is delivered, then -> how many of run[start:] are
     delivered in a row (at least 1); FAILURE when run[start]'s read failed, NOT_YET when it is still out
     after `sleeps` sleeps. The time waited is I/O stall."""
@@ -519,7 +545,7 @@ def slot_ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, qu
     if slots[s, S_STATE] != READY:
         started = monotonic_seconds()
         outcome = _wait_for_delivery(slots, times, experts, state, clocks, queue, flight, addresses, lengths,
-                                     results, crcs, done, lanes, s, sleeps)
+                                     results, crcs, done, lanes, wake, s, sleeps)
         clocks[C_STALL] += monotonic_seconds() - started
         if outcome == FAILED:
             return FAILURE
@@ -535,8 +561,8 @@ def slot_ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, qu
 
 
 @kernel(_I64(*_TABLE, _I64))
-def slot_drain(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths, results, crcs, done, lanes,
-               sleeps):
+def slot_drain(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths, results,
+               crcs, done, lanes, wake, sleeps):
     """Drop every queued read and wait until none is in flight (closing, resizing): -> reads still in
     flight after `sleeps` sleeps each (0: drained)."""
     while state[G_QUEUED] > 0:
@@ -545,6 +571,6 @@ def slot_drain(slots, times, experts, visits, gaps, ahead, state, clocks, queue,
         _forget_queued(slots, experts, state, s)
     while state[G_IN_FLIGHT] > 0:
         if _wait_for_delivery(slots, times, experts, state, clocks, queue, flight, addresses, lengths, results, crcs,
-                              done, lanes, flight[0], sleeps) == NOT_YET:
+                              done, lanes, wake, flight[0], sleeps) == NOT_YET:
             break
     return state[G_IN_FLIGHT]

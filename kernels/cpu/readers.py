@@ -19,15 +19,13 @@ from numba import types
 from kernels.cpu.intrinsics import atomic_add, atomic_load
 from kernels.cpu.record_io import _crc32, _preadv
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
+from kernels.cpu.wake import _read, _write, wake_waiters
 
 L_POSTED, L_FINISHED, L_SLOT, L_FD, L_OFFSET, L_SPAN, L_EVENT, L_STOP = range(8)
 LANE_FIELDS = 8
 EIO = 5
 
-I32, U64, I64, U32 = types.int32, types.uint64, types.int64, types.uint32
-# ssize_t read(int fd, void *buf, size_t count) / write(...): an eventfd's 8-byte counter
-_read = types.ExternalFunction("read", I64(I32, U64, U64))
-_write = types.ExternalFunction("write", I64(I32, U64, U64))
+I64, U32, U64 = types.int64, types.uint32, types.uint64
 
 
 @helper
@@ -61,11 +59,12 @@ def reader_stop(lanes, r):
 
 
 @kernel(I64(mutable(I64, 2), I64, readonly(U64, 1), readonly(I64, 1), types.boolean, mutable(I64, 1),
-            mutable(U32, 1), mutable(I64, 1)))
-def reader_loop(lanes, r, addresses, lengths, checksum, results, crcs, done):
+            mutable(U32, 1), mutable(I64, 1), mutable(I64, 1)))
+def reader_loop(lanes, r, addresses, lengths, checksum, results, crcs, done, wake):
     """Reader r's loop: block on its eventfd until a read is posted, read it (crc32 of the first
     min(result, lengths[slot]) bytes with `checksum`), publish results[slot], crcs[slot] and done[slot]
-    (last, atomically), count it finished; -> 0 when reader_stop asks it to return."""
+    (last, atomically), wake the thread waiting for a read (kernels/cpu/wake.py), count it finished;
+    -> 0 when reader_stop asks it to return."""
     handled = 0
     counter = np.zeros(1, np.uint64)
     iovec = np.zeros(2, np.uint64)
@@ -83,3 +82,4 @@ def reader_loop(lanes, r, addresses, lengths, checksum, results, crcs, done):
             crcs[s] = _crc32(np.uint32(0), addresses[s], np.uint64(min(got, lengths[s])))
         atomic_add(done.ctypes.data + 8 * s, 1)
         atomic_add(lane_word(lanes, r, L_FINISHED), 1)
+        wake_waiters(wake)

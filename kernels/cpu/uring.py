@@ -29,12 +29,14 @@ from numba import types
 import kernels.cpu.record_io  # noqa: F401  (loads ISA-L, whose crc32 ring_complete calls)
 from kernels.cpu.intrinsics import atomic_add, atomic_load, int64_pointer, sleep_microseconds, spin_pause
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
+from kernels.cpu.wake import wake_waiters
 
 RING_BYTES = 1024  # room for liburing's struct io_uring (216 bytes in liburing 2.x)
 EINTR, EAGAIN, ENOSYS = 4, 11, 38
 IOSQE_ASYNC = 1 << 4  # hand the request to the kernel's workers instead of issuing it inline
 STOP_TAG = (1 << 62) - 1  # the user data of ring_stop's no-op
 VOID_TAG = STOP_TAG - 1  # the user data of a read the kernel did not take, turned into a no-op
+NO_WAKE = np.array([0, -1], np.int64)  # ring_complete's wake where no thread waits on an eventfd
 WAIT_MICROSECONDS = 20
 # Submissions tried again (WAIT_MICROSECONDS apart) while the kernel takes none of the queued reads
 # because it was interrupted or short of resources (EINTR, EAGAIN), before the rest are given up.
@@ -193,12 +195,13 @@ def ring_stop(ring):
 
 
 @kernel(I64(I64, readonly(U64, 1), readonly(I64, 1), types.boolean, mutable(I64, 1), mutable(U32, 1),
-            mutable(I64, 1)))
-def ring_complete(ring, addresses, lengths, checksum, results, crcs, done):
+            mutable(I64, 1), mutable(I64, 1)))
+def ring_complete(ring, addresses, lengths, checksum, results, crcs, done, wake):
     """The completion thread's loop, which never returns to Python until ring_stop's no-op arrives: wait
     in the kernel for each completed read, then results[tag] = the bytes read (or -errno), with
     `checksum` crcs[tag] = the crc32 of the first min(result, lengths[tag]) bytes at addresses[tag], and
-    done[tag] = 1 published last (atomically: whoever sees it sees the rest). -> 0, or -errno."""
+    done[tag] = 1 published last (atomically: whoever sees it sees the rest), and wake the thread waiting
+    for a read (kernels/cpu/wake.py; wake[W_EVENT] -1: none is). -> 0, or -errno."""
     cqe_at = np.zeros(1, np.int64)
     while True:
         status = _wait_cqe(np.uint64(ring), np.uint64(cqe_at.ctypes.data))
@@ -218,6 +221,7 @@ def ring_complete(ring, addresses, lengths, checksum, results, crcs, done):
         if checksum and result > 0:
             crcs[tag] = _crc32(np.uint32(0), addresses[tag], np.uint64(min(result, lengths[tag])))
         atomic_add(done.ctypes.data + 8 * tag, 1)
+        wake_waiters(wake)
 
 
 @kernel(I64(readonly(I64, 1), readonly(I64, 1), mutable(I64, 1)), keep_gil=True)
