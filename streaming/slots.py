@@ -244,6 +244,7 @@ class SlotExperts(LayerPasses):
         self._signature = {layer: index.layout(layer).signature for layer in self.layers}
         self._order_scratch = np.zeros(n_experts, np.int64)
         self._plans: dict[tuple, tuple | None] = {}  # _prefetch_plan's, by place
+        self._packed: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # signature -> (rows per slot, made)
         self.counters = StreamingCounters()
         self._current: SlotLayer | None = None
         self._closed = False
@@ -271,6 +272,25 @@ class SlotExperts(LayerPasses):
         """The raw record bytes of `layer`'s expert in `slot`."""
         begin = slot * self.slot_bytes
         return self.slab[begin: begin + self.index.layout(layer).raw_length]
+
+    def packed_rows(self, layer: int, slots: np.ndarray, pack) -> np.ndarray:
+        """The backend's packed form of the experts of `layer` in `slots` (delivered), their rows one after
+        another: pack(weights) [R, F] of each slot, made once per slot and layout (it points into the
+        slot's buffer, whatever expert the slot holds, as the prepared weights do)."""
+        signature = self._signature[layer]
+        kept = self._packed.get(signature)
+        if kept is None:
+            first = pack(self.weights(int(slots[0]), layer, self._expert_in(int(slots[0]))))
+            kept = self._packed[signature] = (np.zeros((self.max_slots, *first.shape), first.dtype),
+                                              np.zeros(self.max_slots, bool))
+        rows, filled = kept
+        for slot in slots[~filled[slots]].tolist():
+            rows[slot] = pack(self.weights(slot, layer, self._expert_in(slot)))
+            filled[slot] = True
+        return rows[slots].reshape(-1, rows.shape[-1])
+
+    def _expert_in(self, slot: int) -> int:
+        return int(self.slots[slot, self._ks.S_EXPERT])
 
     def weights(self, slot: int, layer: int, expert: int) -> ExpertWeights:
         """The backend's weights of the record in `slot` (prepared once per slot and layout: they point
@@ -367,6 +387,8 @@ class SlotExperts(LayerPasses):
                     self.state[ks.G_USED_SLOTS] -= 1
                 self.slots[s, ks.S_LAYER], self.slots[s, ks.S_STATE] = -1, ks.EMPTY
             self._prepared = {key: w for key, w in self._prepared.items() if key[0] < capacity}
+            for _, made in self._packed.values():
+                made[capacity:] = False
             self._mapping.madvise(mmap.MADV_DONTNEED, capacity * self.slot_bytes, (old - capacity) * self.slot_bytes)
         self.state[ks.G_CAPACITY] = capacity
 
@@ -455,6 +477,7 @@ class SlotLayer(RouteWindow):
         self._acquire(release, self._slots, finished)
         self._held = dict(zip(ids[: self.room], self._slots.tolist()))  # pinned: expert -> slot
         self._handed_out: list[int] = []
+        self._last_run: tuple[int, int] | None = None  # (start, n) of ready_run's last run of pinned slots
 
     def _acquire(self, release: np.ndarray, out: np.ndarray, finished: int = -1) -> None:
         """Pin the slots of the experts `out` (overwritten with them), unpinning `release` and counting a
@@ -469,7 +492,7 @@ class SlotLayer(RouteWindow):
     def detach(self) -> np.ndarray:
         """The slots this layer pinned, for the next call to release; it hands out nothing more."""
         pins = np.fromiter(self._held.values(), np.int64, len(self._held))
-        self._held, self._ready, self._handed_out = {}, {}, []
+        self._held, self._ready, self._handed_out, self._last_run = {}, {}, [], None
         return pins
 
     def _release_pins(self) -> None:
@@ -507,11 +530,16 @@ class SlotLayer(RouteWindow):
             self[ids[start]]
             return 1
         n = self._wait(self._slots, start)
-        for i in range(start, start + n):
-            expert = self.ids[i]
-            if expert not in self._ready:
-                self._ready[expert] = self.source.weights(int(self._slots[i]), self.layer, expert)
+        self._last_run = (start, n)
         return n
+
+    def packed_run(self, pack, start: int, n: int) -> np.ndarray | None:
+        """The packed rows of the run ids[start:start + n] that ready_run just handed over
+        (SlotExperts.packed_rows), or None where it handed that run over expert by expert (a route not
+        pinned whole): the consumer then takes each expert's weights."""
+        if self._last_run != (start, n):
+            return None
+        return self.source.packed_rows(self.layer, self._slots[start: start + n], pack)
 
     def __getitem__(self, expert: int) -> ExpertWeights:
         weights = self._ready.get(expert)

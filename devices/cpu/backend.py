@@ -256,10 +256,13 @@ class CpuBackend:
         coeffs = np.ascontiguousarray(weights[order], np.float32)
         out = np.zeros(x.shape, np.float32)
         start = 0
+        packed_run = getattr(experts, "packed_run", None)
         while start < len(ascending):
             n = experts.ready_run(ascending, start)
-            chosen = [experts[expert] for expert in ascending[start:start + n]]  # referenced until the kernel returns
-            table = np.concatenate([self._expert_table(w) for w in chosen])  # [3 * n, W_FIELDS]
+            table = packed_run(self._expert_table, start, n) if packed_run is not None else None  # [3 * n, W_FIELDS]
+            if table is None:
+                chosen = [experts[expert] for expert in ascending[start:start + n]]  # referenced until the kernel returns
+                table = np.concatenate([self._expert_table(w) for w in chosen])
             # scratch for the largest expert packed so far (extra zero padding changes no sum)
             shape = (len(ascending), x.shape[1], *self._largest_expert)
             scratch = getattr(_launching, "decode_scratch", None)

@@ -73,7 +73,10 @@ class ChosenExperts(Mapping):
     call; else (a route needing more experts than a small cache holds) only that many are valid at
     once, and taking a further one (in ascending id order) releases the earliest taken.
     `ready_run(ids, start)`: how many of the ascending ids[start:] can be taken without waiting (at
-    least one, waiting for ids[start]), so a consumer computes with those while the rest load."""
+    least one, waiting for ids[start]), so a consumer computes with those while the rest load.
+    A source may also offer `packed_run(pack, start, n)`: the backend's packed form (pack(weights),
+    rows stacked) of the run ready_run just handed over, kept by the source so that a consumer need
+    not take the experts one by one; None when it cannot (the consumer takes each expert)."""
 
     window_size: int | None = None
 
