@@ -68,11 +68,9 @@ def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: in
         return slots.SlotExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage,
                                  predictor=predictor, policy=policy, depth=depth, verify=True,
                                  io_engine=options.io_engine, readers=options.prefetch_threads)
-    source = StreamingExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage, predictor=predictor,
-                              policy=policy, depth=depth, threads=options.prefetch_threads, verify=True,
-                              io_engine=options.io_engine)
-    source.expert_engine_reason = refusal
-    return source
+    return StreamingExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage, predictor=predictor,
+                            policy=policy, depth=depth, threads=options.prefetch_threads, verify=True,
+                            io_engine=options.io_engine, expert_engine_reason=refusal)
 
 
 __all__ = ["open_expert_source"]

@@ -36,16 +36,11 @@ from edge.core.moe import ExpertWeights, MoeConfig, distinct_experts
 from kernels.cpu.wake import W_EVENT, WAKE_FIELDS
 from quant.expert_file import ExpertIndex
 from streaming.cache import ENTRY_OVERHEAD
+from streaming.prefetch import DEFAULT_THREADS, RING_DEPTH, WAIT_SLEEPS
 from streaming.source import PREFETCH_WIDTH, LayerPasses, RouteWindow, prepared_expert
 from streaming.stats import StreamingCounters
-from streaming.store import IO_DIRECT, PAGE, ExpertReadError, ExpertStore
+from streaming.store import IO_DIRECT, PAGE, ExpertReadError, ExpertStore, aligned_length
 
-# Reads the ring keeps in flight: the disk's queue depth. Demand loads beyond it wait in the queue,
-# ahead of every prefetch, and go out as reads complete.
-RING_DEPTH = 16
-# Sleeps of kernels/cpu/uring.py WAIT_MICROSECONDS a wait lasts before it looks again whether the
-# completion thread is still there.
-WAIT_SLEEPS = 5000
 ENGINE = "compiled slot table"
 _NO_SLOTS = np.zeros(0, np.int64)
 
@@ -176,7 +171,7 @@ class SlotExperts(LayerPasses):
     def __init__(self, index: ExpertIndex, prepare_weight, layers: dict[int, MoeConfig], cache_bytes: int,
                  storage=None, predictor=None, policy: str = "nextuse", depth: int = 2, verify: bool = True,
                  direct_io: bool = True, store: ExpertStore | None = None, prefetch_width: float = PREFETCH_WIDTH,
-                 io_engine: str = "auto", readers: int = 4):
+                 io_engine: str = "auto", readers: int = DEFAULT_THREADS):
         from kernels.cpu import expert_slots as ks
 
         self._ks = ks
@@ -231,7 +226,6 @@ class SlotExperts(LayerPasses):
         s = self.state
         s[ks.G_RING], s[ks.G_VERIFY], s[ks.G_POLICY] = self.io.address, int(verify), ks.POLICY_CODES[policy]
         s[ks.G_DEPTH], s[ks.G_CAPACITY], s[ks.G_LAYERS] = self.io.depth, capacity, len(self.order)
-        s[ks.G_ENGINE] = ks.RING if isinstance(self.io, RingIO) else ks.READERS
         s[ks.G_ORDINAL] = -1
         self._sync_store()
         if self.store.storage is not None:
@@ -258,7 +252,7 @@ class SlotExperts(LayerPasses):
         direct = self.store.io_mode == IO_DIRECT
         self.state[ks.G_FD], self.state[ks.G_BUFFERED] = self.store.fd, int(not direct)
         lengths = self.experts_table[:, :, ks.X_LENGTH]
-        self.experts_table[:, :, ks.X_SPAN] = (lengths + PAGE - 1) // PAGE * PAGE if direct else lengths
+        self.experts_table[:, :, ks.X_SPAN] = aligned_length(lengths) if direct else lengths
 
     # --- sizes ---------------------------------------------------------------------------------
     def _slots_for(self, cache_bytes: int) -> int:
@@ -278,19 +272,14 @@ class SlotExperts(LayerPasses):
         another: pack(weights) [R, F] of each slot, made once per slot and layout (it points into the
         slot's buffer, whatever expert the slot holds, as the prepared weights do)."""
         signature = self._signature[layer]
-        kept = self._packed.get(signature)
-        if kept is None:
-            first = pack(self.weights(int(slots[0]), layer, self._expert_in(int(slots[0]))))
-            kept = self._packed[signature] = (np.zeros((self.max_slots, *first.shape), first.dtype),
-                                              np.zeros(self.max_slots, bool))
-        rows, filled = kept
-        for slot in slots[~filled[slots]].tolist():
-            rows[slot] = pack(self.weights(slot, layer, self._expert_in(slot)))
-            filled[slot] = True
+        rows, made = self._packed.get(signature, (None, np.zeros(self.max_slots, bool)))
+        for slot in slots[~made[slots]].tolist():
+            packed = pack(self.weights(slot, layer, int(self.slots[slot, self._ks.S_EXPERT])))
+            if rows is None:  # (the packed form's shape is the backend's)
+                rows = np.zeros((self.max_slots, *packed.shape), packed.dtype)
+                self._packed[signature] = rows, made
+            rows[slot], made[slot] = packed, True
         return rows[slots].reshape(-1, rows.shape[-1])
-
-    def _expert_in(self, slot: int) -> int:
-        return int(self.slots[slot, self._ks.S_EXPERT])
 
     def weights(self, slot: int, layer: int, expert: int) -> ExpertWeights:
         """The backend's weights of the record in `slot` (prepared once per slot and layout: they point
@@ -358,8 +347,9 @@ class SlotExperts(LayerPasses):
             np.cumsum(sizes, out=offsets[1:])
             widths = [int(np.ceil(self.layers[target].top_k * (1 if self._ordinal[target] <= here else n_tokens)
                                   * self.prefetch_width)) for target in chosen]
-            plan = (chosen, np.array([self._ordinal[target] for target in chosen], np.int64), np.array(widths, np.int64),
-                    np.array([distance for distance, _ in reach], np.int64), offsets, np.zeros(offsets[-1], np.float64))
+            plan = (chosen, np.array([self._ordinal[target] for target in chosen], np.int64),
+                    np.array(widths, np.int64), np.array([distance for distance, _ in reach], np.int64), offsets,
+                    np.zeros(offsets[-1], np.float64))
         self._plans[key] = plan
         return plan
 
@@ -394,9 +384,7 @@ class SlotExperts(LayerPasses):
 
     def release_current(self) -> None:
         if self._current is not None:
-            release = self._current.detach()
-            self.slots[release, self._ks.S_PINS] -= 1
-            self._current = None
+            self._current._release_pins()
 
     def stats(self) -> dict:
         ks, s, c = self._ks, self.state, self.clocks
@@ -405,7 +393,8 @@ class SlotExperts(LayerPasses):
         store = self.store.stats()
         stats = counters.to_dict(io_seconds=float(c[ks.C_IO_SECONDS]))
         stats.update({"expert_source": self.strategy, "expert_policy": self.policy, "expert_engine": ENGINE,
-                      "io_engine_reason": self.io_engine_reason, "bytes_read": int(s[ks.G_BYTES_READ]) + store["bytes_read"],
+                      "io_engine_reason": self.io_engine_reason,
+                      "bytes_read": int(s[ks.G_BYTES_READ]) + store["bytes_read"],
                       "io_mode": store["io_mode"], "storage": store["storage"],
                       "expert_cache_bytes": self.capacity_bytes,
                       "expert_cache_peak_bytes": int(s[ks.G_PEAK_SLOTS]) * (self.slot_bytes + ENTRY_OVERHEAD),
@@ -418,10 +407,11 @@ class SlotExperts(LayerPasses):
                       "prefetches_loaded": int(s[ks.G_PREFETCHES_LOADED]),
                       "prefetches_cancelled": int(s[ks.G_PREFETCHES_CANCELLED]),
                       "prefetches_skipped_full": int(s[ks.G_PREFETCHES_SKIPPED]),
-                      "demand_loads": int(s[ks.G_DEMAND_LOADS]), "prefetch_threads": self.io.threads, "io_engine": self.io.name,
+                      "demand_loads": int(s[ks.G_MISSES]), "prefetch_threads": self.io.threads,
+                      "io_engine": self.io.name,
                       "io_uring_reads_refused": int(s[ks.G_SUBMISSIONS_REFUSED]),
                       "expert_reads": int(s[ks.G_READS]) + store["reads"],
-                      "expert_read_calls": int(s[ks.G_READ_CALLS]) + store["read_calls"],
+                      "expert_read_calls": int(s[ks.G_READS]) + store["read_calls"],
                       "expert_reads_again": store["reads_again"],
                       "emulated_wait_seconds": float(c[ks.C_EMULATED_WAIT]) + store["emulated_wait_seconds"]})
         if self.predictor is not None:

@@ -155,7 +155,8 @@ class StreamingExperts(LayerPasses):
     def __init__(self, index: ExpertIndex, prepare_weight, layers: dict[int, MoeConfig], cache_bytes: int,
                  storage=None, predictor=None, policy: str = "lru", depth: int = 2, threads: int = 2,
                  verify: bool = True, direct_io: bool = True, store: ExpertStore | None = None,
-                 prefetch_width: float = PREFETCH_WIDTH, load_batch: int = LOAD_BATCH, io_engine: str = "auto"):
+                 prefetch_width: float = PREFETCH_WIDTH, load_batch: int = LOAD_BATCH, io_engine: str = "auto",
+                 expert_engine_reason: str = "expert_engine 'python' asked for"):
         self.index = index
         self._prepare_weight = prepare_weight
         self.layers = dict(sorted(layers.items()))
@@ -177,8 +178,7 @@ class StreamingExperts(LayerPasses):
         else:
             self.prefetcher = ThreadLoader(self.store, self.cache, self._prepare, threads, load_batch)
         self.policy = policy
-        # why the compiled slot table (streaming/slots.py) does not serve this source
-        self.expert_engine_reason = "the Python cache was asked for"
+        self.expert_engine_reason = expert_engine_reason  # why the slot table (streaming/slots.py) does not serve
         self.counters = StreamingCounters()
         self._current: StreamedLayer | None = None
 

@@ -29,7 +29,8 @@ BUDGETS = [
     pytest.param(dict(memory_budget="25%", expert_strategy="ondemand", prefetch_threads=2), id="25%-ondemand-lru"),
     pytest.param(dict(memory_budget="40%"), id="40%-predictive-nextuse"),
     pytest.param(dict(memory_budget="50%", expert_policy="lfu", storage="nvme"), id="50%-lfu-nvme"),
-    pytest.param(dict(memory_budget="30%", expert_policy="lru", prefetch_depth=3, prefetch_threads=2), id="30%-lru-depth3"),
+    pytest.param(dict(memory_budget="30%", expert_policy="lru", prefetch_depth=3, prefetch_threads=2),
+                 id="30%-lru-depth3"),
 ]
 
 
@@ -197,7 +198,8 @@ def test_without_liburing_the_slot_table_reads_through_its_reader_threads(tiny_z
     """)
     with tempfile.TemporaryDirectory() as folder:
         logits_file = os.path.join(folder, "logits.npz")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+        path_entries = [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path_entries))
         run = subprocess.run([sys.executable, "-c", script, logits_file], capture_output=True, text=True, env=env,
                              timeout=600)
         assert run.returncode == 0, run.stderr

@@ -27,7 +27,7 @@ crcs[slot] and done[slot]; or, where io_uring does not run, through reader threa
 (kernels/cpu/readers.py reader_loop) that publish them the same way. A read is delivered (READY) when
 it is published, its bytes and crc32 are whole, and the emulated device (if any) would have
 delivered it: max(issued + latency, busy until) + bytes / bandwidth, booked when the read goes out.
-A read that failed, came back short or damaged is FAILED with its result; the caller reads it again
+A read that failed, came back short or damaged is FAILED; the caller reads it again
 and raises its typed error.
 
 Eviction (a demand load takes any unpinned, delivered slot; a prefetch also spares slots prefetched
@@ -52,9 +52,8 @@ from kernels.cpu.uring import IOSQE_ASYNC, WAIT_MICROSECONDS, _get_sqe, _prep_re
 from kernels.cpu.uring import _sq_ready, submit_queued, void_entry
 
 # slots[s, ...]
-(S_LAYER, S_EXPERT, S_STATE, S_PINS, S_LAST_USE, S_NEEDED_AT, S_DISTANCE, S_RESULT, S_PREFETCHED,
- S_SEQUENCE) = range(10)
-SLOT_FIELDS = 10
+(S_LAYER, S_EXPERT, S_STATE, S_PINS, S_LAST_USE, S_NEEDED_AT, S_DISTANCE, S_PREFETCHED, S_SEQUENCE) = range(9)
+SLOT_FIELDS = 9
 # times[s, ...]
 T_ISSUED, T_DUE, T_SCORE, T_SEEN = range(4)  # T_SEEN: first seen published, before its emulated delivery
 SLOT_TIMES = 4
@@ -66,20 +65,19 @@ EXPERT_FIELDS = 6
 # state[...]: settings, then counters
 (G_RING, G_FD, G_VERIFY, G_BUFFERED, G_POLICY, G_DEPTH, G_CAPACITY, G_LAYERS, G_POSITION, G_ORDINAL, G_CLOCK,
  G_SEQUENCE, G_QUEUED, G_IN_FLIGHT, G_HITS, G_MISSES, G_LATE, G_EVICTIONS, G_UNUSED_PREFETCHES,
- G_PREFETCHES_QUEUED, G_PREFETCHES_LOADED, G_PREFETCHES_CANCELLED, G_PREFETCHES_SKIPPED, G_DEMAND_LOADS,
- G_READS, G_READ_CALLS, G_BYTES_READ, G_SUBMISSIONS_REFUSED, G_PEAK_SLOTS, G_USED_SLOTS, G_ENGINE) = range(31)
-STATE_FIELDS = 31
-RING, READERS = range(2)  # state[G_ENGINE]: io_uring, or reader threads (kernels/cpu/readers.py)
+ G_PREFETCHES_QUEUED, G_PREFETCHES_LOADED, G_PREFETCHES_CANCELLED, G_PREFETCHES_SKIPPED, G_READS, G_BYTES_READ,
+ G_SUBMISSIONS_REFUSED, G_PEAK_SLOTS, G_USED_SLOTS) = range(28)
+STATE_FIELDS = 28  # (every miss is a demand load and every read one read call: G_MISSES and G_READS count both)
 # clocks[...]
-C_BUSY_UNTIL, C_LATENCY, C_BANDWIDTH, C_STALL, C_IO_SECONDS, C_EMULATED_WAIT, C_SUBMIT = range(7)
-CLOCK_FIELDS = 7  # C_SUBMIT: time spent handing reads to the kernel
+C_BUSY_UNTIL, C_LATENCY, C_BANDWIDTH, C_STALL, C_IO_SECONDS, C_EMULATED_WAIT = range(6)
+CLOCK_FIELDS = 6
 LRU, LFU, NEXTUSE = range(3)
 POLICY_CODES = {"lru": LRU, "lfu": LFU, "nextuse": NEXTUSE}
 NO_SLOT = -1
 # What the calls answer besides a count (negative, so that a count is never mistaken for one).
 FULL = -1          # acquire: no slot can be freed, every one is pinned by the layer being computed
 NOT_YET = -2       # wait: the read is still out after the sleeps allowed; the caller checks the I/O engine
-FAILURE = -3       # wait: the read failed (slots[s, S_RESULT]: -errno, or the bytes read, short or damaged)
+FAILURE = -3       # wait: the read failed, came back short or damaged (the caller reads it again to learn why)
 SPINS_BEFORE_SLEEP = 200
 POSIX_FADV_DONTNEED = 4
 
@@ -91,8 +89,8 @@ _VISITS, _STATE, _CLOCKS, _QUEUE, _FLIGHT = (mutable(_I64, 1), mutable(_I64, 1),
 _ADDRESSES, _LENGTHS, _RESULTS, _CRCS, _DONE = (readonly(types.uint64, 1), mutable(_I64, 1), readonly(_I64, 1),
                                                 readonly(types.uint32, 1), mutable(_I64, 1))
 _GAPS, _AHEAD, _LANES, _WAKE = mutable(_F64, 2), mutable(_F64, 1), mutable(_I64, 2), mutable(_I64, 1)
-_TABLE = (_SLOTS, _TIMES, _EXPERTS, _VISITS, _GAPS, _AHEAD, _STATE, _CLOCKS, _QUEUE, _FLIGHT, _ADDRESSES, _LENGTHS, _RESULTS,
-          _CRCS, _DONE, _LANES, _WAKE)
+_TABLE = (_SLOTS, _TIMES, _EXPERTS, _VISITS, _GAPS, _AHEAD, _STATE, _CLOCKS, _QUEUE, _FLIGHT, _ADDRESSES, _LENGTHS,
+          _RESULTS, _CRCS, _DONE, _LANES, _WAKE)
 
 
 @helper
@@ -264,9 +262,9 @@ def _start(slots, times, state, clocks, flight, lengths, s, now):
 
 @helper
 def _submit(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done, lanes):
-    """Hand the queue's head to the I/O engine while fewer than `depth` reads are in flight; -> reads
-    that went out."""
-    if state[G_ENGINE] == READERS:
+    """Hand the queue's head to the I/O engine (the reader threads when there are lanes, else the ring)
+    while fewer than `depth` reads are in flight; -> reads that went out."""
+    if lanes.shape[0] > 0:
         return _post(slots, times, experts, state, clocks, queue, flight, lengths, done, lanes)
     return _submit_to_ring(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done)
 
@@ -274,7 +272,6 @@ def _submit(slots, times, experts, state, clocks, queue, flight, addresses, leng
 @helper
 def _post(slots, times, experts, state, clocks, queue, flight, lengths, done, lanes):
     """Hand the queue's head to idle reader threads, one read each; -> reads posted."""
-    started = monotonic_seconds()
     n = 0
     for r in range(lanes.shape[0]):
         if state[G_QUEUED] == 0 or state[G_IN_FLIGHT] >= state[G_DEPTH]:
@@ -290,7 +287,6 @@ def _post(slots, times, experts, state, clocks, queue, flight, lengths, done, la
         _start(slots, times, state, clocks, flight, lengths, s, monotonic_seconds())
         post_read(lanes, r, s, state[G_FD], record[X_OFFSET], record[X_SPAN])
         n += 1
-    clocks[C_SUBMIT] += monotonic_seconds() - started
     return n
 
 
@@ -320,11 +316,9 @@ def _submit_to_ring(slots, times, experts, state, clocks, queue, flight, address
         _unqueue(state, queue, i)
     if n == 0:
         return 0
-    started = monotonic_seconds()
     submit_queued(ring)
     left = min(n, np.int64(_sq_ready(ring)))  # ours were queued last: the ones not taken
     now = monotonic_seconds()
-    clocks[C_SUBMIT] += now - started
     for k in range(n):
         s = picked[k]
         if k < n - left:
@@ -359,16 +353,13 @@ def _collect(slots, times, experts, state, clocks, flight, results, crcs, done):
         state[G_IN_FLIGHT] -= 1
         flight[i] = flight[state[G_IN_FLIGHT]]
         record = experts[slots[s, S_LAYER], slots[s, S_EXPERT]]
-        result = results[s]
-        got = max(min(result, record[X_LENGTH]), 0)
+        got = max(min(results[s], record[X_LENGTH]), 0)
         if state[G_BUFFERED] and got > 0:  # honest I/O where O_DIRECT was refused: drop the pages read
             _posix_fadvise(np.int32(state[G_FD]), record[X_OFFSET], record[X_LENGTH], np.int32(POSIX_FADV_DONTNEED))
         state[G_READS] += 1
-        state[G_READ_CALLS] += 1
         state[G_BYTES_READ] += got
         clocks[C_IO_SECONDS] += now - times[s, T_ISSUED]
         whole = got == record[X_LENGTH] and (state[G_VERIFY] == 0 or np.int64(crcs[s]) == record[X_CRC])
-        slots[s, S_RESULT] = result
         slots[s, S_STATE] = READY if whole else FAILED
         state[G_PREFETCHES_LOADED] += whole and slots[s, S_DISTANCE] > 0
         delivered += 1
@@ -481,7 +472,6 @@ def slot_acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queu
                 return FULL
             _reserve(slots, times, experts, state, queue, layer, expert, s, 0, 0.0, -1)
             state[G_MISSES] += 1
-            state[G_DEMAND_LOADS] += 1
             misses += 1
         slots[s, S_PINS] += 1
         _touch(slots, experts, visits, gaps, state, s)
@@ -492,8 +482,8 @@ def slot_acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queu
 
 @kernel(_I64(*_TABLE, readonly(_I64, 1), readonly(_I64, 1), readonly(_I64, 1), readonly(_I64, 1), readonly(_F64, 1),
              _I64, mutable(_I64, 1)))
-def slot_prefetch(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths, results, crcs,
-                  done, lanes, wake, targets, widths, distances, offsets, need, free_slots, order):
+def slot_prefetch(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+                  results, crcs, done, lanes, wake, targets, widths, distances, offsets, need, free_slots, order):
     """Queue prefetches for the layers ahead, nearest first: for target t (ordinal targets[t], reached in
     distances[t] layers), its widths[t] likeliest experts by need[offsets[t]:offsets[t + 1]] (ties to the
     lower id; none with need 0), within `free_slots` slots beside the layer's own (each likely expert
@@ -536,8 +526,8 @@ def slot_prefetch(slots, times, experts, visits, gaps, ahead, state, clocks, que
 
 
 @kernel(_I64(*_TABLE, readonly(_I64, 1), _I64, _I64))
-def slot_ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths, results, crcs,
-                   done, lanes, wake, run, start, sleeps):
+def slot_ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+                   results, crcs, done, lanes, wake, run, start, sleeps):
     """Wait (without the GIL) until the slot run[start] is delivered, then -> how many of run[start:] are
     delivered in a row (at least 1); FAILURE when run[start]'s read failed, NOT_YET when it is still out
     after `sleeps` sleeps. The time waited is I/O stall."""

@@ -41,21 +41,26 @@ def lane_idle(lanes, r):
 
 
 @helper
-def post_read(lanes, r, slot, fd, offset, span):
-    """Hand reader r (idle) the read of `span` bytes at `offset` of `fd` into `slot`'s buffer, and wake it."""
-    lanes[r, L_SLOT], lanes[r, L_FD], lanes[r, L_OFFSET], lanes[r, L_SPAN] = slot, fd, offset, span
+def _post(lanes, r):
+    """Count what row r holds as posted (whoever sees the count sees the row) and wake its reader:
+    -> write's result."""
     atomic_add(lane_word(lanes, r, L_POSTED), 1)
     one = np.ones(1, np.uint64)
-    _write(np.int32(lanes[r, L_EVENT]), one.ctypes.data, 8)
+    return _write(np.int32(lanes[r, L_EVENT]), one.ctypes.data, 8)
+
+
+@helper
+def post_read(lanes, r, slot, fd, offset, span):
+    """Hand reader r (idle) the read of `span` bytes at `offset` of `fd` into `slot`'s buffer."""
+    lanes[r, L_SLOT], lanes[r, L_FD], lanes[r, L_OFFSET], lanes[r, L_SPAN] = slot, fd, offset, span
+    _post(lanes, r)
 
 
 @kernel(I64(mutable(I64, 2), I64))
 def reader_stop(lanes, r):
     """Tell reader r to return once it has finished what it was posted (its row idle or not)."""
     lanes[r, L_STOP] = 1
-    atomic_add(lane_word(lanes, r, L_POSTED), 1)
-    one = np.ones(1, np.uint64)
-    return _write(np.int32(lanes[r, L_EVENT]), one.ctypes.data, 8)
+    return _post(lanes, r)
 
 
 @kernel(I64(mutable(I64, 2), I64, readonly(U64, 1), readonly(I64, 1), types.boolean, mutable(I64, 1),
