@@ -25,7 +25,7 @@ from report import publish
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import edge  # noqa: E402
-from edge.bench import text_prompt  # noqa: E402
+from edge.bench import benchmark_prompt  # noqa: E402
 from streaming.budget import parse_budget  # noqa: E402
 from streaming.floor import POLICIES, demand_reads, disk_throughput  # noqa: E402
 
@@ -33,8 +33,8 @@ from streaming.floor import POLICIES, demand_reads, disk_throughput  # noqa: E40
 def record_routes(path: str, tokens: int) -> list[dict[int, list[int]]]:
     """Per decode step: MoE layer -> the distinct experts its route used."""
     steps = []
+    prompt, _ = benchmark_prompt(path, 64)
     with edge.load(path, device="cpu", threads=1, expert_strategy="resident") as model:
-        prompt = text_prompt(model.tokenizer, 64)
 
         def observe(layer, hidden, expert_ids=None, expert_weights=None):
             if expert_ids is not None:
