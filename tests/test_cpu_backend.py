@@ -451,7 +451,8 @@ def test_weights_are_copied_into_huge_pages_and_experts_streamed_in_place(load):
     """Where the system has transparent huge pages the CPU backend copies a model's weights into them
     once (devices/cpu/memory.py): read-only, equal to the checkpoint's bytes, cache-line aligned (the
     parity tests above run on these copies). prepare_weight (streamed experts) never copies."""
-    from devices.cpu.memory import HugePageArena, huge_pages_available
+    from devices.cpu.memory import HugePageArena
+    from edge.core.process_memory import huge_pages_available
     from devices.cpu.weights import prepare_weight
 
     arena = HugePageArena(chunk_bytes=1 << 20)

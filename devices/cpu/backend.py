@@ -14,11 +14,12 @@ import numpy as np
 
 from devices.base import DeviceUnavailableError
 from devices.cache_buffers import CacheBuffer, KvCodec, StoredRows
-from devices.cpu.memory import HugePageArena, huge_pages_available
+from devices.cpu.memory import HugePageArena
 from devices.cpu.weights import CpuWeight, as_vector, prepare_weight
 from edge.core.contract import Capabilities, ComputeThreads
 from edge.core.kv import KV_FORMATS
 from edge.core.moe import as_chosen
+from edge.core.process_memory import huge_pages_available
 from edge.core.spec import widest_projection_input
 
 try:

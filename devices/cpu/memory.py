@@ -19,24 +19,11 @@ import threading
 
 import numpy as np
 
+from edge.core.process_memory import HUGE_PAGE
 from quant.safetensors_io import release_view
 
-HUGE_PAGE = 2 << 20
 CHUNK_BYTES = 64 << 20  # address space reserved at a time; only the pages written are ever allocated
 ALIGNMENT = 64          # a cache line: every copy starts on one
-THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def huge_pages_available() -> bool:
-    """Whether memory advised MADV_HUGEPAGE gets 2 MB pages: Linux with THP "always" or "madvise"."""
-    if not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_ANONYMOUS"):
-        return False
-    try:
-        with open(THP_SETTING) as f:
-            setting = f.read()
-    except OSError:
-        return False
-    return "[always]" in setting or "[madvise]" in setting
 
 
 class HugePageArena:

@@ -13,10 +13,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import mmap
 import os
 import threading
 
 import psutil
+
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+HUGE_PAGE = 2 << 20
 
 
 def resident_bytes() -> int:
@@ -114,3 +118,15 @@ class RuntimeMemory:
 
 
 runtime_memory = RuntimeMemory()
+
+
+def huge_pages_available() -> bool:
+    """Whether memory advised MADV_HUGEPAGE gets 2 MB pages: Linux with THP "always" or "madvise"."""
+    if not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return False
+    try:
+        with open(THP_SETTING) as f:
+            setting = f.read()
+    except OSError:
+        return False
+    return "[always]" in setting or "[madvise]" in setting
