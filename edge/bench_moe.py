@@ -280,35 +280,43 @@ def run_moe_bench(checkpoint_path: str, budgets: list[str], strategies: list[str
 
 
 def resident_routes(checkpoint_path: str, device: str, threads: int | None, prompts: list[list[int]],
-                    generated: list[list[int]]) -> tuple[list[tuple[int, int]], int, int]:
-    """The expert uses [(layer, expert)] of the resident runs' decode steps, in execution order, re-run
-    with the tokens they produced: -> (uses, uses per step, decode steps)."""
+                    generated: list[list[int]]) -> tuple[list[tuple[int, int]], list[bool], int, int]:
+    """The expert uses [(layer, expert)] of the resident runs, in execution order, re-run with the
+    tokens they produced: -> (uses, which are the decode steps' (the prefills' only fill the cache),
+    uses per decode step, decode steps)."""
     import edge
     from edge.bench import load_threads
 
     uses: list[tuple[int, int]] = []
+    counted: list[bool] = []
     steps = 0
 
-    def observe(layer, hidden, expert_ids=None, expert_weights=None):
-        if expert_ids is not None:
-            uses.extend((layer, expert) for expert in sorted(set(np.asarray(expert_ids).ravel().tolist())))
+    def observer(decoding: bool):
+        def observe(layer, hidden, expert_ids=None, expert_weights=None):
+            if expert_ids is not None:
+                experts = sorted(set(np.asarray(expert_ids).ravel().tolist()))
+                uses.extend((layer, expert) for expert in experts)
+                counted.extend([decoding] * len(experts))
+        return observe
 
     with edge.load(checkpoint_path, device=device, threads=load_threads(device, threads),
                    expert_strategy="resident") as model:
         for prompt, tokens in zip(prompts, generated):
             with model.session(capacity=len(prompt) + len(tokens)) as session:
-                session.prefill(prompt)
+                session.prefill(prompt, observer=observer(False))
                 for token in tokens[:-1]:  # the last token chosen is not run
-                    session.prefill([token], observer=observe)
+                    session.prefill([token], observer=observer(True))
                     steps += 1
-    return uses, len(uses) // max(steps, 1), steps
+    return uses, counted, sum(counted) // max(steps, 1), steps
 
 
 def add_bounds(rows: list[dict], resident: dict, checkpoint_path: str, manifest: dict, device: str, threads: int | None,
                prompts: list[list[int]], storage: str | None, queue_depth: int) -> None:
     """Beside every streamed row: the bound no expert strategy can beat, 1 / max(the resident token time
     of this run, the time the Belady read floor of its cache size takes on the disk), and the share of
-    it reached. The disk is this machine's, measured with O_DIRECT reads at the engine's queue depth;
+    it reached. The floor counts the decode steps' reads only, each prompt's prefill having filled the
+    cache before them (as it fills the streamed run's). The disk is this machine's, measured with
+    O_DIRECT reads at the engine's queue depth;
     an emulated device (--storage) delivers each read no earlier than the real disk does, so with one
     the floor takes the longer of its time on either."""
     from quant.expert_file import ExpertIndex
@@ -317,7 +325,7 @@ def add_bounds(rows: list[dict], resident: dict, checkpoint_path: str, manifest:
     from streaming.storage import parse_storage
     from streaming.store import aligned_length
 
-    uses, per_step, steps = resident_routes(checkpoint_path, device, threads, prompts, resident["tokens"])
+    uses, counted, per_step, steps = resident_routes(checkpoint_path, device, threads, prompts, resident["tokens"])
     index = ExpertIndex(checkpoint_path, manifest["experts"])
     layers = sorted(index.layers)
     entry = max(entry_bytes(index, layer) for layer in layers)
@@ -338,7 +346,7 @@ def add_bounds(rows: list[dict], resident: dict, checkpoint_path: str, manifest:
         if "error" in row or row["strategy"] == "resident" or row["expert_cache_bytes"] is None:
             continue  # (a resident run reads nothing while it decodes)
         capacity = max(1, row["expert_cache_bytes"] // entry)
-        reads = demand_reads(uses, layers, per_step, capacity, "belady") / max(steps, 1)
+        reads = demand_reads(uses, layers, per_step, capacity, "belady", counted) / max(steps, 1)
         on_device = {name: read_seconds(reads, record_bytes, bandwidth, latency, queue_depth)
                      for name, (bandwidth, latency) in devices.items()}
         slowest = max(on_device, key=on_device.get)

@@ -92,6 +92,10 @@ class ExpertMixer:
         self.layers = layers  # MoE layer -> its router and shared experts
         self.source = source  # may be swapped while the model lives (route recording wraps it)
 
+    def begin_token(self, embedding) -> None:
+        """A one-token forward pass starts (ExpertSource.begin_token): before layer 0 runs."""
+        self.source.begin_token(embedding)
+
     def route(self, layer: int, router_logits: np.ndarray, residual: np.ndarray):
         return route_and_fetch(layer, router_logits, residual, self.layers[layer], self.source)
 

@@ -159,6 +159,9 @@ class RecordingExperts:
     def begin_request(self) -> None:
         self.inner.begin_request()
 
+    def begin_token(self, embedding) -> None:
+        self.inner.begin_token(embedding)
+
     def stats(self) -> dict:
         return self.inner.stats()
 

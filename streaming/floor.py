@@ -18,8 +18,15 @@ import time
 POLICIES = ("belady", "nextuse", "cycle", "lru")
 
 
-def demand_reads(uses: list[tuple[int, int]], layers: list[int], per_token: int, capacity: int, policy: str) -> int:
-    """Demand reads of the expert uses [(layer, expert)] in order through a cache of `capacity` entries."""
+def demand_reads(uses: list[tuple[int, int]], layers: list[int], per_token: int, capacity: int, policy: str,
+                 counted: list[bool] | None = None) -> int:
+    """Demand reads of the expert uses [(layer, expert)] in order through a cache of `capacity` entries.
+
+    `counted` (Belady only): which uses' reads count; the others only fill the cache, as the routes that
+    ran before the measured steps (a prompt's prefill) filled it."""
+    if counted is not None and (policy != "belady" or len(counted) != len(uses)):
+        raise ValueError(f"`counted` takes one flag per use and the belady policy, got {len(counted)} flags "
+                         f"for {len(uses)} uses and {policy!r}")
     if policy == "belady":
         next_use, seen = [0] * len(uses), {}
         for i in range(len(uses) - 1, -1, -1):
@@ -27,7 +34,7 @@ def demand_reads(uses: list[tuple[int, int]], layers: list[int], per_token: int,
         cached, heap, reads = {}, [], 0
         for i, key in enumerate(uses):
             if key not in cached:
-                reads += 1
+                reads += 1 if counted is None or counted[i] else 0
                 while len(cached) >= capacity:  # evict the entry needed furthest ahead
                     when, victim = heapq.heappop(heap)
                     if cached.get(victim) == -when:

@@ -149,6 +149,9 @@ class MappedExperts:
     def begin_request(self) -> None:
         pass  # the page cache's recency carries over requests
 
+    def begin_token(self, embedding) -> None:
+        pass  # no predictor: the page cache maps experts as layers touch them
+
     def resize_cache(self, cache_bytes: int) -> None:
         """Experts past the new bound are dropped as the next ones are mapped."""
         self.cache_bytes = int(cache_bytes)

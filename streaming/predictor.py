@@ -572,6 +572,17 @@ class ExpertPredictor:
         self.predictions_made += len(plan.spans)
         return out
 
+    def token_forecast(self, embedding: np.ndarray) -> dict[int, np.ndarray]:
+        """Need scores [E] of a decode step's first `depth` MoE layers from the token's embedding [D],
+        before layer 0 runs: each layer's router applied to it (the gate signal, with nothing added to
+        the residual stream yet), as `forecast` scores a layer that many layers ahead."""
+        x = np.asarray(embedding, np.float32).reshape(1, -1)
+        need = {}
+        for distance, target in enumerate(self.order[: self.depth], start=1):
+            scores = softmax(self.selection_logits(target, self.raw_logits(target, x)).astype(np.float64))[0]
+            need[target] = self._need[target] = np.minimum(1.0, self.configs[target].top_k * scores) / distance
+        return need
+
     def drift(self, layer: int, target: int) -> np.ndarray:
         """[E] the learned drift of `target`'s logits looked ahead from `layer` (a view of its block)."""
         begin, end = self._drift_spans[(layer, target)]

@@ -56,6 +56,9 @@ class ResidentExperts:
     def begin_request(self) -> None:
         pass  # nothing per request: every expert is held
 
+    def begin_token(self, embedding) -> None:
+        pass  # nothing to prefetch
+
     def stats(self) -> dict:
         return {"expert_source": "resident", "expert_hits": self._hits, "expert_misses": 0,
                 "hit_rate": 1.0 if self._hits else 0.0, "bytes_read": self._bytes_read,

@@ -370,6 +370,14 @@ class SlotExperts(LayerPasses):
         if self.predictor is not None:
             self.predictor.begin_request()
 
+    def begin_token(self, embedding) -> None:
+        """Before a decode step's layer 0: queue the first MoE layers' likeliest experts by the token's
+        embedding (the last layer's route stays pinned until the first MoE layer runs)."""
+        if self.predictor is None or self._closed or self._last_ordinal is None:
+            return
+        pinned = len(self._current.ids) if self._current is not None else 0
+        self._schedule(self.predictor.token_forecast(embedding()), self.capacity - pinned, 1)
+
     def resize_cache(self, cache_bytes: int) -> None:
         """A new bound: slots past it are emptied (and their pages given back) once nothing uses them."""
         ks = self._ks

@@ -269,6 +269,18 @@ class StreamingExperts(LayerPasses):
                 if expert not in cached:  # (prefetch would skip it too)
                     self.prefetcher.prefetch((target, expert), position + distance, distance, score)
 
+    def begin_token(self, embedding) -> None:
+        """Before a decode step's layer 0: queue the first MoE layers' likeliest experts by the token's
+        embedding (SlotExperts.begin_token)."""
+        if self.predictor is None or self._last_ordinal is None:
+            return
+        pinned = len(self._current.ids) if self._current is not None else 0
+        room = self.cache.capacity_entries(max(self.store.buffer_bytes(layer) for layer in self.order))
+        with self.cache.lock:  # eviction reads the predictor's need vectors under this lock
+            forecast = self.predictor.token_forecast(embedding())
+        self._schedule(self._pass * len(self.order) + self._last_ordinal, forecast, room - pinned, n_tokens=1)
+        self.prefetcher.poll()
+
     def begin_request(self) -> None:
         """A new request starts: the predictor restarts its per-request frequencies (the cache stays)."""
         if self.predictor is not None:

@@ -214,4 +214,11 @@ def test_belady_reads_no_more_than_any_online_policy():
     reads = {policy: demand_reads(uses, layers, per_token, 10, policy) for policy in POLICIES}
     assert reads["belady"] == min(reads.values())
     assert demand_reads(uses, layers, per_token, 24, "belady") == len(set(uses))  # everything fits: cold misses only
+    # uses not counted only fill the cache: with all of them seen before, a cache that holds them reads nothing
+    warm = uses + uses
+    assert demand_reads(warm, layers, per_token, 24, "belady", [False] * len(uses) + [True] * len(uses)) == 0
+    assert demand_reads(warm, layers, per_token, 10, "belady", [True] * len(warm)) == \
+        demand_reads(warm, layers, per_token, 10, "belady")
+    with pytest.raises(ValueError, match="belady"):
+        demand_reads(uses, layers, per_token, 10, "lru", [True] * len(uses))
     assert read_seconds(10, 4096, 4096 * 1e3, 1e-3, depth=4) == pytest.approx(10 / 1e3 + 3 * 1e-3)

@@ -47,6 +47,9 @@ class RouteRecorder:
         self.routes.append((layer, np.array(expert_ids)))
         return self.inner.experts(layer, expert_ids, residual, router_logits)
 
+    def begin_token(self, embedding):
+        self.inner.begin_token(embedding)
+
     def stats(self):
         return self.inner.stats()
 

@@ -211,3 +211,43 @@ def test_without_liburing_the_slot_table_reads_through_its_reader_threads(tiny_z
     assert got["reads"] > 0 and got["tokens"] == expected_tokens
     assert len(logits) == len(expected_logits)
     assert all(np.array_equal(a, b) for a, b in zip(logits, expected_logits))
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu"])
+@pytest.mark.parametrize("engine", ["compiled", "python"])
+def test_a_decode_step_forecasts_its_first_moe_layers_from_the_token_embedding(tiny_zoo, monkeypatch, engine, device):
+    """Before layer 0 of every decode step (and of no prefill), the source forecasts the first MoE
+    layers from that token's embedding: each one's router on the embedding, as the gate lookahead
+    scores a layer that far ahead; the tokens stay the resident run's."""
+    from edge.core.moe import route
+    from edge.core.numerics import rms_norm, softmax
+    from streaming.predictor import ExpertPredictor
+
+    path = tiny_zoo.converted(CASE, MIXED)
+    seen = []
+    forecast = ExpertPredictor.token_forecast
+
+    def spy(predictor, embedding):
+        need = forecast(predictor, embedding)
+        seen.append((np.array(embedding), need, predictor))
+        return need
+
+    monkeypatch.setattr(ExpertPredictor, "token_forecast", spy)
+    expected_tokens, _, _ = resident_run(path, device)
+    tokens, _, stats = greedy_run(path, device, expert_engine=engine, memory_budget="40%")
+    assert tokens == expected_tokens
+    assert len(seen) == len(tokens) - 1  # one per decode step (the last token chosen is not run)
+    with edge.load(path, device=device) as model:
+        transformer = model.transformer
+        for (embedding, need, predictor), token in zip(seen, tokens):
+            assert np.array_equal(embedding, transformer.backend.embed(transformer.embed_tokens, [token])[0])
+            assert list(need) == predictor.order[: predictor.depth]
+            for distance, (target, scores) in enumerate(need.items(), start=1):
+                gain, router, bias = predictor.routers[target]
+                logits = rms_norm(embedding[None], gain, predictor.eps) @ router.T + (0 if bias is None else bias)
+                config = predictor.configs[target]
+                probability = softmax(logits.astype(np.float64))[0]
+                np.testing.assert_allclose(scores, np.minimum(1.0, config.top_k * probability) / distance, rtol=1e-5)
+                likeliest = set(np.argsort(-scores, kind="stable")[: config.top_k].tolist())
+                assert likeliest == set(route(logits, config)[0][0].tolist())  # the router's own choice
+    assert stats["prefetches_queued"] > 0

@@ -189,6 +189,7 @@ class FusedForward:
         self.tables = _ModelTables(model)
         self.kv_format = model.kv_format
         self.moe = model.moe  # routes a MoE layer, fetches and mixes its experts
+        self.embed_tokens = model.embed_tokens
         self.moe_layers = {index: layer.moe for index, layer in enumerate(model.layers) if layer.moe is not None}
         self.scratch = _Scratch(self.tables, self.spec, backend.threads)
         self._kv_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -241,6 +242,8 @@ class FusedForward:
         scratch = self.scratch
         scratch.ensure(n_tokens, cache.capacity)
         ends = self._call_ends(n_layers, per_layer=observer is not None)
+        if n_tokens == 1 and self.moe is not None:  # (the source may prefetch from the token's embedding)
+            self.moe.begin_token(lambda: self.backend.embed(self.embed_tokens, ids)[0])
         first = 0
         for call, last in enumerate(ends):
             self.backend.use_threads()  # a MoE block's kernels may have set fewer

@@ -10,7 +10,7 @@ against it, expert ids exactly.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -130,6 +130,11 @@ class ExpertSource(Protocol):
 
     def begin_request(self) -> None:
         """A new request starts: per-request statistics restart (the cache and what was learned stay)."""
+
+    def begin_token(self, embedding: Callable[[], np.ndarray]) -> None:
+        """A decode step of one token starts, before layer 0 runs; `embedding()` gives the token's
+        embedding [D]. A source with a predictor prefetches the first MoE layers' likely experts from
+        it (the layers the previous token's last layers could only guess for); others do nothing."""
 
     def resize_cache(self, cache_bytes: int) -> None:
         """Hold at most `cache_bytes` of experts from now on (the memory plan's share, made again once the
