@@ -573,15 +573,15 @@ class ExpertPredictor:
         return out
 
     def token_forecast(self, embedding: np.ndarray) -> dict[int, np.ndarray]:
-        """Need scores [E] of a decode step's first `depth` MoE layers from the token's embedding [D],
-        before layer 0 runs: each layer's router applied to it (the gate signal, with nothing added to
-        the residual stream yet), as `forecast` scores a layer that many layers ahead."""
+        """Need scores [E] of a decode step's first MoE layer from the token's embedding [D], before
+        layer 0 runs: that layer's router applied to it (the gate signal, with nothing added to the
+        residual stream yet), as `forecast` scores the next layer. (The layers after it see the
+        embedding through another layer's output: the next-token estimate serves them better.)"""
+        first = self.order[0]
         x = np.asarray(embedding, np.float32).reshape(1, -1)
-        need = {}
-        for distance, target in enumerate(self.order[: self.depth], start=1):
-            scores = softmax(self.selection_logits(target, self.raw_logits(target, x)).astype(np.float64))[0]
-            need[target] = self._need[target] = np.minimum(1.0, self.configs[target].top_k * scores) / distance
-        return need
+        scores = softmax(self.selection_logits(first, self.raw_logits(first, x)).astype(np.float64))[0]
+        self._need[first] = np.minimum(1.0, self.configs[first].top_k * scores)
+        return {first: self._need[first]}
 
     def drift(self, layer: int, target: int) -> np.ndarray:
         """[E] the learned drift of `target`'s logits looked ahead from `layer` (a view of its block)."""

@@ -215,10 +215,10 @@ def test_without_liburing_the_slot_table_reads_through_its_reader_threads(tiny_z
 
 @pytest.mark.parametrize("device", ["reference", "cpu"])
 @pytest.mark.parametrize("engine", ["compiled", "python"])
-def test_a_decode_step_forecasts_its_first_moe_layers_from_the_token_embedding(tiny_zoo, monkeypatch, engine, device):
+def test_a_decode_step_forecasts_its_first_moe_layer_from_the_token_embedding(tiny_zoo, monkeypatch, engine, device):
     """Before layer 0 of every decode step (and of no prefill), the source forecasts the first MoE
-    layers from that token's embedding: each one's router on the embedding, as the gate lookahead
-    scores a layer that far ahead; the tokens stay the resident run's."""
+    layer from that token's embedding: its router on the embedding, as the gate lookahead scores the
+    next layer; the tokens stay the resident run's."""
     from edge.core.moe import route
     from edge.core.numerics import rms_norm, softmax
     from streaming.predictor import ExpertPredictor
@@ -241,7 +241,7 @@ def test_a_decode_step_forecasts_its_first_moe_layers_from_the_token_embedding(t
         transformer = model.transformer
         for (embedding, need, predictor), token in zip(seen, tokens):
             assert np.array_equal(embedding, transformer.backend.embed(transformer.embed_tokens, [token])[0])
-            assert list(need) == predictor.order[: predictor.depth]
+            assert list(need) == predictor.order[:1]
             for distance, (target, scores) in enumerate(need.items(), start=1):
                 gain, router, bias = predictor.routers[target]
                 logits = rms_norm(embedding[None], gain, predictor.eps) @ router.T + (0 if bias is None else bias)
