@@ -41,7 +41,7 @@ from report import publish
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from edge.bench_moe import WORKLOAD_TOPICS, format_moe_table, run_moe_bench  # noqa: E402
+from edge.bench_moe import WORKLOAD_TOPICS, aligned_rows, format_moe_table, run_moe_bench  # noqa: E402
 from edge.core.files import built_once  # noqa: E402
 from edge.home import default_moe_checkpoint, first_use, home_dir, is_checkpoint  # noqa: E402
 from edge.random_moe import SHAPES, random_moe_checkpoint  # noqa: E402
@@ -297,16 +297,10 @@ def format_routing_table(routing: dict) -> str:
                      f"{entry['chance_reuse_share']:.3f}", f"{entry['max_load_over_mean']:.2f}",
                      f"{entry['load_entropy']:.3f}",
                      *[("-" if recall.get(d) is None else f"{recall[d]:.3f}") for d in distances]])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["routing of greedy decode, all experts resident (reuse: share of a token's experts the previous "
              "token also used in that layer; chance: top-k / experts; recall dN: the predictor's recall N "
              "layers ahead, predictive at 50%)"]
-    for i, row in enumerate(rows):
-        cells = [cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))]
-        lines.append("  ".join(cells))
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(lines + aligned_rows(rows, left=1))
 
 
 def plot(result: dict, path: str) -> None:

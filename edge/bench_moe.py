@@ -394,7 +394,6 @@ def format_moe_table(report: dict) -> str:
                      _mb(r["budget_bytes"]), _mb(r.get("peak_rss_over_import_bytes")),
                      {None: "-", True: "yes", False: "NO"}[r.get("process_within_budget")],
                      {None: "-", True: "yes", False: "NO"}[r.get("tokens_match_resident")]])
-    widths = [max(len(row[i]) for row in rows if i < len(row) and len(row) == len(header)) for i in range(len(header))]
     lines = [f"zllm-edge bench {report['model']} ({report['model_type']}) on {report['device']}, storage "
              f"{report['storage']}, prefetch depth {report['prefetch_depth']}",
              f"prompt: {report['prompt_tokens']} tokens ({report['prompt_source']}); {report['new_tokens']} greedy "
@@ -407,14 +406,24 @@ def format_moe_table(report: dict) -> str:
              "model CPU +: the model thread's CPU per token over the resident run's, as a share of a resident token's "
              "time; process MB: peak RSS over the RSS after importing the package (the runtime's own memory "
              "counted)"]
+    return "\n".join(lines + aligned_rows(rows, left=2))
+
+
+def aligned_rows(rows: list[list[str]], left: int) -> list[str]:
+    """A table's lines: rows[0] the header, then a rule; the first `left` columns left-aligned, the others
+    right-aligned; a row of another length than the header's (a refusal) joined as it is."""
+    header = rows[0]
+    widths = [max(len(row[i]) for row in rows if len(row) == len(header)) for i in range(len(header))]
+    lines = []
     for i, row in enumerate(rows):
         if len(row) != len(header):
             lines.append("  ".join(row))
             continue
-        lines.append("  ".join(cell.ljust(widths[j]) if j < 2 else cell.rjust(widths[j]) for j, cell in enumerate(row)))
+        cells = [cell.ljust(w) if j < left else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells))
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return lines
 
 
 def plot_moe_report(report: dict, path: str) -> None:
