@@ -41,8 +41,9 @@ from report import publish
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from edge.bench_moe import WORKLOAD_TOPICS, aligned_rows, format_moe_table, run_moe_bench  # noqa: E402
-from edge.core.files import built_once  # noqa: E402
+from edge.bench_moe import WORKLOAD_TOPICS, aligned_rows, format_moe_table, parse_budgets, run_moe_bench  # noqa: E402
+from edge.core.errors import ZllmError  # noqa: E402
+from edge.core.files import built_once, write_output  # noqa: E402
 from edge.home import default_moe_checkpoint, first_use, home_dir, is_checkpoint  # noqa: E402
 from edge.random_moe import SHAPES, random_moe_checkpoint  # noqa: E402
 
@@ -338,8 +339,10 @@ def plot(result: dict, path: str) -> None:
     for axis in (routes, sweep):
         axis.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    try:
+        write_output(path, lambda f: figure.savefig(f, format="png", dpi=120), binary=True)
+    finally:
+        plt.close(figure)
 
 
 def main() -> int:
@@ -358,6 +361,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    try:  # (checked before minutes of training)
+        sweep_budgets = parse_budgets(args.budgets)
+    except ZllmError as exc:
+        parser.error(str(exc))
     recipe = TrainedMoeRecipe(steps=args.steps)
     home = home_dir()
     models = {"trained": trained_moe_checkpoint(home, recipe, args.train_threads),
@@ -371,7 +378,7 @@ def main() -> int:
 
     routing, sweeps = {}, {}
     for name, path in models.items():
-        budgets = [b.strip() for b in args.budgets.split(",")] if name == "trained" else ["50%"]
+        budgets = sweep_budgets if name == "trained" else ["50%"]
         progress(f"{name}: budgets {', '.join(budgets)}")
         sweeps[name] = run_moe_bench(path, budgets, ["resident", "predictive"], args.storage, threads=args.threads,
                                      prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,

@@ -220,7 +220,7 @@ class Transformer:
             hidden = hidden * self.embedding_scale
         if n_tokens == 1 and self.moe is not None:  # (the source may prefetch from the token's embedding)
             embedding = hidden[0]
-            self.experts.begin_token(lambda: embedding)
+            self.moe.begin_token(lambda: embedding)
         for index, layer in enumerate(self.layers):
             x = be.rms_norm(hidden, layer.input_norm, spec.rms_norm_eps)
             cos, sin = cos_sin if layer.rope_theta is None else layer_cos_sin[layer.rope_theta]

@@ -241,7 +241,6 @@ class SlotExperts(LayerPasses):
         self._order_scratch = np.zeros(n_experts, np.int64)
         self._plans: dict[tuple, tuple | None] = {}  # _prefetch_plan's, by place
         self._packed: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # signature -> (rows per slot, made)
-        self.counters = StreamingCounters()
         self._current: SlotLayer | None = None
         self._closed = False
         for compiled in (ks.slot_acquire, ks.slot_prefetch, ks.slot_ready_run, ks.slot_drain):
@@ -285,11 +284,12 @@ class SlotExperts(LayerPasses):
         another: pack(weights) [R, F] of each slot, made once per slot and layout (it points into the
         slot's buffer, whatever expert the slot holds, as the prepared weights do)."""
         signature = self._signature[layer]
-        rows, made = self._packed.get(signature, (None, np.zeros(self.max_slots, bool)))
-        for slot in slots[~made[slots]].tolist():
+        rows, made = self._packed.get(signature) or (None, None)
+        missing = slots.tolist() if made is None else slots[~made[slots]].tolist()
+        for slot in missing:
             packed = pack(self.weights(slot, layer, int(self.slots[slot, self._ks.S_EXPERT])))
             if rows is None:  # (the packed form's shape is the backend's)
-                rows = np.zeros((self.max_slots, *packed.shape), packed.dtype)
+                rows, made = np.zeros((self.max_slots, *packed.shape), packed.dtype), np.zeros(self.max_slots, bool)
                 self._packed[signature] = rows, made
             rows[slot], made[slot] = packed, True
         return rows[slots].reshape(-1, rows.shape[-1])
@@ -371,7 +371,7 @@ class SlotExperts(LayerPasses):
             self.predictor.begin_request()
 
     def begin_token(self, embedding) -> None:
-        """Before a decode step's layer 0: queue the first MoE layers' likeliest experts by the token's
+        """Before a decode step's layer 0: queue the first MoE layer's likeliest experts by the token's
         embedding (the last layer's route stays pinned until the first MoE layer runs)."""
         if self.predictor is None or self._closed or self._last_ordinal is None:
             return

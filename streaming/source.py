@@ -136,7 +136,11 @@ class LayerPasses:
             self._pass_done()
         self._last_ordinal = ordinal
         self._pass_tokens = max(self._pass_tokens, n_tokens)
-        return self._pass * len(self.order) + ordinal
+        return self._position_now()
+
+    def _position_now(self) -> int:
+        """The position of the layer computed last."""
+        return self._pass * len(self.order) + self._last_ordinal
 
     def _pass_done(self) -> None:
         """A forward pass ended: a decode pass (one token) tells the lookahead how long it waited."""
@@ -270,15 +274,15 @@ class StreamingExperts(LayerPasses):
                     self.prefetcher.prefetch((target, expert), position + distance, distance, score)
 
     def begin_token(self, embedding) -> None:
-        """Before a decode step's layer 0: queue the first MoE layers' likeliest experts by the token's
+        """Before a decode step's layer 0: queue the first MoE layer's likeliest experts by the token's
         embedding (SlotExperts.begin_token)."""
         if self.predictor is None or self._last_ordinal is None:
             return
         pinned = len(self._current.ids) if self._current is not None else 0
-        room = self.cache.capacity_entries(max(self.store.buffer_bytes(layer) for layer in self.order))
+        room = self.cache.capacity_entries(self.store.buffer_bytes(self.order[0]))
         with self.cache.lock:  # eviction reads the predictor's need vectors under this lock
             forecast = self.predictor.token_forecast(embedding())
-        self._schedule(self._pass * len(self.order) + self._last_ordinal, forecast, room - pinned, n_tokens=1)
+        self._schedule(self._position_now(), forecast, room - pinned, n_tokens=1)
         self.prefetcher.poll()
 
     def begin_request(self) -> None:

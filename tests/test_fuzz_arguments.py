@@ -225,8 +225,8 @@ SETTING_WORDS = ["reference", "cpu", "cpu:f32", "cpu:int8", "cpu:", "cpu:int9", 
                  "npu:", "npu:bogus", "CPU", " cpu", "cpu\x00", "f32", "f16", "int8", "f8", *STRATEGIES, *POLICIES,
                  "native", "nvme", "sd", "NVME", "custom:bw=500MB,lat=200us", "custom:bw=1,lat=1us",
                  "custom:bw=1GB,lat=99999999999999999999s", "custom:bw=1e400MB,lat=1us", "custom:bw=5MB",
-                 "custom:", *IO_ENGINES, *EXPERT_ENGINES, "50%", "0%", "100%", "150%", "1GB", "1e9", "-1", "1e400", "512MB", "1.5GiB",
-                 "0.5", "lots"]
+                 "custom:", *IO_ENGINES, *EXPERT_ENGINES, "50%", "0%", "100%", "150%", "1GB", "1e9", "-1", "1e400",
+                 "512MB", "1.5GiB", "0.5", "lots"]
 
 
 TAKEN = {  # values each setting takes, so that loads also get past the checks, and run
@@ -316,9 +316,11 @@ WILD_STORAGE = st.builds("custom:bw={}{},lat={}{}".format, st.one_of(st.integers
        odd=st.one_of(st.none(), st.tuples(st.sampled_from(sorted(STREAMING)), st.one_of(odd_values(), WILD_STORAGE))),
        budget=st.sampled_from([None, "25%", "50%", "100%", "1%", "1GB"]))
 @example(values=dict(expert_strategy="ondemand", expert_policy=None, storage=None, prefetch_depth=2,
-                     prefetch_threads=4, io_engine="threads", expert_engine="auto"), odd=("prefetch_threads", 2**63), budget="50%")
+                     prefetch_threads=4, io_engine="threads", expert_engine="auto"), odd=("prefetch_threads", 2**63),
+         budget="50%")
 @example(values=dict(expert_strategy="predictive", expert_policy=None, storage=None, prefetch_depth=2,
-                     prefetch_threads=4, io_engine="auto", expert_engine="compiled"), odd=("storage", "custom:bw=1e-300B,lat=0s"), budget="50%")
+                     prefetch_threads=4, io_engine="auto", expert_engine="compiled"),
+         odd=("storage", "custom:bw=1e-300B,lat=0s"), budget="50%")
 def test_streaming_settings(moe_path, values, odd, budget):
     settings = dict(values)
     if odd is not None:

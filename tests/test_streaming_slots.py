@@ -217,14 +217,15 @@ def test_without_liburing_the_slot_table_reads_through_its_reader_threads(tiny_z
 @pytest.mark.parametrize("engine", ["compiled", "python"])
 def test_a_decode_step_forecasts_its_first_moe_layer_from_the_token_embedding(tiny_zoo, monkeypatch, engine, device):
     """Before layer 0 of every decode step (and of no prefill), the source forecasts the first MoE
-    layer from that token's embedding: its router on the embedding, as the gate lookahead scores the
-    next layer; the tokens stay the resident run's."""
+    layer from that token's embedding (its router on the embedding, as the gate lookahead scores the
+    next layer) and schedules that forecast's prefetches; the tokens stay the resident run's."""
     from edge.core.moe import route
     from edge.core.numerics import rms_norm, softmax
     from streaming.predictor import ExpertPredictor
+    from streaming.source import StreamingExperts
 
     path = tiny_zoo.converted(CASE, MIXED)
-    seen = []
+    seen, scheduled = [], []
     forecast = ExpertPredictor.token_forecast
 
     def spy(predictor, embedding):
@@ -232,7 +233,15 @@ def test_a_decode_step_forecasts_its_first_moe_layer_from_the_token_embedding(ti
         seen.append((np.array(embedding), need, predictor))
         return need
 
+    def scheduling(schedule):
+        def spied(source, *args, **kwargs):
+            scheduled.extend(id(arg) for arg in args if isinstance(arg, dict))
+            return schedule(source, *args, **kwargs)
+        return spied
+
     monkeypatch.setattr(ExpertPredictor, "token_forecast", spy)
+    for source_class in (SlotExperts, StreamingExperts):
+        monkeypatch.setattr(source_class, "_schedule", scheduling(source_class._schedule))
     expected_tokens, _, _ = resident_run(path, device)
     tokens, _, stats = greedy_run(path, device, expert_engine=engine, memory_budget="40%")
     assert tokens == expected_tokens
@@ -242,12 +251,13 @@ def test_a_decode_step_forecasts_its_first_moe_layer_from_the_token_embedding(ti
         for (embedding, need, predictor), token in zip(seen, tokens):
             assert np.array_equal(embedding, transformer.backend.embed(transformer.embed_tokens, [token])[0])
             assert list(need) == predictor.order[:1]
-            for distance, (target, scores) in enumerate(need.items(), start=1):
-                gain, router, bias = predictor.routers[target]
-                logits = rms_norm(embedding[None], gain, predictor.eps) @ router.T + (0 if bias is None else bias)
-                config = predictor.configs[target]
-                probability = softmax(logits.astype(np.float64))[0]
-                np.testing.assert_allclose(scores, np.minimum(1.0, config.top_k * probability) / distance, rtol=1e-5)
-                likeliest = set(np.argsort(-scores, kind="stable")[: config.top_k].tolist())
-                assert likeliest == set(route(logits, config)[0][0].tolist())  # the router's own choice
+            assert id(need) in scheduled  # its prefetches were queued
+            (target, scores), = need.items()
+            gain, router, bias = predictor.routers[target]
+            logits = rms_norm(embedding[None], gain, predictor.eps) @ router.T + (0 if bias is None else bias)
+            config = predictor.configs[target]
+            probability = softmax(logits.astype(np.float64))[0]
+            np.testing.assert_allclose(scores, np.minimum(1.0, config.top_k * probability), rtol=1e-5)
+            likeliest = set(np.argsort(-scores, kind="stable")[: config.top_k].tolist())
+            assert likeliest == set(route(logits, config)[0][0].tolist())  # the router's own choice
     assert stats["prefetches_queued"] > 0

@@ -9,8 +9,8 @@ mapping of the file pages it copied: they stay in the page cache, but the proces
 weights twice.
 
 Where the kernel has no transparent huge pages (not Linux, or THP "never") the weights stay views
-of the mmap, as they are on the other devices; `huge_pages_available` says which, and the bench
-reports it.
+of the mmap, as they are on the other devices; `huge_pages_available` (edge/core/process_memory.py)
+says which, and the bench reports it.
 """
 from __future__ import annotations
 

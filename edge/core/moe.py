@@ -133,8 +133,8 @@ class ExpertSource(Protocol):
 
     def begin_token(self, embedding: Callable[[], np.ndarray]) -> None:
         """A decode step of one token starts, before layer 0 runs; `embedding()` gives the token's
-        embedding [D]. A source with a predictor prefetches the first MoE layers' likely experts from
-        it (the layers the previous token's last layers could only guess for); others do nothing."""
+        embedding [D]. A source with a predictor prefetches the first MoE layer's likely experts from
+        it (a layer the previous token's last layers could only guess for); others do nothing."""
 
     def resize_cache(self, cache_bytes: int) -> None:
         """Hold at most `cache_bytes` of experts from now on (the memory plan's share, made again once the

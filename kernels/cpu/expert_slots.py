@@ -44,9 +44,9 @@ from __future__ import annotations
 import numpy as np
 from numba import types
 
-from kernels.cpu.intrinsics import atomic_load, monotonic_seconds, sleep_microseconds, spin_pause
+from kernels.cpu.intrinsics import atomic_load, monotonic_seconds, spin_pause
 from kernels.cpu.readers import lane_idle, post_read
-from kernels.cpu.wake import W_EVENT, await_wake, raise_waiting
+from kernels.cpu.wake import await_wake, raise_waiting
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 from kernels.cpu.uring import IOSQE_ASYNC, WAIT_MICROSECONDS, _get_sqe, _prep_read, _set_data, _set_flags
 from kernels.cpu.uring import _sq_ready, submit_queued, void_entry
@@ -399,9 +399,6 @@ def _wait_for_delivery(slots, times, experts, state, clocks, queue, flight, addr
         now = monotonic_seconds()
         if now >= deadline:
             return NOT_YET
-        if wake[W_EVENT] < 0:
-            sleep_microseconds(WAIT_MICROSECONDS)
-            continue
         raise_waiting(wake, 1)
         until = min(_next_due(times, state, flight, done), deadline)  # (looked at after raising the flag)
         if state[G_IN_FLIGHT] == 0:  # nothing out to wake this thread: the ring refused, try again soon

@@ -1,12 +1,13 @@
 """Waking the model's thread when a read it waits for is published, instead of sleeping on a timer
 (a sleep of tens of microseconds oversleeps by the kernel's timer slack, several times its length).
 
-wake [WAKE_FIELDS] int64: W_WAITING (threads waiting now) and W_EVENT (a non-blocking eventfd; -1:
-no one is woken, waiters sleep). A waiter raises W_WAITING, looks once more at what it waits for,
-then polls the eventfd; whoever publishes a read (kernels/cpu/uring.py ring_complete, the reader
-threads of kernels/cpu/readers.py) writes the eventfd while W_WAITING is raised. Each side makes its
-write (the flag, the read's done word) with a sequentially consistent read-modify-write before it
-reads the other's, so a waiter either sees the read published or is woken.
+wake [WAKE_FIELDS] int64: W_WAITING (threads waiting now) and W_EVENT (a non-blocking eventfd; -1 for
+a publisher no thread waits on: kernels/cpu/uring.py NO_WAKE, the Python cache's ring). A waiter
+raises W_WAITING, looks once more at what it waits for, then polls the eventfd; whoever publishes a
+read (kernels/cpu/uring.py ring_complete, the reader threads of kernels/cpu/readers.py) writes the
+eventfd while W_WAITING is raised. Each side makes its write (the flag, the read's done word) with a
+sequentially consistent read-modify-write before it reads the other's, so a waiter either sees the
+read published or is woken.
 """
 from __future__ import annotations
 
