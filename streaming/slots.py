@@ -56,6 +56,8 @@ def slot_engine_refusal(index: ExpertIndex, policy: str, expert_engine: str = "a
         return "compressed records are decompressed by reader threads"
     if policy not in expert_slots.POLICY_CODES:
         return f"expert_policy {policy!r} is served by the Python cache"
+    if not hasattr(os, "eventfd"):  # (Linux's; a thread waiting for a read blocks on one)
+        return "this platform has no eventfd"
     return None
 
 

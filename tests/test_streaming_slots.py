@@ -83,6 +83,17 @@ def test_asking_for_the_compiled_engine_where_it_cannot_run_is_refused(tiny_zoo,
                                 "'auto' or 'python'")
 
 
+def test_a_platform_without_eventfd_streams_through_the_python_cache(tiny_zoo, monkeypatch):
+    path = tiny_zoo.converted(CASE, MIXED)
+    expected_tokens, _, _ = resident_run(path, "cpu")
+    monkeypatch.delattr(os, "eventfd")
+    tokens, _, stats = greedy_run(path, "cpu", memory_budget="40%")
+    assert stats["expert_engine"] == "python cache: this platform has no eventfd"
+    assert tokens == expected_tokens
+    with pytest.raises(ZllmError, match="this platform has no eventfd"):
+        edge.load(path, memory_budget="40%", expert_engine="compiled")
+
+
 def test_a_bad_expert_engine_is_refused(tiny_zoo):
     with pytest.raises(ZllmError, match="expert_engine"):
         edge.load(tiny_zoo.converted(CASE, MIXED), memory_budget="50%", expert_engine="numba")
