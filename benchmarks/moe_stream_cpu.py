@@ -44,16 +44,21 @@ TIMED_METHODS = ("streaming.source:StreamingExperts.experts", "streaming.slots:S
                  "streaming.source:StreamedLayer.__init__", "streaming.slots:SlotLayer.__init__",
                  "streaming.source:StreamingExperts._schedule", "streaming.slots:SlotExperts._schedule",
                  "streaming.predictor:ExpertPredictor.observe", "streaming.predictor:ExpertPredictor.forecast",
+                 "streaming.predictor:ExpertPredictor.observe_and_forecast",
+                 "streaming.predictor:ExpertPredictor.decode_arguments",
                  "devices.cpu.backend:CpuBackend.expert_mixture", "streaming.source:StreamedLayer._wait",
                  "streaming.slots:SlotLayer.ready_run", "streaming.slots:SlotLayer.packed_run",
                  "streaming.prefetch:RingLoader.wait_loaded", "streaming.prefetch:RingLoader.poll")
 METHOD_LABELS = {"StreamingExperts.experts": "expert source, all", "StreamedLayer.__init__": "  pin a layer's experts",
                  "StreamingExperts._schedule": "  schedule prefetches", "ExpertPredictor.observe": "  predictor observe",
                  "ExpertPredictor.forecast": "  predictor forecast",
+                 "ExpertPredictor.observe_and_forecast": "  predictor observe and forecast",
+                 "ExpertPredictor.decode_arguments": "  predictor's arguments to the slot table's call",
                  "CpuBackend.expert_mixture": "expert mixture, all", "StreamedLayer._wait": "  wait for loads",
                  "RingLoader.wait_loaded": "    wait for a read (io_uring)",
                  "RingLoader.poll": "  submit and take reads (io_uring)",
-                 "SlotExperts.experts": "slot table, all", "SlotLayer.__init__": "  pin, evict, submit misses",
+                 "SlotExperts.experts": "slot table, all",
+                 "SlotLayer.__init__": "  pin, evict, submit misses (and the predictor's decode step)",
                  "SlotExperts._schedule": "  queue prefetches", "SlotLayer.ready_run": "  wait for a run of reads",
                  "SlotLayer.packed_run": "  a run's descriptor rows"}
 

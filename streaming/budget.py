@@ -105,12 +105,15 @@ def scratch_bytes(spec, kv_capacity: int, compute_threads: ComputeThreads | int 
 def predictor_bytes(spec, layers: list[int], depth: int) -> int:
     """The arrays streaming/predictor.py's ExpertPredictor keeps for these MoE layers looking `depth` ahead."""
     total = 0
+    widest = max((spec.moe_for_layer(layer).num_experts for layer in layers), default=0)  # (the tables' rows)
     for position, layer in enumerate(layers):
-        experts = spec.moe_for_layer(layer).num_experts
+        config = spec.moe_for_layer(layer)
+        experts = config.num_experts
         ahead = sum(spec.moe_for_layer(target).num_experts for target in layers[position + 1: position + 1 + depth])
         total += 4 * (experts * spec.hidden_size + spec.hidden_size + experts)  # router, norm gain, bias (f32)
-        total += 4 * ahead * spec.hidden_size + 4 * ahead  # the targets' stacked routers and their drift
-        total += 8 * (2 * experts * experts + experts)  # temporal and spatial transitions, frequencies (f64)
+        total += 4 * ahead * (spec.hidden_size + 3)  # the targets' stacked routers, bias, drift, raw lookahead
+        total += 8 * (2 * widest * widest + 2 * widest)  # transitions, frequencies and needs (f64)
+        total += 8 * ((depth + 1) * (config.top_k + 2) + 2 * config.top_k + 3)  # routes, pending sets, flags
     return total
 
 

@@ -35,18 +35,18 @@ from edge.core.errors import ZllmError
 from edge.core.files import write_output
 from edge.core.moe import MoeConfig, kept_groups_mask, router_scores, selection_scores
 from edge.core.numerics import rms_norm, softmax
-from kernels.cpu.forecast import count_decode_route, gate_forecast, learn_decode_drift
+from kernels.cpu import forecast as forecast_kernels
 
 SIGNALS = ("gate", "temporal", "spatial", "frequency")
 PREDICTOR_FILE = "predictor.json"
 PREDICTOR_FORMAT = "zllm-expert-predictor"
 PREDICTOR_VERSION = 1
-SMOOTHING = 0.1  # Laplace pseudo-count per transition: unseen transitions keep a little mass
+SMOOTHING = forecast_kernels.SMOOTHING
 SHARE_FLOOR, SHARE_CEILING = 1e-300, float(np.nextafter(1.0, 0.0))  # keep those logits finite
 DRIFT_RATE = 0.1  # weight of the newest token in the moving average of the lookahead's logit drift
 _DRIFT_RATE_F32 = np.float32(DRIFT_RATE)
-_NO_IDS = np.zeros(0, np.int64)            # count_decode_route's "no route"
-_NO_COUNTS = np.zeros((0, 0), np.float64)  # ... and "no spatial counts" (the first MoE layer)
+_NO_LOGITS = np.zeros(0, np.float32)  # the compiled observe's "no router logits"
+_NO_IDS = np.zeros(0, np.int64)
 
 
 class PredictorError(ZllmError):
@@ -198,42 +198,33 @@ def set_hits(predicted: np.ndarray, actual: np.ndarray) -> int:
 
 
 class _Accuracy:
-    """hits / predicted / actual per (phase, distance); phase is "decode" (one token) or "prefill"."""
+    """hits / predicted / actual per (phase, distance); phase is "decode" (one token) or "prefill".
+    The decode counts are an array [depth + 1, 3] the compiled decode step adds to."""
 
-    def __init__(self):
-        self.counts: dict[tuple[str, int], list[int]] = {}
+    def __init__(self, decode: np.ndarray):
+        self.decode = decode
+        self.counts: dict[int, list[int]] = {}  # prefill: distance -> [hits, predicted, actual]
 
     def add(self, phase: str, distance: int, hits: int, predicted: int, actual: int) -> None:
-        total = self.counts.setdefault((phase, distance), [0, 0, 0])
+        total = self.decode[distance] if phase == "decode" else self.counts.setdefault(distance, [0, 0, 0])
         total[0] += hits
         total[1] += predicted
         total[2] += actual
 
+    def _totals(self, phase: str) -> dict[int, tuple[int, int, int]]:
+        if phase == "decode":
+            return {d: tuple(int(v) for v in row) for d, row in enumerate(self.decode) if row[1] or row[2]}
+        return {d: tuple(row) for d, row in sorted(self.counts.items())}
+
     def figures(self, phase: str, distance: int) -> tuple[float | None, float | None]:
-        hits, predicted, actual = self.counts.get((phase, distance), (0, 0, 0))
+        hits, predicted, actual = self._totals(phase).get(distance, (0, 0, 0))
         return (hits / predicted if predicted else None, hits / actual if actual else None)
 
     def by_distance(self, phase: str) -> dict[int, dict]:
-        out = {}
-        for (p, distance), (hits, predicted, actual) in sorted(self.counts.items()):
-            if p == phase:
-                out[distance] = {"precision": hits / predicted if predicted else None,
-                                 "recall": hits / actual if actual else None,
-                                 "hits": int(hits), "predicted": int(predicted), "actual": int(actual)}
-        return out
-
-
-@dataclass(frozen=True)
-class _DecodePlan:
-    """A layer's targets for the compiled one-token gate forecast (ExpertPredictor._decode_plan)."""
-
-    targets: list[int]
-    offsets: np.ndarray   # [n + 1] int64: target t's experts are [offsets[t], offsets[t + 1]) of the stack
-    bias: np.ndarray      # [S] f32: each target's router bias (zeros without one)
-    mix: np.ndarray       # [n] f64: the gate's weight in each target's mix
-    top_k: np.ndarray     # [n] int64
-    distance: np.ndarray  # [n] int64: MoE layers ahead
-    spans: list[tuple[int, int, int, int, int]]  # per target: (target, begin, end, distance, top_k), Python ints
+        return {distance: {"precision": hits / predicted if predicted else None,
+                           "recall": hits / actual if actual else None,
+                           "hits": hits, "predicted": predicted, "actual": actual}
+                for distance, (hits, predicted, actual) in self._totals(phase).items()}
 
 
 class ExpertPredictor:
@@ -272,28 +263,71 @@ class ExpertPredictor:
                                    None if bias is None else np.array(bias, np.float32))
         # The lookahead from one layer applies every target's router to the same normalised residual:
         # with each norm gain folded into its router (x̂ ⊙ g) Rᵀ = x̂ (R ⊙ g)ᵀ, the targets' routers
-        # stack into one matrix and the lookahead is one product per layer.
-        self._stacked_routers = {}
-        for layer in self.order:
-            folded = [self.routers[target][1] * self.routers[target][0][None, :] for target in self.targets(layer)]
-            if folded:
-                self._stacked_routers[layer] = np.ascontiguousarray(np.concatenate(folded), np.float32)
-        # Learned online; kept across requests (what the model does with its experts does not change).
-        self.temporal = {layer: np.zeros((c.num_experts, c.num_experts)) for layer, c in self.configs.items()}
-        self.spatial = {layer: np.zeros((self.configs[prev].num_experts, self.configs[layer].num_experts))
-                        for prev, layer in zip(self.order, self.order[1:])}  # keyed by the later layer
-        # layer -> [sum of its targets' E]: per target (in the order of its stacked routers), the mean of
-        # the target's real router logits minus those looked ahead from layer (`drift(layer, target)`)
-        self._drift_blocks, self._drift_spans = {}, {}
-        for layer in self.order:
-            sizes = [self.configs[target].num_experts for target in self.targets(layer)]
-            self._drift_blocks[layer] = np.zeros(sum(sizes), np.float32)
-            for target, begin, size in zip(self.targets(layer), np.cumsum([0, *sizes]).tolist(), sizes):
-                self._drift_spans[(layer, target)] = (begin, begin + size)
-        self._decode_plans: dict[int, _DecodePlan | None] = {}
-        self.accuracy = _Accuracy()
-        self.predictions_made = 0
+        # stack into one matrix and the lookahead is one product per layer. Every layer's stack is a
+        # block of rows of one array, as are the drift and raw lookahead of each (layer, target) pair.
+        n_layers, n_experts = len(self.order), max(c.num_experts for c in self.configs.values())
+        n_active = max(c.top_k for c in self.configs.values())
+        spans = np.zeros((n_layers, depth, 2), np.int64)
+        blocks, row = [], 0
+        for p, layer in enumerate(self.order):
+            for j, target in enumerate(self.targets(layer)):
+                spans[p, j] = row, row + self.configs[target].num_experts
+                row += self.configs[target].num_experts
+                gain, router, bias = self.routers[target]
+                linear_bias = None if self.configs[target].score_correction_bias else bias
+                blocks.append((router * gain[None, :], linear_bias))
+        routers_stacked = np.zeros((row, len(next(iter(self.routers.values()))[0])), np.float32)
+        bias_stacked = np.zeros(row, np.float32)
+        begin = 0
+        for router, bias in blocks:
+            routers_stacked[begin: begin + len(router)] = router
+            if bias is not None:
+                bias_stacked[begin: begin + len(router)] = bias
+            begin += len(router)
+        self._rows = {layer: (int(spans[p, 0, 0]), int(spans[p, len(self.targets(layer)) - 1, 1]))
+                      for p, layer in enumerate(self.order) if self.targets(layer)}
+        self._stacked_routers = {layer: routers_stacked[b:e] for layer, (b, e) in self._rows.items()}
+        self._decodable = [self._decodes(layer) for layer in self.order]
+        mix = np.zeros((n_layers, depth), np.float64)
+        for p, layer in enumerate(self.order):
+            for j, _ in enumerate(self.targets(layer)):
+                mix[p, j] = self.weights.mix(j + 1).gate
+        next_mix = np.zeros((n_layers + 1, 2), np.float64)
+        for distance in range(1, n_layers + 1):
+            weights = self.weights.mix(distance).as_array()
+            if weights[1] + weights[3] == 0:
+                weights = NEXT_TOKEN_MIX.as_array()
+            next_mix[distance] = weights[1], weights[3]
+        sizes = np.array([self.configs[layer].num_experts for layer in self.order], np.int64)
+        # The predictor's state, one set of arrays that the compiled decode step (kernels/cpu/forecast.py)
+        # and the general path share. Counts are learned online and kept across requests (what the
+        # model does with its experts does not change); the rest restarts with each request.
+        self._tables = (
+            routers_stacked, bias_stacked, np.zeros(row, np.float32), np.zeros(row, np.float32), spans,
+            np.array([len(self.targets(layer)) for layer in self.order], np.int64), mix, sizes,
+            np.array([self.configs[layer].top_k for layer in self.order], np.int64),
+            np.zeros((n_layers, n_experts, n_experts)), np.zeros((n_layers, n_experts, n_experts)),
+            np.zeros((n_layers, n_experts)), np.zeros((n_layers, n_active), np.int64), np.zeros(n_layers, np.int64),
+            np.zeros((n_layers, n_active), np.int64), np.zeros(n_layers, np.int64),
+            np.zeros((n_layers, depth + 1), np.int64), np.zeros((n_layers, depth + 1, n_active), np.int64),
+            np.zeros((n_layers, depth + 1), np.int64), np.zeros((n_layers, n_experts)), np.zeros(n_layers, np.int64),
+            next_mix, np.zeros((depth + 1, 3), np.int64), np.zeros(forecast_kernels.STATUS_FIELDS, np.int64))
+        (_, _, self._drift, self._raw, self._spans, _, _, _, _, temporal, spatial, frequency, self._previous_ids,
+         self._previous_len, self._route_ids, self._route_len, self._looked, self._pending_sets,
+         self._pending_valid, self._need, self._need_valid, _, decode_accuracy, self._status) = self._tables
+        self._drift_blocks = {layer: self._drift[b:e] for layer, (b, e) in self._rows.items()}
+        self.temporal = {layer: temporal[p, :c.num_experts, :c.num_experts] for p, (layer, c)
+                         in enumerate(self.configs.items())}
+        self.spatial = {layer: spatial[p, :self.configs[prev].num_experts, :self.configs[layer].num_experts]
+                        for p, (prev, layer) in enumerate(zip(self.order, self.order[1:]), start=1)}
+        self.frequency = {layer: frequency[p, :c.num_experts] for p, (layer, c) in enumerate(self.configs.items())}
+        self.accuracy = _Accuracy(decode_accuracy)
+        self._predictions_general = 0  # forecasts made by the general path (the compiled ones count in status)
         self.begin_request()
+
+    @property
+    def predictions_made(self) -> int:
+        return int(self._status[forecast_kernels.P_PREDICTIONS]) + self._predictions_general
 
     # --- request state ---------------------------------------------------------------------------------
     def begin_request(self, forget_transitions: bool = False) -> None:
@@ -302,13 +336,36 @@ class ExpertPredictor:
         if forget_transitions:
             for counts in (*self.temporal.values(), *self.spatial.values()):
                 counts[:] = 0
-        self.frequency = {layer: np.zeros(c.num_experts) for layer, c in self.configs.items()}
-        self.previous_token_route = {layer: None for layer in self.configs}  # [A] ids of the last token seen
-        self._pass_routes: dict[int, np.ndarray] = {}  # this forward call's routes so far, [T, A] per layer
-        self._pending: dict[int, dict[int, np.ndarray]] = {}  # target -> distance -> predicted sets [T, k]
-        self._looked_ahead: dict[int, dict[int, np.ndarray]] = {}  # target -> source layer -> raw logits [T, E]
-        self._need: dict[int, np.ndarray] = {}  # target -> need [E] from the latest forecast
-        self._current_layer: int | None = None
+        for counts in self.frequency.values():
+            counts[:] = 0
+        for flags in (self._previous_len, self._route_len, self._looked, self._pending_valid, self._need_valid):
+            flags[:] = 0
+        self._status[forecast_kernels.P_CURRENT] = -1
+        self._pass_routes: dict[int, np.ndarray] = {}  # a forward call of several tokens: its routes [T, A]
+        # ... and what its forecasts wait for: target -> distance -> predicted sets [T, k], and
+        # target -> source layer -> raw logits [T, E] (a one-token call keeps these in the arrays)
+        self._pending: dict[int, dict[int, np.ndarray]] = {}
+        self._looked_ahead: dict[int, dict[int, np.ndarray]] = {}
+
+    @property
+    def _current_layer(self) -> int | None:
+        """The MoE layer observed last (None: none yet in this request)."""
+        current = int(self._status[forecast_kernels.P_CURRENT])
+        return self.order[current] if current >= 0 else None
+
+    def previous_token_route(self, layer: int) -> np.ndarray | None:
+        """[A] the ids `layer` chose for the last token seen, or None."""
+        p = self.position[layer]
+        n = int(self._previous_len[p])
+        return self._previous_ids[p, :n] if n else None
+
+    def _pass_route(self, layer: int) -> np.ndarray | None:
+        """[T, A] `layer`'s route in this forward call, or None where it has not run in it."""
+        if self._status[forecast_kernels.P_DECODE_PASS]:
+            p = self.position[layer]
+            n = int(self._route_len[p])
+            return self._route_ids[p, None, :n] if n else None
+        return self._pass_routes.get(layer)
 
     # --- learning --------------------------------------------------------------------------------------
     def observe(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray | None = None,
@@ -316,38 +373,79 @@ class ExpertPredictor:
         """Learn from `layer`'s real route [T, A] and score the forecasts made for it. With the residual
         [T, D] entering the layer's FFN (or the layer's raw router logits [T, E] computed from it), also
         learn how far the lookahead of earlier layers drifted from this layer's real logits."""
-        config = self._config(layer)
-        ids = np.ascontiguousarray(expert_ids, dtype=np.int64)  # (its rows go to compiled calls)
-        if ids.ndim != 2 or ids.shape[1] == 0 or not _ids_within(ids, config.num_experts):
-            raise PredictorError(f"layer {layer}: route must be [tokens, active] ids in [0, {config.num_experts}), "
-                                 f"got shape {ids.shape}")
-        position = self.position[layer]
-        if self._current_layer is None or position <= self.position[self._current_layer]:
-            self._pass_routes = {}  # a new forward call starts at its first MoE layer
-        self._score_forecasts(layer, ids)
+        ids = self._checked_route(layer, expert_ids)
         if router_logits is None and residual is not None:
             router_logits = self.raw_logits(layer, residual)
+        if len(ids) == 1:  # a decode step: in one compiled call
+            forecast_kernels.decode_observe(*self._tables, self.position[layer], ids[0],
+                                            self._logits_row(router_logits), _DRIFT_RATE_F32)
+            self._pending.pop(layer, None), self._looked_ahead.pop(layer, None)  # (made for another call)
+            return
+        position = self.position[layer]
+        current = int(self._status[forecast_kernels.P_CURRENT])
+        if current < 0 or position <= current:  # a new forward call starts at its first MoE layer
+            self._pass_routes = {}
+            self._route_len[:] = 0
+            self._status[forecast_kernels.P_DECODE_PASS] = 0
+        self._score_forecasts(layer, ids)
         self._learn_drift(layer, router_logits)
-
-        if len(ids) == 1:  # a decode step: the counts below in one compiled call
-            previous = self.previous_token_route[layer]
-            before = self._pass_routes.get(self.order[position - 1]) if position > 0 else None
-            spatial = self.spatial.get(layer, _NO_COUNTS)
-            count_decode_route(ids[0], _NO_IDS if previous is None else previous, self.temporal[layer],
-                               _NO_IDS if before is None or len(before) != 1 else before[0], spatial,
-                               self.frequency[layer])
-        else:
-            self._count_route(layer, position, ids)
-        self.previous_token_route[layer] = ids[-1].copy()
+        self._count_route(layer, position, ids)
+        self._previous_ids[position, :ids.shape[1]] = ids[-1]
+        self._previous_len[position] = ids.shape[1]
         self._pass_routes[layer] = ids
-        self._current_layer = layer
-        # forecasts for layers ahead stay; every other layer's need is recomputed on demand
-        self._need = {target: need for target, need in self._need.items() if self.position[target] > position}
+        self._status[forecast_kernels.P_CURRENT] = position
+        self._need_valid[: position + 1] = 0  # every layer not ahead is estimated again when asked
+
+    def observe_and_forecast(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
+                             router_logits: np.ndarray | None = None) -> dict[int, np.ndarray]:
+        """observe(...) then forecast(layer, residual): for one token with a compiled forecast, one call."""
+        arguments = self.decode_arguments(layer, expert_ids, residual, router_logits)
+        if arguments is None:
+            self.observe(layer, expert_ids, residual, router_logits=router_logits)
+            return self.forecast(layer, residual)
+        forecast_kernels.decode_step(*arguments)
+        return self._needs_ahead(self.position[layer])
+
+    def decode_arguments(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray,
+                         router_logits: np.ndarray | None = None) -> tuple | None:
+        """The arguments of the compiled decode step (kernels/cpu/forecast.py DECODE_ARGUMENT_TYPES) for
+        `layer`'s route of one token, or None where that step does not apply (several tokens, or a
+        forecast the general path makes). Whoever runs the step has observed and forecast `layer`."""
+        self._config(layer)
+        position = self.position[layer]
+        if len(expert_ids) != 1 or not self._decodable[position]:
+            return None
+        ids = self._checked_route(layer, expert_ids)
+        if router_logits is None:
+            router_logits = self.raw_logits(layer, residual)
+        self._pending.pop(layer, None), self._looked_ahead.pop(layer, None)  # (made for another call)
+        return (*self._tables, position, ids[0], self._logits_row(router_logits), _DRIFT_RATE_F32,
+                self._residual_row(residual), self._eps_f32)
+
+    def _checked_route(self, layer: int, expert_ids: np.ndarray) -> np.ndarray:
+        config = self._config(layer)
+        ids = np.ascontiguousarray(expert_ids, dtype=np.int64)  # (its rows go to compiled calls)
+        if ids.ndim != 2 or ids.shape[1] == 0 or ids.shape[1] > self._previous_ids.shape[1] or \
+                not _ids_within(ids, config.num_experts):
+            raise PredictorError(f"layer {layer}: route must be [tokens, active] ids in [0, {config.num_experts}), "
+                                 f"got shape {ids.shape}")
+        return ids
+
+    @staticmethod
+    def _logits_row(router_logits: np.ndarray | None) -> np.ndarray:
+        """One token's router logits as the compiled calls take them ([E] f32; none: empty)."""
+        if router_logits is None:
+            return _NO_LOGITS
+        return np.ascontiguousarray(router_logits, np.float32).reshape(-1)
+
+    @staticmethod
+    def _residual_row(residual: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(residual, np.float32).reshape(-1)
 
     def _count_route(self, layer: int, position: int, ids: np.ndarray) -> None:
-        """The counts a route [T, A] of several tokens teaches (count_decode_route for one token)."""
+        """The counts a route [T, A] of several tokens teaches (the compiled observe's for one token)."""
         # temporal: token t-1 -> token t at this layer; the first token's predecessor is the last token seen
-        previous = self.previous_token_route[layer]
+        previous = self.previous_token_route(layer)
         if previous is None:
             before, after = ids[:-1], ids[1:]
         else:
@@ -370,7 +468,9 @@ class ExpertPredictor:
         np.add.at(counts, (rows.reshape(-1), cols.reshape(-1)), 1.0)
 
     def _learn_drift(self, layer: int, router_logits: np.ndarray | None) -> None:
+        """A forward call of several tokens: the moving average over its tokens, in order."""
         looked_ahead = self._looked_ahead.pop(layer, {})
+        self._looked[self.position[layer]] = 0  # (one-token lookaheads were made for another call)
         if router_logits is None:
             return
         actual = np.ascontiguousarray(router_logits, np.float32).reshape(-1, self.configs[layer].num_experts)
@@ -378,33 +478,18 @@ class ExpertPredictor:
             if len(lookahead) != len(actual):
                 continue  # made for another forward call
             drift = self.drift(source, layer)  # a view: updated in place
-            if len(actual) == 1:  # a decode step
-                learn_decode_drift(drift, actual[0], lookahead[0], _DRIFT_RATE_F32)
-                continue
             drift *= (1.0 - DRIFT_RATE) ** len(actual)
-            # the moving average over these tokens in order, in closed form: the newest weighs DRIFT_RATE
+            # in closed form: the newest token weighs DRIFT_RATE
             decay = (1.0 - DRIFT_RATE) ** np.arange(len(actual) - 1, -1, -1, dtype=np.float32)  # [T]
             drift += DRIFT_RATE * decay @ (actual - lookahead)
 
     def _score_forecasts(self, layer: int, ids: np.ndarray) -> None:
+        """A forward call of several tokens: score the sets forecast for each of its tokens."""
         pending = self._pending.pop(layer, None)
-        if not pending:
-            return
-        if len(ids) == 1:  # a decode step: sets of a few Python ints
-            row = ids[0].tolist()
-            actual = set(row)
-            for distance, predicted in pending.items():
-                if len(predicted) == 1:  # (else made for another forward call)
-                    chosen = predicted[0].tolist()
-                    hits = len(actual.intersection(chosen)) if len(actual) == len(row) else \
-                        sum(expert in set(chosen) for expert in row)
-                    self.accuracy.add("decode", distance, hits, len(chosen), len(row))
-            return
-        phase = "prefill"
-        for distance, predicted in pending.items():
-            if len(predicted) != len(ids):
-                continue  # made for another forward call
-            self.accuracy.add(phase, distance, set_hits(predicted, ids), predicted.size, ids.size)
+        self._pending_valid[self.position[layer]] = 0  # (one-token forecasts were made for another call)
+        for distance, predicted in (pending or {}).items():
+            if len(predicted) == len(ids):  # (else made for another forward call)
+                self.accuracy.add("prefill", distance, set_hits(predicted, ids), predicted.size, ids.size)
 
     # --- forecasting -----------------------------------------------------------------------------------
     def targets(self, layer: int) -> list[int]:
@@ -468,7 +553,7 @@ class ExpertPredictor:
         A signal that `used` marks False is left at zero (a mix that gives it no weight skips its cost)."""
         use_gate, use_temporal, use_spatial, use_frequency = used
         out = {}
-        here = self._pass_routes.get(layer) if self._current_layer == layer and use_spatial else None
+        here = self._pass_route(layer) if self._current_layer == layer and use_spatial else None
         chained = None if here is None else _one_hot_mean(here, self.configs[layer].num_experts)  # [T, E_L]
         for target in self.targets(layer):
             num_experts = self.configs[target].num_experts
@@ -476,7 +561,7 @@ class ExpertPredictor:
             stack = np.zeros((n_tokens, len(SIGNALS), num_experts))
             if use_gate:
                 stack[:, 0] = softmax(gate_logits[target].astype(np.float64)) if target in gate_logits else uniform
-            previous = self.previous_token_route[target]
+            previous = self.previous_token_route(target)
             if use_temporal:
                 stack[:, 1] = uniform if previous is None else _row_normalized(self.temporal[target])[previous].mean(0)
             if use_spatial:
@@ -498,79 +583,55 @@ class ExpertPredictor:
                 for target, stack in signals.items()}
 
     def forecast(self, layer: int, residual: np.ndarray) -> dict[int, np.ndarray]:
-        """Need scores [E] for each of the next `depth` MoE layers after `layer` (higher = sooner/likelier).
+        """Need scores [E] for each of the next `depth` MoE layers after `layer` (higher = sooner/likelier):
+        views of the predictor's need table, current until the next observe or forecast.
 
         `residual` [T, D] is the residual stream entering `layer`'s FFN block; call after `observe(layer)`
         so the spatial signal starts from this token's route at `layer`."""
         self._config(layer)
         residual = np.asarray(residual, np.float32)
         n_tokens = 1 if residual.ndim == 1 else residual.shape[0]
-        if n_tokens == 1:
-            plan = self._decode_plan(layer)
-            if plan is not None:
-                return self._forecast_decode(layer, residual.reshape(-1), plan)
+        position = self.position[layer]
+        if n_tokens == 1 and self._decodable[position]:
+            forecast_kernels.decode_forecast(*self._tables, position, self._residual_row(residual), self._eps_f32)
+            return self._needs_ahead(position)
         return self.forecast_from_lookahead(layer, self.lookahead_logits(layer, residual), n_tokens)
+
+    def _needs_ahead(self, position: int) -> dict[int, np.ndarray]:
+        """The need rows [E] of the targets of the layer at `position` (views of the predictor's array)."""
+        return {target: self._need[self.position[target], :self.configs[target].num_experts]
+                for target in self.targets(self.order[position])}
 
     def forecast_path(self) -> str:
         """"compiled" when every one-token forecast runs in one compiled call (kernels/cpu/forecast.py),
         else "numpy: <why>" (the general forecast, a few dozen numpy operations per MoE layer)."""
         reasons = []
-        for layer in self.order:
+        for p, layer in enumerate(self.order):
             targets = self.targets(layer)
-            if not targets or self._decode_plan(layer) is not None:
+            if not targets or self._decodable[p]:
                 continue
             _, used = self._forecast_plan(layer, tuple(targets))
             others = [name for name, on in zip(SIGNALS[1:], used[1:]) if on]
             if others:
                 reasons.append(f"the signal mix uses the {'/'.join(others)} signal")
-            configs = [self.configs[target] for target in targets]
-            if any(c.scoring == "sigmoid" or c.n_group > 1 or c.score_correction_bias for c in configs):
+            if not all(self._selects_by_logits(target) for target in targets):
                 reasons.append("a router with sigmoid scores, a correction bias or expert groups")
         return "compiled" if not reasons else "numpy: " + "; ".join(dict.fromkeys(reasons))
 
-    def _decode_plan(self, layer: int) -> "_DecodePlan | None":
-        """What a one-token forecast from `layer` needs for the compiled gate forecast, or None where it
-        does not apply: another signal mix than the gate alone, or a target that selects otherwise
-        than by its raw logits (sigmoid scores, correction bias, groups)."""
-        if layer in self._decode_plans:
-            return self._decode_plans[layer]
-        targets = self.targets(layer)
-        plan = None
-        if targets:
-            mixes, used = self._forecast_plan(layer, tuple(targets))
-            configs = [self.configs[target] for target in targets]
-            if used == (True, False, False, False) and all(
-                    c.scoring != "sigmoid" and c.n_group == 1 and not c.score_correction_bias for c in configs):
-                sizes = [c.num_experts for c in configs]
-                biases = [self.routers[target][2] for target in targets]
-                position = self.position[layer]
-                plan = _DecodePlan(
-                    targets=targets, offsets=np.cumsum([0, *sizes]).astype(np.int64),
-                    bias=np.concatenate([np.zeros(size, np.float32) if bias is None else bias
-                                         for bias, size in zip(biases, sizes)]).astype(np.float32),
-                    mix=np.array([mix[0] for mix in mixes], np.float64),
-                    top_k=np.array([c.top_k for c in configs], np.int64),
-                    distance=np.array([self.position[target] - position for target in targets], np.int64),
-                    spans=[(target, begin, begin + size, self.position[target] - position, c.top_k)
-                           for target, begin, size, c in zip(targets, np.cumsum([0, *sizes]).tolist(), sizes, configs)])
-        self._decode_plans[layer] = plan
-        return plan
+    def _selects_by_logits(self, target: int) -> bool:
+        """Whether `target`'s router ranks its experts by their raw logits (softmax or unit scoring, no
+        correction bias, no expert groups)."""
+        config = self.configs[target]
+        return config.scoring != "sigmoid" and config.n_group == 1 and not config.score_correction_bias
 
-    def _forecast_decode(self, layer: int, x: np.ndarray, plan: "_DecodePlan") -> dict[int, np.ndarray]:
-        """forecast_from_lookahead(lookahead_logits(...)) for one token and the gate alone, in one
-        compiled call (kernels/cpu/forecast.py); the same bookkeeping of what was predicted."""
-        n_experts = int(plan.offsets[-1])
-        raw, need = np.empty(n_experts, np.float32), np.empty(n_experts, np.float64)
-        sets = np.empty((len(plan.spans), max(span[4] for span in plan.spans)), np.int64)
-        gate_forecast(x, self._stacked_routers[layer], plan.bias, self._drift_blocks[layer], self._eps_f32,
-                      plan.mix, plan.top_k, plan.distance, plan.offsets, raw, need, sets)
-        out = {}
-        for i, (target, begin, end, distance, top_k) in enumerate(plan.spans):
-            self._looked_ahead.setdefault(target, {})[layer] = raw[None, begin:end]
-            self._pending.setdefault(target, {})[distance] = sets[i:i + 1, :top_k]
-            out[target] = self._need[target] = need[begin:end]
-        self.predictions_made += len(plan.spans)
-        return out
+    def _decodes(self, layer: int) -> bool:
+        """Whether a one-token forecast from `layer` runs compiled: the gate alone in its targets' mixes
+        and every target selecting by its raw logits (a layer with no targets has nothing to forecast)."""
+        targets = self.targets(layer)
+        if not targets:
+            return True
+        _, used = self._forecast_plan(layer, tuple(targets))
+        return used == (True, False, False, False) and all(self._selects_by_logits(target) for target in targets)
 
     def token_forecast(self, embedding: np.ndarray) -> dict[int, np.ndarray]:
         """Need scores [E] of a decode step's first MoE layer from the token's embedding [D], before
@@ -580,20 +641,36 @@ class ExpertPredictor:
         first = self.order[0]
         x = np.asarray(embedding, np.float32).reshape(1, -1)
         scores = softmax(self.selection_logits(first, self.raw_logits(first, x)).astype(np.float64))[0]
-        self._need[first] = np.minimum(1.0, self.configs[first].top_k * scores)
-        return {first: self._need[first]}
+        return {first: self._set_need(0, np.minimum(1.0, self.configs[first].top_k * scores)).copy()}
+
+    def _set_need(self, position: int, need: np.ndarray) -> np.ndarray:
+        row = self._need[position, :len(need)]
+        row[:] = need
+        self._need_valid[position] = 1
+        return row
+
+    def _pair_rows(self, layer: int, target: int) -> tuple[int, int]:
+        """The rows of the stacked arrays that (layer, target ahead of it) owns."""
+        p = self.position[layer]
+        begin, end = self._spans[p, self.position[target] - p - 1]
+        return int(begin), int(end)
 
     def drift(self, layer: int, target: int) -> np.ndarray:
-        """[E] the learned drift of `target`'s logits looked ahead from `layer` (a view of its block)."""
-        begin, end = self._drift_spans[(layer, target)]
-        return self._drift_blocks[layer][begin:end]
+        """[E] the learned drift of `target`'s logits looked ahead from `layer` (a view)."""
+        begin, end = self._pair_rows(layer, target)
+        return self._drift[begin:end]
 
     def corrected_gate(self, layer: int, lookahead: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         """Selection logits of each target from its raw lookahead plus the drift learned for (layer, target);
         remembers the raw lookahead, so the target's real logits can update the drift."""
         out = {}
         for target, logits in lookahead.items():
-            self._looked_ahead.setdefault(target, {})[layer] = logits
+            if len(logits) == 1:  # one token: where the compiled observe looks for it
+                begin, end = self._pair_rows(layer, target)
+                self._raw[begin:end] = logits[0]
+                self._looked[self.position[target], self.position[target] - self.position[layer]] = 1
+            else:
+                self._looked_ahead.setdefault(target, {})[layer] = logits
             out[target] = self.selection_logits(target, logits + self.drift(layer, target))
         return out
 
@@ -610,12 +687,26 @@ class ExpertPredictor:
         for target, per_token in scores.items():
             distance = self.position[target] - position
             top_k = self.configs[target].top_k
-            self._pending.setdefault(target, {})[distance] = top_sets(per_token, top_k)
-            self.predictions_made += n_tokens
+            sets = top_sets(per_token, top_k)
+            if n_tokens == 1:  # where the compiled observe scores it
+                q = self.position[target]
+                self._pending_sets[q, distance, :top_k] = sets[0]
+                self._pending_valid[q, distance] = 1
+            else:
+                self._pending.setdefault(target, {})[distance] = sets
+            self._predictions_general += n_tokens
             # probability-like membership of each expert for the likeliest token, discounted by distance
-            need[target] = np.minimum(1.0, top_k * per_token / per_token.sum(-1, keepdims=True)).max(0) / distance
-            self._need[target] = need[target]
+            need[target] = self._set_need(self.position[target], np.minimum(
+                1.0, top_k * per_token / per_token.sum(-1, keepdims=True)).max(0) / distance)
         return need
+
+    def pending_sets(self, target: int) -> dict[int, np.ndarray]:
+        """The sets [T, k] forecast for `target` and not yet scored, by distance."""
+        q = self.position[target]
+        out = {d: self._pending_sets[q, d, None, :self.configs[target].top_k]
+               for d in range(1, self._pending_valid.shape[1]) if self._pending_valid[q, d]}
+        out.update(self._pending.get(target, {}))
+        return out
 
     def _forecast_plan(self, layer: int, targets: tuple[int, ...]) -> tuple[list[np.ndarray], tuple[bool, ...]]:
         """The mixes of `targets` seen from `layer`, and which signals any of them uses (asked per layer
@@ -645,28 +736,13 @@ class ExpertPredictor:
 
     def need_vector(self, layer: int) -> np.ndarray:
         """need_score of every expert of `layer` [E] (eviction reads these; each is computed once per step)."""
-        need = self._need.get(layer)
-        if need is None:
+        p = self.position.get(layer)
+        if p is None:
             self._config(layer)
-            need = self._need[layer] = self._next_token_need(layer)
-        return need
-
-    def _next_token_need(self, layer: int) -> np.ndarray:
-        config = self.configs[layer]
-        current = self.position[self._current_layer] if self._current_layer is not None else -1
-        distance = (self.position[layer] - current) % len(self.order) or len(self.order)
-        mix = self.weights.mix(distance).as_array()
-        if mix[1] + mix[3] == 0:
-            mix = NEXT_TOKEN_MIX.as_array()
-        previous = self.previous_token_route[layer]
-        uniform = np.full(config.num_experts, 1.0 / config.num_experts)
-        temporal = uniform if previous is None else _row_normalized(self.temporal[layer])[previous].mean(0)
-        counts = self.frequency[layer] + SMOOTHING
-        probability = (mix[1] * temporal + mix[3] * counts / counts.sum()) / (mix[1] + mix[3])
-        need = np.minimum(1.0, config.top_k * probability) / distance
-        if layer == self._current_layer:
-            need[self._pass_routes[layer].reshape(-1)] = 1.0  # in use now
-        return need
+        if not self._need_valid[p]:
+            in_use = self._pass_route(layer) if layer == self._current_layer else None
+            forecast_kernels.estimate_need(*self._tables, p, _NO_IDS if in_use is None else in_use.reshape(-1))
+        return self._need[p, :self.configs[layer].num_experts]
 
     # --- reporting -------------------------------------------------------------------------------------
     def stats(self) -> dict:

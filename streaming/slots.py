@@ -37,6 +37,7 @@ from edge.core.process_memory import HUGE_PAGE, huge_pages_available
 from kernels.cpu.wake import W_EVENT, WAKE_FIELDS
 from quant.expert_file import ExpertIndex
 from streaming.cache import ENTRY_OVERHEAD
+from streaming.predictor import ExpertPredictor
 from streaming.prefetch import DEFAULT_THREADS, RING_DEPTH, WAIT_SLEEPS
 from streaming.source import PREFETCH_WIDTH, LayerPasses, RouteWindow, prepared_expert
 from streaming.stats import StreamingCounters
@@ -241,11 +242,15 @@ class SlotExperts(LayerPasses):
         self._prepared: dict[tuple[int, tuple], ExpertWeights] = {}  # (slot, layout signature) -> weights
         self._signature = {layer: index.layout(layer).signature for layer in self.layers}
         self._order_scratch = np.zeros(n_experts, np.int64)
-        self._plans: dict[tuple, tuple | None] = {}  # _prefetch_plan's, by place
+        self._plans: dict[tuple, tuple] = {}  # _prefetch_plan's, by place
+        self._decode_plans: dict[tuple[int, int], tuple] = {}  # (layer, depth) -> a decode step's prefetch plan
+        # a one-token route's predictor work runs inside the slot table's call where the predictor's
+        # decode step is compiled (its tables, by the same MoE layer ordinals)
+        self._compiled_predictor = isinstance(predictor, ExpertPredictor) and predictor.order == self.order
         self._packed: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # signature -> (rows per slot, made)
         self._current: SlotLayer | None = None
         self._closed = False
-        for compiled in (ks.slot_acquire, ks.slot_prefetch, ks.slot_ready_run, ks.slot_drain):
+        for compiled in (ks.slot_acquire, ks.slot_prefetch, ks.slot_ready_run, ks.slot_drain, ks.slot_decode_layer):
             compiled.dispatcher  # compiled (or loaded from the cache) now, not at the first layer
         self.io.start(self.addresses, self.lengths, self.store.verify, self.results, self.crcs, self.done, self.wake)
 
@@ -322,11 +327,23 @@ class SlotExperts(LayerPasses):
             release, finished_ordinal = finished.detach(), finished.ordinal
         self.state[ks.G_POSITION] = position
         ids = distinct_experts(expert_ids)
+        if ids and (ids[0] < 0 or ids[-1] >= self.layers[layer].num_experts):
+            raise ZllmError(f"layer {layer} has experts 0..{self.layers[layer].num_experts - 1}, the route asks for "
+                            f"{ids}")
         room = self.capacity
+        step = None
+        if self._compiled_predictor and room >= len(ids):
+            step = self.predictor.decode_arguments(layer, expert_ids, residual, router_logits)
+        if step is not None:  # the predictor's work runs inside the slot table's call
+            plan = self._decode_plans.get((layer, self.depth))
+            if plan is None:
+                targets = (*self.predictor.targets(layer), *self._next_pass_targets())
+                plan = self._decode_plans[layer, self.depth] = self._prefetch_plan(targets, 1)
+            self._current = SlotLayer(self, layer, ids, room, release, finished_ordinal, (step, plan, room - len(ids)))
+            return self._current
         self._current = SlotLayer(self, layer, ids, room, release, finished_ordinal)
         if self.predictor is not None:
-            self.predictor.observe(layer, expert_ids, residual, router_logits=router_logits)
-            forecast = self.predictor.forecast(layer, residual)
+            forecast = self.predictor.observe_and_forecast(layer, expert_ids, residual, router_logits)
             forecast.update({first: self.predictor.need_vector(first) for first in self._next_pass_targets()})
             self._schedule(forecast, room - len(ids), len(expert_ids))
         return self._current
@@ -335,37 +352,31 @@ class SlotExperts(LayerPasses):
         """Queue prefetches of the likeliest experts of the layers ahead, nearest layer first (one call)."""
         if free_slots <= 0 or not forecast:
             return
-        plan = self._prefetch_plan(tuple(forecast), n_tokens)
-        if plan is None:
-            return
-        chosen, targets, widths, distances, offsets, need = plan
+        chosen, targets, widths, distances, sizes, need, rows = self._prefetch_plan(tuple(forecast), n_tokens)
         for k, target in enumerate(chosen):
-            need[offsets[k]: offsets[k + 1]] = forecast[target]
-        self._ks.slot_prefetch(*self._table, targets, widths, distances, offsets, need, free_slots,
+            need[k, :sizes[k]] = forecast[target]
+        self._ks.slot_prefetch(*self._table, targets, widths, distances, sizes, need, rows, free_slots,
                                self._order_scratch)
 
     def _prefetch_plan(self, forecast_layers: tuple[int, ...], n_tokens: int):
-        """slot_prefetch's arrays for a forecast of these layers, made from here: (the layers within reach,
-        nearest first; their ordinals, widths, distances, offsets into `need`; `need`, to fill), or None.
-        They depend only on where the model is, so they are made once per (place, layers, depth, tokens)."""
+        """The prefetch arrays for a forecast of these layers, made from here: (the layers within reach,
+        nearest first; their ordinals, widths, distances and sizes; their need rows [n, E], to fill, and
+        the row of each). They depend only on where the model is, so they are made once per (place,
+        layers, depth, tokens)."""
         key = (self._last_ordinal, forecast_layers, self.depth, n_tokens, self.prefetch_width)
-        if key in self._plans:
-            return self._plans[key]
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
         here = self._last_ordinal
         reach = sorted((self._layers_until(target), target) for target in forecast_layers)
-        reach = [(distance, target) for distance, target in reach if distance <= self.depth]
-        plan = None
-        if reach:
-            chosen = [target for _, target in reach]
-            sizes = [self.layers[target].num_experts for target in chosen]
-            offsets = np.zeros(len(chosen) + 1, np.int64)
-            np.cumsum(sizes, out=offsets[1:])
-            widths = [int(np.ceil(self.layers[target].top_k * (1 if self._ordinal[target] <= here else n_tokens)
-                                  * self.prefetch_width)) for target in chosen]
-            plan = (chosen, np.array([self._ordinal[target] for target in chosen], np.int64),
-                    np.array(widths, np.int64), np.array([distance for distance, _ in reach], np.int64), offsets,
-                    np.zeros(offsets[-1], np.float64))
-        self._plans[key] = plan
+        chosen = [target for distance, target in reach if distance <= self.depth]
+        widths = [int(np.ceil(self.layers[target].top_k * (1 if self._ordinal[target] <= here else n_tokens)
+                              * self.prefetch_width)) for target in chosen]
+        plan = self._plans[key] = (
+            chosen, np.array([self._ordinal[target] for target in chosen], np.int64), np.array(widths, np.int64),
+            np.array([self._layers_until(target) for target in chosen], np.int64),
+            np.array([self.layers[target].num_experts for target in chosen], np.int64),
+            np.zeros((len(chosen), self.experts_table.shape[1]), np.float64), np.arange(len(chosen), dtype=np.int64))
         return plan
 
     def begin_request(self) -> None:
@@ -480,7 +491,7 @@ class SlotLayer(RouteWindow):
     after it gets them, in ascending id order)."""
 
     def __init__(self, source: SlotExperts, layer: int, ids: list[int], room: int, release: np.ndarray,
-                 finished: int = -1):
+                 finished: int = -1, decode_step: tuple | None = None):
         self.source, self.layer, self.ids = source, layer, ids
         self.ordinal = source._ordinal[layer]
         self.room = max(room, 1)
@@ -488,17 +499,26 @@ class SlotLayer(RouteWindow):
         self._index = {expert: i for i, expert in enumerate(ids)}
         self._ready: dict[int, ExpertWeights] = {}
         self._slots = np.array(ids[: self.room], np.int64)  # (their slots, once acquired)
-        self._acquire(release, self._slots, finished)
+        self._acquire(release, self._slots, finished, decode_step)
         self._held = dict(zip(ids[: self.room], self._slots.tolist()))  # pinned: expert -> slot
         self._handed_out: list[int] = []
         self._last_run: tuple[int, int] | None = None  # (start, n) of ready_run's last run of pinned slots
 
-    def _acquire(self, release: np.ndarray, out: np.ndarray, finished: int = -1) -> None:
+    def _acquire(self, release: np.ndarray, out: np.ndarray, finished: int = -1, decode_step: tuple | None = None
+                 ) -> None:
         """Pin the slots of the experts `out` (overwritten with them), unpinning `release` and counting a
-        visit of the MoE layer (ordinal) `finished`."""
+        visit of the MoE layer (ordinal) `finished`. With a decode step (the predictor's arguments, the
+        prefetch plan, the free slots), the predictor observes and forecasts the route and the
+        prefetches are queued in the same call (slot_decode_layer)."""
         source = self.source
-        if source._ks.slot_acquire(*source._table, release, finished, self.ordinal, 0, len(out), out) == \
-                source._ks.FULL:
+        ks = source._ks
+        if decode_step is None:
+            outcome = ks.slot_acquire(*source._table, release, finished, self.ordinal, 0, len(out), out)
+        else:
+            arguments, (_, targets, widths, distances, sizes, _, _), free_slots = decode_step
+            outcome = ks.slot_decode_layer(*source._table, *arguments, release, finished, self.ordinal, out, targets,
+                                           widths, distances, sizes, free_slots, source._order_scratch)
+        if outcome == ks.FULL:
             raise ZllmError(f"the expert cache ({source.capacity} slots of {source.slot_bytes} bytes) cannot hold "
                             f"layer {self.layer} expert {int(out[-1])}: every slot is pinned by the layer being "
                             f"computed; raise memory_budget")

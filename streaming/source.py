@@ -235,8 +235,7 @@ class StreamingExperts(LayerPasses):
         self.prefetcher.poll()  # this layer's misses go out before the forecast is made
         if self.predictor is not None:
             with self.cache.lock:  # eviction reads the predictor's need vectors under this lock
-                self.predictor.observe(layer, expert_ids, residual, router_logits=router_logits)
-                forecast = self.predictor.forecast(layer, residual)
+                forecast = self.predictor.observe_and_forecast(layer, expert_ids, residual, router_logits)
                 self.cache.new_step()
                 # The last layers of a pass also prefetch for the first layers of the next token, which
                 # the gate lookahead cannot reach (another token's input): by the next-token estimate.

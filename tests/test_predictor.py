@@ -274,7 +274,7 @@ def test_one_token_gate_forecast_is_the_general_one():
     routers = {layer: (rng.uniform(0.5, 1.5, D).astype(np.float32), rng.normal(0, 1, (E, D)).astype(np.float32),
                        rng.normal(0, 0.5, E).astype(np.float32)) for layer in LAYERS}
     compiled, general = (ExpertPredictor(configs(), routers, depth=2) for _ in range(2))
-    general._decode_plans = dict.fromkeys(LAYERS)  # no plan: every forecast takes the numpy path
+    general._decodable = [False] * len(LAYERS)  # every forecast takes the numpy path
     routes = synthetic_routes("random", 40, seed=3)
     for predictor in (compiled, general):
         predictor.begin_request()
@@ -287,11 +287,12 @@ def test_one_token_gate_forecast_is_the_general_one():
             assert needs[0].keys() == needs[1].keys()
             for target in needs[0]:
                 np.testing.assert_allclose(needs[0][target], needs[1][target], rtol=1e-5, atol=1e-7)
-                for distance, predicted in general._pending[target].items():
-                    np.testing.assert_array_equal(compiled._pending[target][distance], predicted)
+                assert compiled.pending_sets(target).keys() == general.pending_sets(target).keys()
+                for distance, predicted in general.pending_sets(target).items():
+                    np.testing.assert_array_equal(compiled.pending_sets(target)[distance], predicted)
     np.testing.assert_allclose(compiled.drift(1, 2), general.drift(1, 2), rtol=1e-5, atol=1e-6)
     assert compiled.stats()["predictor_recall"] == general.stats()["predictor_recall"]
-    assert compiled._decode_plans[LAYERS[0]] is not None
+    assert compiled._decodable[0] and compiled.forecast_path() == "compiled"
 
 
 def test_one_token_observe_counts_every_transition():
@@ -324,14 +325,23 @@ def test_one_token_observe_counts_every_transition():
 
 
 def test_one_token_drift_step_is_the_moving_average():
-    """`learn_decode_drift`: drift <- (1 - rate) drift + rate (actual - lookahead), in float32."""
-    from kernels.cpu.forecast import learn_decode_drift
-
+    """A decode step moves the drift of each lookahead toward the target's real logits:
+    drift <- (1 - rate) drift + rate (actual - lookahead), in float32."""
     rng = np.random.default_rng(2)
-    drift, actual, lookahead = (rng.normal(0, 1, 37).astype(np.float32) for _ in range(3))
-    expected = np.float32(0.9) * drift + np.float32(0.1) * (actual - lookahead)
-    learn_decode_drift(drift, actual, lookahead, np.float32(0.1))
-    np.testing.assert_allclose(drift, expected, rtol=1e-6, atol=1e-7)
+    routers = {layer: (rng.uniform(0.5, 1.5, D).astype(np.float32), rng.normal(0, 1, (E, D)).astype(np.float32),
+                       None) for layer in LAYERS}
+    predictor = ExpertPredictor(configs(), routers, depth=1)
+    expected = np.zeros(E, np.float32)
+    for t in range(3):
+        residual = rng.normal(0, 1, (1, D)).astype(np.float32)
+        predictor.observe(LAYERS[0], np.array([[0, 1]]), residual)
+        predictor.forecast(LAYERS[0], residual)
+        lookahead = predictor.lookahead_logits(LAYERS[0], residual)[LAYERS[1]][0]
+        actual = rng.normal(0, 1, (1, E)).astype(np.float32)
+        predictor.observe(LAYERS[1], np.array([[2, 3]]), router_logits=actual)
+        expected = np.float32(0.9) * expected + np.float32(0.1) * (actual[0] - lookahead)
+        np.testing.assert_allclose(predictor.drift(LAYERS[0], LAYERS[1]), expected, rtol=1e-5, atol=1e-6)
+        predictor.observe(LAYERS[2], np.array([[0, 1]]))
 
 
 @pytest.mark.parametrize("config", [

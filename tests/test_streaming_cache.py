@@ -219,6 +219,10 @@ class ScriptedPredictor:
             out[target] = scores
         return out
 
+    def observe_and_forecast(self, layer, expert_ids, residual, router_logits=None):
+        self.observe(layer, expert_ids, residual, router_logits)
+        return self.forecast(layer, residual)
+
     def need_vector(self, layer):
         return np.zeros(self.n_experts)
 

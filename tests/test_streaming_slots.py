@@ -272,3 +272,45 @@ def test_a_decode_step_forecasts_its_first_moe_layer_from_the_token_embedding(ti
             likeliest = set(np.argsort(-scores, kind="stable")[: config.top_k].tolist())
             assert likeliest == set(route(logits, config)[0][0].tolist())  # the router's own choice
     assert stats["prefetches_queued"] > 0
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu"])
+def test_the_one_call_decode_step_learns_and_forecasts_as_the_separate_calls_do(tiny_zoo, monkeypatch, device):
+    """Where the predictor's decode step is compiled, a one-token route's observe, forecast, next-token
+    estimate and prefetches run inside the slot table's call (slot_decode_layer), with no observe or
+    forecast called from Python: the predictor learns the same counts, scores the same forecasts and
+    makes the same number of them as with the separate calls (slot table or Python cache), and the
+    tokens stay the resident run's."""
+    from streaming.predictor import ExpertPredictor
+
+    path = tiny_zoo.converted(CASE, MIXED)
+    expected_tokens, _, _ = resident_run(path, device)
+    python_calls = []
+    for name in ("observe", "forecast", "observe_and_forecast"):
+        def spied(predictor, layer, expert_ids, *args, _method=getattr(ExpertPredictor, name), _name=name, **kwargs):
+            python_calls.append((_name, len(expert_ids)))
+            return _method(predictor, layer, expert_ids, *args, **kwargs)
+        monkeypatch.setattr(ExpertPredictor, name, spied)
+    learned = {}
+    for run, engine, one_call in (("one call", "compiled", True), ("separate calls", "compiled", False),
+                                  ("python cache", "python", False)):
+        python_calls.clear()
+        with edge.load(path, device=device, memory_budget="40%", expert_engine=engine) as model:
+            if engine == "compiled":
+                assert model.experts._compiled_predictor
+                model.experts._compiled_predictor = one_call
+            tokens, _ = greedy_decode(model, PROMPT, 6, capacity=32)
+            predictor = model.experts.predictor
+            learned[run] = dict(
+                counts=[np.array(a) for table in (predictor.temporal, predictor.spatial, predictor.frequency)
+                        for a in table.values()],
+                drift=np.array(predictor._drift), stats=predictor.stats(), calls=list(python_calls))
+        assert tokens == expected_tokens, run
+    one_call = learned.pop("one call")
+    assert all(n > 1 for _, n in one_call["calls"])  # only the prefill's routes went through Python
+    assert one_call["stats"]["predictor_by_distance"][1]["actual"] > 0
+    for run, other in learned.items():
+        assert any(n == 1 for _, n in other["calls"]), run
+        assert all(np.array_equal(a, b) for a, b in zip(one_call["counts"], other["counts"])), run
+        np.testing.assert_allclose(one_call["drift"], other["drift"], rtol=1e-5, atol=1e-6)
+        assert one_call["stats"] == other["stats"], run

@@ -44,6 +44,7 @@ from __future__ import annotations
 import numpy as np
 from numba import types
 
+from kernels.cpu import forecast
 from kernels.cpu.intrinsics import atomic_load, monotonic_seconds, spin_pause
 from kernels.cpu.readers import lane_idle, post_read
 from kernels.cpu.wake import await_wake, raise_waiting
@@ -408,8 +409,8 @@ def _wait_for_delivery(slots, times, experts, state, clocks, queue, flight, addr
         raise_waiting(wake, -1)
 
 
-@kernel(_I64(*_TABLE, mutable(_I64, 1), _I64, _I64, _I64, _I64, mutable(_I64, 1)))
-def slot_acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+@helper
+def _acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
                  results, crcs, done, lanes, wake, release, finished, layer, ids_begin, ids_end, out):
     """The layer with ordinal `layer` at position state[G_POSITION] needs experts out[ids_begin:ids_end]
     (ascending ids; overwritten with their slots): unpin the slots in `release`, count a visit of the
@@ -477,12 +478,20 @@ def slot_acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queu
     return misses
 
 
-@kernel(_I64(*_TABLE, readonly(_I64, 1), readonly(_I64, 1), readonly(_I64, 1), readonly(_I64, 1), readonly(_F64, 1),
-             _I64, mutable(_I64, 1)))
-def slot_prefetch(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
-                  results, crcs, done, lanes, wake, targets, widths, distances, offsets, need, free_slots, order):
+@kernel(_I64(*_TABLE, mutable(_I64, 1), _I64, _I64, _I64, _I64, mutable(_I64, 1)))
+def slot_acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+                 results, crcs, done, lanes, wake, release, finished, layer, ids_begin, ids_end, out):
+    """_acquire, on its own (a prefill's route, a route without the compiled decode step)."""
+    return _acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+                    results, crcs, done, lanes, wake, release, finished, layer, ids_begin, ids_end, out)
+
+
+@helper
+def _queue_prefetches(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+                      results, crcs, done, lanes, wake, targets, widths, distances, sizes, need, rows, free_slots,
+                      order):
     """Queue prefetches for the layers ahead, nearest first: for target t (ordinal targets[t], reached in
-    distances[t] layers), its widths[t] likeliest experts by need[offsets[t]:offsets[t + 1]] (ties to the
+    distances[t] layers), its widths[t] likeliest experts by need[rows[t], :sizes[t]] (ties to the
     lower id; none with need 0), within `free_slots` slots beside the layer's own (each likely expert
     takes its share, cached or not); an expert cached or queued is skipped, and one the policy finds no
     victim for is skipped (counted). `order` is scratch of the most experts of a target. -> queued."""
@@ -491,7 +500,7 @@ def slot_prefetch(slots, times, experts, visits, gaps, ahead, state, clocks, que
     for t in range(targets.shape[0]):
         if free_slots <= 0:
             break
-        target, begin, size = targets[t], offsets[t], offsets[t + 1] - offsets[t]
+        target, size, scores = targets[t], sizes[t], need[rows[t]]
         width = min(size, widths[t], free_slots)
         for k in range(width):  # the k-th likeliest, ties to the lower id
             best = -1
@@ -499,10 +508,10 @@ def slot_prefetch(slots, times, experts, visits, gaps, ahead, state, clocks, que
                 taken = False
                 for j in range(k):
                     taken = taken or order[j] == e
-                if not taken and (best < 0 or need[begin + e] > need[begin + best]):
+                if not taken and (best < 0 or scores[e] > scores[best]):
                     best = e
             order[k] = best
-        while width > 0 and need[begin + order[width - 1]] <= 0.0:
+        while width > 0 and scores[order[width - 1]] <= 0.0:
             width -= 1
         free_slots -= width
         needed_at = position + distances[t]
@@ -514,12 +523,58 @@ def slot_prefetch(slots, times, experts, visits, gaps, ahead, state, clocks, que
             if s == NO_SLOT:
                 state[G_PREFETCHES_SKIPPED] += 1
                 continue
-            _reserve(slots, times, experts, state, queue, target, expert, s, distances[t], need[begin + expert],
-                     needed_at)
+            _reserve(slots, times, experts, state, queue, target, expert, s, distances[t], scores[expert], needed_at)
             state[G_PREFETCHES_QUEUED] += 1
             queued += 1
     _submit(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done, lanes)
     return queued
+
+
+_PLAN = (readonly(_I64, 1),) * 4  # a prefetch plan: targets, widths, distances, sizes
+
+
+@kernel(_I64(*_TABLE, *_PLAN, readonly(_F64, 2), readonly(_I64, 1), _I64, mutable(_I64, 1)))
+def slot_prefetch(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+                  results, crcs, done, lanes, wake, targets, widths, distances, sizes, need, rows, free_slots, order):
+    """_queue_prefetches, on its own (a forecast not made by the compiled decode step)."""
+    return _queue_prefetches(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses,
+                             lengths, results, crcs, done, lanes, wake, targets, widths, distances, sizes, need, rows,
+                             free_slots, order)
+
+
+@kernel(_I64(*_TABLE, *forecast.DECODE_ARGUMENT_TYPES, mutable(_I64, 1), _I64, _I64, mutable(_I64, 1), *_PLAN,
+             _I64, mutable(_I64, 1)))
+def slot_decode_layer(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+                      results, crcs, done, lanes, wake, routers, bias, drift, raw, spans, n_targets, mix, sizes_all,
+                      top_k, temporal, spatial, frequency, previous, previous_len, route, route_len, looked, pending,
+                      pending_valid, need, need_valid, next_mix, accuracy, status, p, route_ids, logits, rate, x, eps,
+                      release, finished, layer, out, targets, widths, distances, sizes, free_slots, order):
+    """A decode step's whole expert-source work at the MoE layer with ordinal `layer` (the predictor's
+    position p), in one call: _acquire the distinct ids `out` (their slots, out), then the predictor's
+    observe and gate forecast of the token's route `route_ids` (kernels/cpu/forecast.py), the next-token
+    estimate of the layers ahead that are not forecast, and _queue_prefetches of the plan's targets by
+    their need. -> misses, or FULL as _acquire (nothing else is done then)."""
+    misses = _acquire(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+                      results, crcs, done, lanes, wake, release, finished, layer, 0, out.shape[0], out)
+    if misses == FULL:
+        return FULL
+    forecast.observe_decode(routers, bias, drift, raw, spans, n_targets, mix, sizes_all, top_k, temporal, spatial,
+                            frequency, previous, previous_len, route, route_len, looked, pending, pending_valid,
+                            need, need_valid, next_mix, accuracy, status, p, route_ids, logits, rate)
+    forecast.forecast_decode(routers, bias, drift, raw, spans, n_targets, mix, sizes_all, top_k, temporal, spatial,
+                             frequency, previous, previous_len, route, route_len, looked, pending, pending_valid,
+                             need, need_valid, next_mix, accuracy, status, p, x, eps)
+    for t in range(targets.shape[0]):
+        q = targets[t]
+        if not need_valid[q]:
+            in_use = route[q, :route_len[q]] if q == p else route[q, :0]
+            forecast.next_token_need(routers, bias, drift, raw, spans, n_targets, mix, sizes_all, top_k, temporal,
+                                     spatial, frequency, previous, previous_len, route, route_len, looked, pending,
+                                     pending_valid, need, need_valid, next_mix, accuracy, status, q, in_use)
+    _queue_prefetches(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+                      results, crcs, done, lanes, wake, targets, widths, distances, sizes, need, targets, free_slots,
+                      order)
+    return misses
 
 
 @kernel(_I64(*_TABLE, readonly(_I64, 1), _I64, _I64))
