@@ -111,10 +111,12 @@ def predictor_bytes(spec, layers: list[int], depth: int) -> int:
         experts = config.num_experts
         ahead = sum(spec.moe_for_layer(target).num_experts for target in layers[position + 1: position + 1 + depth])
         total += 4 * (experts * spec.hidden_size + spec.hidden_size + experts)  # router, norm gain, bias (f32)
+        if position == 0:  # its router folded with its norm gain, for the embedding's forecast
+            total += 4 * (experts * spec.hidden_size + experts)
         total += 4 * ahead * (spec.hidden_size + 3)  # the targets' stacked routers, bias, drift, raw lookahead
         total += 8 * (2 * widest * widest + 2 * widest)  # transitions, frequencies and needs (f64)
-        total += 8 * ((depth + 1) * (config.top_k + 2) + 2 * config.top_k + 3)  # routes, pending sets, flags
-    return total
+        total += 8 * (3 * depth + 8 + 2 * config.top_k + (depth + 1) * (config.top_k + 2))  # routes, sets, flags
+    return total + 8 * (2 + 3 * (depth + 1) + 3) if layers else 0  # decode accuracy, status
 
 
 def entry_bytes(index: ExpertIndex, layer: int) -> int:

@@ -21,7 +21,9 @@ traces (streaming/calibration.py). Counts are Laplace-smoothed, so a cold predic
 everything but the gate.
 
 The predictor holds no expert weights and does no I/O: it reads the routers it is given and the
-routes it observes, and answers with scores.
+routes it observes, and answers with scores. Its state lies in plain arrays (kernels/cpu/forecast.py
+lists them), so that a decode step's observe and gate forecast run compiled, on their own or inside
+the slot table's call (streaming/slots.py); routes of several tokens take the numpy path below.
 """
 from __future__ import annotations
 
@@ -287,6 +289,9 @@ class ExpertPredictor:
         self._rows = {layer: (int(spans[p, 0, 0]), int(spans[p, len(self.targets(layer)) - 1, 1]))
                       for p, layer in enumerate(self.order) if self.targets(layer)}
         self._stacked_routers = {layer: routers_stacked[b:e] for layer, (b, e) in self._rows.items()}
+        gain, router, bias = self.routers[self.order[0]]  # (token_forecast's, folded the same way)
+        self._first_router = (np.ascontiguousarray(router * gain[None, :], np.float32),
+                              np.zeros(len(router), np.float32) if bias is None else bias)
         self._decodable = [self._decodes(layer) for layer in self.order]
         mix = np.zeros((n_layers, depth), np.float64)
         for p, layer in enumerate(self.order):
@@ -639,9 +644,17 @@ class ExpertPredictor:
         residual stream yet), as `forecast` scores the next layer. (The layers after it see the
         embedding through another layer's output: the next-token estimate serves them better.)"""
         first = self.order[0]
+        config = self.configs[first]
+        if self._selects_by_logits(first):  # in one compiled call
+            router, bias = self._first_router
+            need = self._need[0, :config.num_experts]
+            forecast_kernels.embedding_need(self._residual_row(embedding), router, bias, self._eps_f32, config.top_k,
+                                            need)
+            self._need_valid[0] = 1
+            return {first: need.copy()}
         x = np.asarray(embedding, np.float32).reshape(1, -1)
         scores = softmax(self.selection_logits(first, self.raw_logits(first, x)).astype(np.float64))[0]
-        return {first: self._set_need(0, np.minimum(1.0, self.configs[first].top_k * scores)).copy()}
+        return {first: self._set_need(0, np.minimum(1.0, config.top_k * scores)).copy()}
 
     def _set_need(self, position: int, need: np.ndarray) -> np.ndarray:
         row = self._need[position, :len(need)]

@@ -3,11 +3,13 @@
 T = tokens, A = active experts per token, E = routed experts of a layer, S = slots.
 
 It does what StreamingExperts (streaming/source.py) does, with the expert cache held as a slot table
-in plain arrays (kernels/cpu/expert_slots.py): per MoE layer the model's thread makes one compiled
-call that pins the route's cached experts, reserves slots for the misses by the eviction policy and
-submits their reads ahead of every prefetch, one call that queues and submits the predictor's
-prefetches, and, while it mixes the experts in ascending id order, one call per run of delivered
-experts that waits for the next one. Reads go through io_uring, collected by one completion thread
+in plain arrays (kernels/cpu/expert_slots.py): per MoE layer of a decode step the model's thread makes
+one compiled call (slot_decode_layer) that pins the route's cached experts, reserves slots for the
+misses by the eviction policy and submits their reads ahead of every prefetch, runs the predictor's
+observe and gate forecast on its arrays (kernels/cpu/forecast.py), and queues and submits the
+prefetches; and, while it mixes the experts in ascending id order, one call per run of delivered
+experts that waits for the next one. A prefill's route, or a forecast the predictor's general path
+makes, takes one call to pin and one to queue. Reads go through io_uring, collected by one completion thread
 (kernels/cpu/uring.py ring_complete), or where io_uring does not run (or io_engine 'threads' asks)
 through reader threads (kernels/cpu/readers.py reader_loop); both are compiled loops that never
 return to Python and check each record's crc32. So no Python runs per expert read, on any thread.
@@ -525,7 +527,8 @@ class SlotLayer(RouteWindow):
 
     def detach(self) -> np.ndarray:
         """The slots this layer pinned, for the next call to release; it hands out nothing more."""
-        pins = np.fromiter(self._held.values(), np.int64, len(self._held))
+        whole = self.whole and self._held  # (every slot of the route, in order)
+        pins = self._slots if whole else np.fromiter(self._held.values(), np.int64, len(self._held))
         self._held, self._ready, self._handed_out, self._last_run = {}, {}, [], None
         return pins
 

@@ -283,8 +283,7 @@ def test_budget_counts_the_expert_predictor(tiny_zoo):
     with edge.load(path, memory_budget="50%") as model:
         predictor, planned = model.experts.predictor, model.memory.predictor_bytes
         arrays = [a for gain, router, bias in predictor.routers.values() for a in (gain, router, bias) if a is not None]
-        arrays += [*predictor._stacked_routers.values(), *predictor.temporal.values(), *predictor.spatial.values(),
-                   *predictor.frequency.values(), *predictor._drift_blocks.values()]
+        arrays += [*predictor._tables, *predictor._first_router]  # its state tables, the embedding's router
         held = sum(a.nbytes for a in arrays)
     assert held <= planned <= 1.25 * held
 

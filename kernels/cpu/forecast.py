@@ -235,3 +235,28 @@ def estimate_need(routers, bias, drift, raw, spans, targets, mix, sizes, top_k, 
     next_token_need(routers, bias, drift, raw, spans, targets, mix, sizes, top_k, temporal, spatial, frequency,
                     previous, previous_len, route, route_len, looked, pending, pending_valid, need, need_valid,
                     next_mix, accuracy, status, q, in_use)
+
+
+@kernel(types.void(readonly(_F32, 1), readonly(_F32, 2), readonly(_F32, 1), _F32, _I64, mutable(_F64, 1)),
+        keep_gil=True)
+def embedding_need(x, router, bias, eps, top_k, need):
+    """The first MoE layer's need scores from a token's embedding x [D], before layer 0 runs: its router
+    R [E, D] (norm gain folded in) applied to rms_norm(x), need = min(1, top_k * softmax(raw))."""
+    d_model = x.shape[0]
+    square_sum = np.float32(0.0)
+    for i in range(d_model):
+        square_sum += x[i] * x[i]
+    inverse = np.float32(1.0) / np.sqrt(square_sum / np.float32(d_model) + eps)
+    peak = -np.inf
+    for e in range(router.shape[0]):
+        total = np.float32(0.0)
+        for i in range(d_model):
+            total += x[i] * router[e, i]
+        need[e] = np.float64(total * inverse + bias[e])
+        peak = max(peak, need[e])
+    exp_sum = 0.0
+    for e in range(router.shape[0]):
+        need[e] = np.exp(need[e] - peak)
+        exp_sum += need[e]
+    for e in range(router.shape[0]):
+        need[e] = min(1.0, top_k * (need[e] / exp_sum))
