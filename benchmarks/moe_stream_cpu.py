@@ -47,7 +47,7 @@ TIMED_METHODS = ("streaming.source:StreamingExperts.experts", "streaming.slots:S
                  "streaming.predictor:ExpertPredictor.observe_and_forecast",
                  "streaming.predictor:ExpertPredictor.decode_arguments",
                  "devices.cpu.backend:CpuBackend.expert_mixture", "streaming.source:StreamedLayer._wait",
-                 "streaming.slots:SlotLayer.ready_run", "streaming.slots:SlotLayer.packed_run",
+                 "streaming.slots:SlotLayer.ready_run", "streaming.slots:SlotLayer.ready_rows",
                  "streaming.prefetch:RingLoader.wait_loaded", "streaming.prefetch:RingLoader.poll")
 METHOD_LABELS = {"StreamingExperts.experts": "expert source, all", "StreamedLayer.__init__": "  pin a layer's experts",
                  "StreamingExperts._schedule": "  schedule prefetches", "ExpertPredictor.observe": "  predictor observe",
@@ -60,7 +60,7 @@ METHOD_LABELS = {"StreamingExperts.experts": "expert source, all", "StreamedLaye
                  "SlotExperts.experts": "slot table, all",
                  "SlotLayer.__init__": "  pin, evict, submit misses (and the predictor's decode step)",
                  "SlotExperts._schedule": "  queue prefetches", "SlotLayer.ready_run": "  wait for a run of reads",
-                 "SlotLayer.packed_run": "  a run's descriptor rows"}
+                 "SlotLayer.ready_rows": "  wait for a run of reads, and its descriptor rows"}
 
 
 @contextlib.contextmanager

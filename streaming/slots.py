@@ -249,10 +249,12 @@ class SlotExperts(LayerPasses):
         # a one-token route's predictor work runs inside the slot table's call where the predictor's
         # decode step is compiled (its tables, by the same MoE layer ordinals)
         self._compiled_predictor = isinstance(predictor, ExpertPredictor) and predictor.order == self.order
-        self._packed: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # signature -> (rows per slot, made)
+        self._packed: dict[tuple, tuple] = {}  # signature -> pack_slots' (rows per slot, made, a route's rows)
+        self._run_length = np.zeros(1, np.int64)  # (slot_ready_rows answers a run's length here too)
         self._current: SlotLayer | None = None
         self._closed = False
-        for compiled in (ks.slot_acquire, ks.slot_prefetch, ks.slot_ready_run, ks.slot_drain, ks.slot_decode_layer):
+        for compiled in (ks.slot_acquire, ks.slot_prefetch, ks.slot_ready_run, ks.slot_ready_rows, ks.slot_drain,
+                         ks.slot_decode_layer):
             compiled.dispatcher  # compiled (or loaded from the cache) now, not at the first layer
         self.io.start(self.addresses, self.lengths, self.store.verify, self.results, self.crcs, self.done, self.wake)
 
@@ -288,20 +290,22 @@ class SlotExperts(LayerPasses):
         begin = slot * self.slot_bytes
         return self.slab[begin: begin + self.index.layout(layer).raw_length]
 
-    def packed_rows(self, layer: int, slots: np.ndarray, pack) -> np.ndarray:
-        """The backend's packed form of the experts of `layer` in `slots` (delivered), their rows one after
-        another: pack(weights) [R, F] of each slot, made once per slot and layout (it points into the
-        slot's buffer, whatever expert the slot holds, as the prepared weights do)."""
+    def pack_slots(self, layer: int, slots: np.ndarray, pack) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The backend's packed form of `layer`'s layout: (pack(weights) [R, F] of each slot, whether each
+        slot's is made, room for a route's rows one after another), with those of `slots` (delivered)
+        made. They are made once per slot and layout (they point into the slot's buffer, whatever expert
+        the slot holds, as the prepared weights do)."""
         signature = self._signature[layer]
-        rows, made = self._packed.get(signature) or (None, None)
-        missing = slots.tolist() if made is None else slots[~made[slots]].tolist()
+        packed = self._packed.get(signature)
+        missing = slots.tolist() if packed is None else slots[~packed[1][slots]].tolist()
         for slot in missing:
-            packed = pack(self.weights(slot, layer, int(self.slots[slot, self._ks.S_EXPERT])))
-            if rows is None:  # (the packed form's shape is the backend's)
-                rows, made = np.zeros((self.max_slots, *packed.shape), packed.dtype), np.zeros(self.max_slots, bool)
-                self._packed[signature] = rows, made
-            rows[slot], made[slot] = packed, True
-        return rows[slots].reshape(-1, rows.shape[-1])
+            rows = pack(self.weights(slot, layer, int(self.slots[slot, self._ks.S_EXPERT])))
+            if packed is None:  # (the packed form's shape is the backend's)
+                packed = self._packed[signature] = (
+                    np.zeros((self.max_slots, *rows.shape), rows.dtype), np.zeros(self.max_slots, bool),
+                    np.zeros((self.experts_table.shape[1] * rows.shape[0], rows.shape[1]), rows.dtype))
+            packed[0][slot], packed[1][slot] = rows, True
+        return packed
 
     def weights(self, slot: int, layer: int, expert: int) -> ExpertWeights:
         """The backend's weights of the record in `slot` (prepared once per slot and layout: they point
@@ -413,7 +417,7 @@ class SlotExperts(LayerPasses):
                     self.state[ks.G_USED_SLOTS] -= 1
                 self.slots[s, ks.S_LAYER], self.slots[s, ks.S_STATE] = -1, ks.EMPTY
             self._prepared = {key: w for key, w in self._prepared.items() if key[0] < capacity}
-            for _, made in self._packed.values():
+            for _, made, _ in self._packed.values():
                 made[capacity:] = False
             self._mapping.madvise(mmap.MADV_DONTNEED, capacity * self.slot_bytes, (old - capacity) * self.slot_bytes)
         self._advise_pages(capacity)
@@ -504,7 +508,6 @@ class SlotLayer(RouteWindow):
         self._acquire(release, self._slots, finished, decode_step)
         self._held = dict(zip(ids[: self.room], self._slots.tolist()))  # pinned: expert -> slot
         self._handed_out: list[int] = []
-        self._last_run: tuple[int, int] | None = None  # (start, n) of ready_run's last run of pinned slots
 
     def _acquire(self, release: np.ndarray, out: np.ndarray, finished: int = -1, decode_step: tuple | None = None
                  ) -> None:
@@ -529,7 +532,7 @@ class SlotLayer(RouteWindow):
         """The slots this layer pinned, for the next call to release; it hands out nothing more."""
         whole = self.whole and self._held  # (every slot of the route, in order)
         pins = self._slots if whole else np.fromiter(self._held.values(), np.int64, len(self._held))
-        self._held, self._ready, self._handed_out, self._last_run = {}, {}, [], None
+        self._held, self._ready, self._handed_out = {}, {}, []
         return pins
 
     def _release_pins(self) -> None:
@@ -540,43 +543,66 @@ class SlotLayer(RouteWindow):
     def _wait(self, run: np.ndarray, start: int) -> int:
         """slot_ready_run on `run` from `start`, with failed reads read again (or raised)."""
         source = self.source
-        ks = source._ks
         while True:
-            n = ks.slot_ready_run(*source._table, run, start, WAIT_SLEEPS)
+            n = source._ks.slot_ready_run(*source._table, run, start, WAIT_SLEEPS)
             if n > 0:
                 return n
-            slot = int(run[start])
-            expert = int(source.slots[slot, ks.S_EXPERT])
-            if n == ks.FAILURE:
-                try:
-                    source.recover(slot, self.layer, expert)
-                except BaseException:
-                    self._release_pins()
-                    raise
-            elif not source.completion_alive():
+            self._not_ready(n, run, start)
+
+    def _not_ready(self, outcome: int, run: np.ndarray, start: int) -> None:
+        """After a wait that answered FAILURE or NOT_YET for run[start]: read it again here (a fault on the
+        way passes), or raise its typed error, or that the I/O engine stopped."""
+        source = self.source
+        ks = source._ks
+        slot = int(run[start])
+        expert = int(source.slots[slot, ks.S_EXPERT])
+        if outcome == ks.FAILURE:
+            try:
+                source.recover(slot, self.layer, expert)
+            except BaseException:
                 self._release_pins()
-                error = source.io.error()
-                raise ExpertReadError(f"{source.index.path}: reading layer {self.layer} expert {expert} did not "
-                                      f"complete: {error}; check the disk holding the checkpoint")
+                raise
+        elif not source.completion_alive():
+            self._release_pins()
+            error = source.io.error()
+            raise ExpertReadError(f"{source.index.path}: reading layer {self.layer} expert {expert} did not "
+                                  f"complete: {error}; check the disk holding the checkpoint")
 
     def ready_run(self, ids: list[int], start: int) -> int:
         """How many of the experts ids[start:] (ascending, this route's) are loaded in a row, at least one:
         waits for ids[start]. A consumer that mixes experts in ascending id order computes with the loaded
         ones while the others are read."""
-        if not self.whole or (ids is not self.ids and list(ids) != self.ids):
+        if not self._whole_route(ids):
             self[ids[start]]
             return 1
-        n = self._wait(self._slots, start)
-        self._last_run = (start, n)
-        return n
+        return self._wait(self._slots, start)
 
-    def packed_run(self, pack, start: int, n: int) -> np.ndarray | None:
-        """The packed rows of the run ids[start:start + n] that ready_run just handed over
-        (SlotExperts.packed_rows), or None where it handed that run over expert by expert (a route not
-        pinned whole): the consumer then takes each expert's weights."""
-        if self._last_run != (start, n):
-            return None
-        return self.source.packed_rows(self.layer, self._slots[start: start + n], pack)
+    def ready_rows(self, pack, ids: list[int], start: int) -> tuple[int, np.ndarray | None]:
+        """ready_run(ids, start) and the packed rows of that run (SlotExperts.pack_slots), one expert's
+        after another: (n, rows [n * R, F], valid until the next call), in one compiled call; rows None
+        where the route is not pinned whole (the consumer then takes each expert's weights)."""
+        if not self._whole_route(ids):
+            return self.ready_run(ids, start), None
+        source = self.source
+        ks = source._ks
+        while True:
+            packed = source._packed.get(source._signature[self.layer])
+            if packed is None:  # the first run of this layout: its rows give the packed form's shape
+                source.pack_slots(self.layer, self._slots[start: start + self._wait(self._slots, start)], pack)
+                continue
+            rows, made, out = packed
+            n = ks.slot_ready_rows(*source._table, self._slots, start, WAIT_SLEEPS, rows, made, out,
+                                   source._run_length)
+            if n > 0:
+                return n, out[: n * rows.shape[1]]
+            if n == ks.UNPACKED:
+                source.pack_slots(self.layer, self._slots[start: start + int(source._run_length[0])], pack)
+            else:
+                self._not_ready(n, self._slots, start)
+
+    def _whole_route(self, ids: list[int]) -> bool:
+        """Whether `ids` are this route's, every one pinned (so its slots are waited on as a run)."""
+        return self.whole and (ids is self.ids or list(ids) == self.ids)
 
     def __getitem__(self, expert: int) -> ExpertWeights:
         weights = self._ready.get(expert)

@@ -257,10 +257,12 @@ class CpuBackend:
         coeffs = np.ascontiguousarray(weights[order], np.float32)
         out = np.zeros(x.shape, np.float32)
         start = 0
-        packed_run = getattr(experts, "packed_run", None)
+        ready_rows = getattr(experts, "ready_rows", None)
         while start < len(ascending):
-            n = experts.ready_run(ascending, start)
-            table = packed_run(self._expert_table, start, n) if packed_run is not None else None  # [3 * n, W_FIELDS]
+            if ready_rows is not None:  # the run and its descriptor rows [3 * n, W_FIELDS], in one call
+                n, table = ready_rows(self._expert_table, ascending, start)
+            else:
+                n, table = experts.ready_run(ascending, start), None
             if table is None:
                 chosen = [experts[expert] for expert in ascending[start:start + n]]  # referenced until the kernel returns
                 table = np.concatenate([self._expert_table(w) for w in chosen])

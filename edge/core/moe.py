@@ -74,9 +74,9 @@ class ChosenExperts(Mapping):
     once, and taking a further one (in ascending id order) releases the earliest taken.
     `ready_run(ids, start)`: how many of the ascending ids[start:] can be taken without waiting (at
     least one, waiting for ids[start]), so a consumer computes with those while the rest load.
-    A source may also offer `packed_run(pack, start, n)`: the backend's packed form (pack(weights),
-    rows stacked) of the run ready_run just handed over, kept by the source so that a consumer need
-    not take the experts one by one; None when it cannot (the consumer takes each expert)."""
+    A source may also offer `ready_rows(pack, ids, start)`: ready_run's run length and the backend's
+    packed form of that run (pack(weights), rows stacked), kept by the source so that a consumer need
+    not take the experts one by one; (n, None) when it cannot (the consumer takes each expert)."""
 
     window_size: int | None = None
 

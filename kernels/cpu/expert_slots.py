@@ -79,6 +79,7 @@ NO_SLOT = -1
 FULL = -1          # acquire: no slot can be freed, every one is pinned by the layer being computed
 NOT_YET = -2       # wait: the read is still out after the sleeps allowed; the caller checks the I/O engine
 FAILURE = -3       # wait: the read failed, came back short or damaged (the caller reads it again to learn why)
+UNPACKED = -4      # wait: delivered, but a slot of the run has no descriptor rows yet (the caller makes them)
 SPINS_BEFORE_SLEEP = 200
 POSIX_FADV_DONTNEED = 4
 
@@ -577,9 +578,9 @@ def slot_decode_layer(slots, times, experts, visits, gaps, ahead, state, clocks,
     return misses
 
 
-@kernel(_I64(*_TABLE, readonly(_I64, 1), _I64, _I64))
-def slot_ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
-                   results, crcs, done, lanes, wake, run, start, sleeps):
+@helper
+def _ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+               results, crcs, done, lanes, wake, run, start, sleeps):
     """Wait (without the GIL) until the slot run[start] is delivered, then -> how many of run[start:] are
     delivered in a row (at least 1); FAILURE when run[start]'s read failed, NOT_YET when it is still out
     after `sleeps` sleeps. The time waited is I/O stall."""
@@ -599,6 +600,35 @@ def slot_ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, qu
     n = 1
     while start + n < run.shape[0] and slots[run[start + n], S_STATE] == READY:
         n += 1
+    return n
+
+
+@kernel(_I64(*_TABLE, readonly(_I64, 1), _I64, _I64))
+def slot_ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+                   results, crcs, done, lanes, wake, run, start, sleeps):
+    """_ready_run, on its own (a consumer that takes each expert's weights)."""
+    return _ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+                      results, crcs, done, lanes, wake, run, start, sleeps)
+
+
+@kernel(_I64(*_TABLE, readonly(_I64, 1), _I64, _I64, readonly(_I64, 3), readonly(types.boolean, 1), mutable(_I64, 2),
+             mutable(_I64, 1)))
+def slot_ready_rows(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+                    results, crcs, done, lanes, wake, run, start, sleeps, rows, made, out, run_length):
+    """_ready_run, and the run's descriptor rows: rows[s] [R, F] of each slot s of it (made[s]), one after
+    another into out -> the run's length (also in run_length[0]); UNPACKED when a slot of the run has no
+    rows yet (the caller makes them and asks again), FAILURE or NOT_YET as _ready_run."""
+    n = _ready_run(slots, times, experts, visits, gaps, ahead, state, clocks, queue, flight, addresses, lengths,
+                   results, crcs, done, lanes, wake, run, start, sleeps)
+    if n < 0:
+        return n
+    run_length[0] = n
+    for i in range(n):
+        if not made[run[start + i]]:
+            return UNPACKED
+    per_slot = rows.shape[1]
+    for i in range(n):
+        out[per_slot * i: per_slot * (i + 1)] = rows[run[start + i]]
     return n
 
 
