@@ -383,7 +383,7 @@ class ExpertPredictor:
             router_logits = self.raw_logits(layer, residual)
         if len(ids) == 1:  # a decode step: in one compiled call
             forecast_kernels.decode_observe(*self._tables, self.position[layer], ids[0],
-                                            self._logits_row(router_logits), _DRIFT_RATE_F32)
+                                            self._logits_row(layer, router_logits), _DRIFT_RATE_F32)
             self._pending.pop(layer, None), self._looked_ahead.pop(layer, None)  # (made for another call)
             return
         position = self.position[layer]
@@ -424,7 +424,7 @@ class ExpertPredictor:
         if router_logits is None:
             router_logits = self.raw_logits(layer, residual)
         self._pending.pop(layer, None), self._looked_ahead.pop(layer, None)  # (made for another call)
-        return (*self._tables, position, ids[0], self._logits_row(router_logits), _DRIFT_RATE_F32,
+        return (*self._tables, position, ids[0], self._logits_row(layer, router_logits), _DRIFT_RATE_F32,
                 self._residual_row(residual), self._eps_f32)
 
     def _checked_route(self, layer: int, expert_ids: np.ndarray) -> np.ndarray:
@@ -436,16 +436,23 @@ class ExpertPredictor:
                                  f"got shape {ids.shape}")
         return ids
 
-    @staticmethod
-    def _logits_row(router_logits: np.ndarray | None) -> np.ndarray:
-        """One token's router logits as the compiled calls take them ([E] f32; none: empty)."""
+    def _logits_row(self, layer: int, router_logits: np.ndarray | None) -> np.ndarray:
+        """One token's router logits of `layer` as the compiled calls take them ([E] f32; none: empty)."""
         if router_logits is None:
             return _NO_LOGITS
-        return np.ascontiguousarray(router_logits, np.float32).reshape(-1)
+        row = np.ascontiguousarray(router_logits, np.float32).reshape(-1)
+        if len(row) != self.configs[layer].num_experts:  # (the compiled calls do not check their bounds)
+            raise PredictorError(f"layer {layer}: router logits must be [1, {self.configs[layer].num_experts}], got "
+                                 f"shape {np.shape(router_logits)}")
+        return row
 
-    @staticmethod
-    def _residual_row(residual: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(residual, np.float32).reshape(-1)
+    def _residual_row(self, residual: np.ndarray) -> np.ndarray:
+        """One token's residual stream [D] f32, as the compiled calls take it."""
+        row = np.ascontiguousarray(residual, np.float32).reshape(-1)
+        if len(row) != self._first_router[0].shape[1]:
+            raise PredictorError(f"the residual stream must be [1, {self._first_router[0].shape[1]}], got shape "
+                                 f"{np.shape(residual)}")
+        return row
 
     def _count_route(self, layer: int, position: int, ids: np.ndarray) -> None:
         """The counts a route [T, A] of several tokens teaches (the compiled observe's for one token)."""

@@ -204,6 +204,14 @@ def test_bad_input_is_refused_with_a_message():
         SignalMix()
     with pytest.raises(PredictorError, match=r"^the predictor looks at least 1 layer ahead, got depth 0$"):
         ExpertPredictor(configs(), block_routers(), depth=0)
+    # a decode step's compiled calls do not check their bounds: the shapes are checked before them
+    with pytest.raises(PredictorError, match=rf"^layer 1: router logits must be \[1, {E}\], got shape \(1, 3\)$"):
+        predictor.observe(1, np.array([[0, 1]]), router_logits=np.zeros((1, 3), np.float32))
+    with pytest.raises(PredictorError, match=rf"^the residual stream must be \[1, {D}\], got shape \(1, 5\)$"):
+        predictor.observe_and_forecast(1, np.array([[0, 1]]), np.zeros((1, 5), np.float32),
+                                       router_logits=np.zeros((1, E), np.float32))
+    with pytest.raises(PredictorError, match=rf"^the residual stream must be \[1, {D}\], got shape \(7,\)$"):
+        predictor.token_forecast(np.zeros(7, np.float32))
 
 
 # ------------------------------------------------------------------------------------------ calibration

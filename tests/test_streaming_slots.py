@@ -3,6 +3,7 @@ failures as the Python cache, with no Python per expert read."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -224,7 +225,9 @@ def test_without_liburing_the_slot_table_reads_through_its_reader_threads(tiny_z
     assert all(np.array_equal(a, b) for a, b in zip(logits, expected_logits))
 
 
-@pytest.mark.parametrize("device", ["reference", "cpu"])
+@pytest.mark.parametrize("device", ["reference", "cpu", pytest.param("npu:cpu", marks=pytest.mark.skipif(
+    importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnx") is None,
+    reason="the npu device needs onnxruntime and onnx"))])
 @pytest.mark.parametrize("engine", ["compiled", "python"])
 def test_a_decode_step_forecasts_its_first_moe_layer_from_the_token_embedding(tiny_zoo, monkeypatch, engine, device):
     """Before layer 0 of every decode step (and of no prefill), the source forecasts the first MoE

@@ -171,7 +171,7 @@ class NpuBackend:
         self.dense_ffn_layers = [i for i in range(len(model.layers)) if i not in self.moe_layers]
         self.shared_experts = any(weights.shared_gate is not None for _, weights in moe)
         cache = GraphCache(model, self.export_options)
-        executor = NpuExecutor(model, cache, self.runtime, self.settings)
+        executor = NpuExecutor(model, cache, self.runtime, self.settings, self.embed)
         self.executors.append(executor)
         return executor, "fused"
 

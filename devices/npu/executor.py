@@ -75,8 +75,9 @@ class Chunk:
 
 
 class NpuExecutor:
-    def __init__(self, model, cache, runtime, settings):
+    def __init__(self, model, cache, runtime, settings, embed):
         self.model = model
+        self.embed = embed  # the backend's embedding lookup, for the expert source's forecast of a decode step
         self.spec = model.spec
         self.graph_cache = cache
         self.runtime = runtime
@@ -124,6 +125,8 @@ class NpuExecutor:
         else:
             size = self.settings.prefill_chunk
             pieces = [(o, min(size, n_tokens - o), size) for o in range(0, n_tokens, size)]
+        if n_tokens == 1 and self.moe_layers:  # (the source may prefetch from the token's embedding)
+            self.model.moe.begin_token(lambda: self.embed(self.model.embed_tokens, ids)[0])
         logits, observed, routes = [], {}, {}
         for offset, valid, tokens in pieces:
             is_last = offset + valid == n_tokens
