@@ -106,6 +106,7 @@ def predictor_bytes(spec, layers: list[int], depth: int) -> int:
     """The arrays streaming/predictor.py's ExpertPredictor keeps for these MoE layers looking `depth` ahead."""
     total = 0
     widest = max((spec.moe_for_layer(layer).num_experts for layer in layers), default=0)  # (the tables' rows)
+    reach = max(1, min(depth, len(layers) - 1))  # the most MoE layers a forecast looks ahead (its tables' depth)
     for position, layer in enumerate(layers):
         config = spec.moe_for_layer(layer)
         experts = config.num_experts
@@ -115,8 +116,8 @@ def predictor_bytes(spec, layers: list[int], depth: int) -> int:
             total += 4 * (experts * spec.hidden_size + experts)
         total += 4 * ahead * (spec.hidden_size + 3)  # the targets' stacked routers, bias, drift, raw lookahead
         total += 8 * (2 * widest * widest + 2 * widest)  # transitions, frequencies and needs (f64)
-        total += 8 * (3 * depth + 8 + 2 * config.top_k + (depth + 1) * (config.top_k + 2))  # routes, sets, flags
-    return total + 8 * (2 + 3 * (depth + 1) + 3) if layers else 0  # decode accuracy, status
+        total += 8 * (3 * reach + 8 + 2 * config.top_k + (reach + 1) * (config.top_k + 2))  # routes, sets, flags
+    return total + 8 * (2 + 3 * (reach + 1) + 3) if layers else 0  # decode accuracy, status
 
 
 def entry_bytes(index: ExpertIndex, layer: int) -> int:

@@ -269,7 +269,8 @@ class ExpertPredictor:
         # block of rows of one array, as are the drift and raw lookahead of each (layer, target) pair.
         n_layers, n_experts = len(self.order), max(c.num_experts for c in self.configs.values())
         n_active = max(c.top_k for c in self.configs.values())
-        spans = np.zeros((n_layers, depth, 2), np.int64)
+        reach = max(1, min(depth, n_layers - 1))  # the most MoE layers a forecast looks ahead within a pass
+        spans = np.zeros((n_layers, reach, 2), np.int64)
         blocks, row = [], 0
         for p, layer in enumerate(self.order):
             for j, target in enumerate(self.targets(layer)):
@@ -293,7 +294,7 @@ class ExpertPredictor:
         self._first_router = (np.ascontiguousarray(router * gain[None, :], np.float32),
                               np.zeros(len(router), np.float32) if bias is None else bias)
         self._decodable = [self._decodes(layer) for layer in self.order]
-        mix = np.zeros((n_layers, depth), np.float64)
+        mix = np.zeros((n_layers, reach), np.float64)
         for p, layer in enumerate(self.order):
             for j, _ in enumerate(self.targets(layer)):
                 mix[p, j] = self.weights.mix(j + 1).gate
@@ -314,9 +315,9 @@ class ExpertPredictor:
             np.zeros((n_layers, n_experts, n_experts)), np.zeros((n_layers, n_experts, n_experts)),
             np.zeros((n_layers, n_experts)), np.zeros((n_layers, n_active), np.int64), np.zeros(n_layers, np.int64),
             np.zeros((n_layers, n_active), np.int64), np.zeros(n_layers, np.int64),
-            np.zeros((n_layers, depth + 1), np.int64), np.zeros((n_layers, depth + 1, n_active), np.int64),
-            np.zeros((n_layers, depth + 1), np.int64), np.zeros((n_layers, n_experts)), np.zeros(n_layers, np.int64),
-            next_mix, np.zeros((depth + 1, 3), np.int64), np.zeros(forecast_kernels.STATUS_FIELDS, np.int64))
+            np.zeros((n_layers, reach + 1), np.int64), np.zeros((n_layers, reach + 1, n_active), np.int64),
+            np.zeros((n_layers, reach + 1), np.int64), np.zeros((n_layers, n_experts)), np.zeros(n_layers, np.int64),
+            next_mix, np.zeros((reach + 1, 3), np.int64), np.zeros(forecast_kernels.STATUS_FIELDS, np.int64))
         (_, _, self._drift, self._raw, self._spans, _, _, _, _, temporal, spatial, frequency, self._previous_ids,
          self._previous_len, self._route_ids, self._route_len, self._looked, self._pending_sets,
          self._pending_valid, self._need, self._need_valid, _, decode_accuracy, self._status) = self._tables

@@ -249,6 +249,7 @@ LOAD_SETTING = st.sampled_from(LOAD_SETTINGS).flatmap(lambda name: st.tuples(st.
 @example(setting=("storage", "custom:bw=1GB,lat=99999999999999999999999999999999s"), moe=True)  # OverflowError
 @example(setting=("storage", "custom:bw=1,lat=1us"), moe=True)  # 1 byte/s: the first read never ended
 @example(setting=("prefetch_threads", 2**63), moe=True)  # tried to start 2**63 loading threads
+@example(setting=("prefetch_depth", 2**63), moe=True)  # sized the predictor's tables by it
 @example(setting=("expert_strategy", ""), moe=True)  # "", 0, [] and {} were taken as the default
 @example(setting=("expert_strategy", []), moe=True)
 @example(setting=("expert_policy", "x"), moe=True)  # ignored by the mmap and resident strategies

@@ -2,7 +2,7 @@
 teaches it, and its gate forecast of the layers ahead.
 
 L = MoE layers (by ordinal), E = the most routed experts of a layer, A = the most active experts,
-D = hidden size, d = distance ahead in MoE layers (1..depth), R = rows of every layer's stacked
+D = hidden size, d = distance ahead in MoE layers (1..depth, depth at most L - 1), R = rows of every layer's stacked
 lookahead routers together.
 
 For the default signal mix (the drift-corrected gate alone) a decode step is a few dozen tiny numpy
