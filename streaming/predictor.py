@@ -201,14 +201,15 @@ def set_hits(predicted: np.ndarray, actual: np.ndarray) -> int:
 
 class _Accuracy:
     """hits / predicted / actual per (phase, distance); phase is "decode" (one token) or "prefill".
-    The decode counts are an array [depth + 1, 3] the compiled decode step adds to."""
+    The decode counts are an array [depth + 1, 3] the compiled decode step adds to; Python adds the
+    prefill's."""
 
     def __init__(self, decode: np.ndarray):
         self.decode = decode
-        self.counts: dict[int, list[int]] = {}  # prefill: distance -> [hits, predicted, actual]
+        self.prefill: dict[int, list[int]] = {}  # distance -> [hits, predicted, actual]
 
-    def add(self, phase: str, distance: int, hits: int, predicted: int, actual: int) -> None:
-        total = self.decode[distance] if phase == "decode" else self.counts.setdefault(distance, [0, 0, 0])
+    def add_prefill(self, distance: int, hits: int, predicted: int, actual: int) -> None:
+        total = self.prefill.setdefault(distance, [0, 0, 0])
         total[0] += hits
         total[1] += predicted
         total[2] += actual
@@ -216,7 +217,7 @@ class _Accuracy:
     def _totals(self, phase: str) -> dict[int, tuple[int, int, int]]:
         if phase == "decode":
             return {d: tuple(int(v) for v in row) for d, row in enumerate(self.decode) if row[1] or row[2]}
-        return {d: tuple(row) for d, row in sorted(self.counts.items())}
+        return {d: tuple(row) for d, row in sorted(self.prefill.items())}
 
     def figures(self, phase: str, distance: int) -> tuple[float | None, float | None]:
         hits, predicted, actual = self._totals(phase).get(distance, (0, 0, 0))
@@ -269,27 +270,24 @@ class ExpertPredictor:
         # block of rows of one array, as are the drift and raw lookahead of each (layer, target) pair.
         n_layers, n_experts = len(self.order), max(c.num_experts for c in self.configs.values())
         n_active = max(c.top_k for c in self.configs.values())
+        self.hidden_size = len(next(iter(self.routers.values()))[0])
         reach = max(1, min(depth, n_layers - 1))  # the most MoE layers a forecast looks ahead within a pass
-        spans = np.zeros((n_layers, reach, 2), np.int64)
-        blocks, row = [], 0
+        spans, row = np.zeros((n_layers, reach, 2), np.int64), 0
         for p, layer in enumerate(self.order):
             for j, target in enumerate(self.targets(layer)):
                 spans[p, j] = row, row + self.configs[target].num_experts
-                row += self.configs[target].num_experts
-                gain, router, bias = self.routers[target]
-                linear_bias = None if self.configs[target].score_correction_bias else bias
-                blocks.append((router * gain[None, :], linear_bias))
-        routers_stacked = np.zeros((row, len(next(iter(self.routers.values()))[0])), np.float32)
-        bias_stacked = np.zeros(row, np.float32)
-        begin = 0
-        for router, bias in blocks:
-            routers_stacked[begin: begin + len(router)] = router
-            if bias is not None:
-                bias_stacked[begin: begin + len(router)] = bias
-            begin += len(router)
-        self._rows = {layer: (int(spans[p, 0, 0]), int(spans[p, len(self.targets(layer)) - 1, 1]))
-                      for p, layer in enumerate(self.order) if self.targets(layer)}
-        self._stacked_routers = {layer: routers_stacked[b:e] for layer, (b, e) in self._rows.items()}
+                row = int(spans[p, j, 1])
+        routers_stacked, bias_stacked = np.zeros((row, self.hidden_size), np.float32), np.zeros(row, np.float32)
+        self._stacked_routers = {}
+        for p, layer in enumerate(self.order):
+            targets = self.targets(layer)
+            for j, target in enumerate(targets):
+                (begin, end), (gain, router, bias) = spans[p, j], self.routers[target]
+                routers_stacked[begin:end] = router * gain[None, :]
+                if bias is not None and not self.configs[target].score_correction_bias:
+                    bias_stacked[begin:end] = bias
+            if targets:
+                self._stacked_routers[layer] = routers_stacked[spans[p, 0, 0]:spans[p, len(targets) - 1, 1]]
         gain, router, bias = self.routers[self.order[0]]  # (token_forecast's, folded the same way)
         self._first_router = (np.ascontiguousarray(router * gain[None, :], np.float32),
                               np.zeros(len(router), np.float32) if bias is None else bias)
@@ -321,19 +319,17 @@ class ExpertPredictor:
         (_, _, self._drift, self._raw, self._spans, _, _, _, _, temporal, spatial, frequency, self._previous_ids,
          self._previous_len, self._route_ids, self._route_len, self._looked, self._pending_sets,
          self._pending_valid, self._need, self._need_valid, _, decode_accuracy, self._status) = self._tables
-        self._drift_blocks = {layer: self._drift[b:e] for layer, (b, e) in self._rows.items()}
         self.temporal = {layer: temporal[p, :c.num_experts, :c.num_experts] for p, (layer, c)
                          in enumerate(self.configs.items())}
         self.spatial = {layer: spatial[p, :self.configs[prev].num_experts, :self.configs[layer].num_experts]
                         for p, (prev, layer) in enumerate(zip(self.order, self.order[1:]), start=1)}
         self.frequency = {layer: frequency[p, :c.num_experts] for p, (layer, c) in enumerate(self.configs.items())}
         self.accuracy = _Accuracy(decode_accuracy)
-        self._predictions_general = 0  # forecasts made by the general path (the compiled ones count in status)
         self.begin_request()
 
     @property
     def predictions_made(self) -> int:
-        return int(self._status[forecast_kernels.P_PREDICTIONS]) + self._predictions_general
+        return int(self._status[forecast_kernels.P_PREDICTIONS])
 
     # --- request state ---------------------------------------------------------------------------------
     def begin_request(self, forget_transitions: bool = False) -> None:
@@ -379,14 +375,13 @@ class ExpertPredictor:
         """Learn from `layer`'s real route [T, A] and score the forecasts made for it. With the residual
         [T, D] entering the layer's FFN (or the layer's raw router logits [T, E] computed from it), also
         learn how far the lookahead of earlier layers drifted from this layer's real logits."""
+        if len(expert_ids) == 1:  # a decode step: in one compiled call
+            forecast_kernels.decode_observe(*self._tables, *self._one_token(layer, expert_ids, residual, router_logits),
+                                            _DRIFT_RATE_F32)
+            return
         ids = self._checked_route(layer, expert_ids)
         if router_logits is None and residual is not None:
             router_logits = self.raw_logits(layer, residual)
-        if len(ids) == 1:  # a decode step: in one compiled call
-            forecast_kernels.decode_observe(*self._tables, self.position[layer], ids[0],
-                                            self._logits_row(layer, router_logits), _DRIFT_RATE_F32)
-            self._pending.pop(layer, None), self._looked_ahead.pop(layer, None)  # (made for another call)
-            return
         position = self.position[layer]
         current = int(self._status[forecast_kernels.P_CURRENT])
         if current < 0 or position <= current:  # a new forward call starts at its first MoE layer
@@ -418,15 +413,20 @@ class ExpertPredictor:
         `layer`'s route of one token, or None where that step does not apply (several tokens, or a
         forecast the general path makes). Whoever runs the step has observed and forecast `layer`."""
         self._config(layer)
-        position = self.position[layer]
-        if len(expert_ids) != 1 or not self._decodable[position]:
+        if len(expert_ids) != 1 or not self._decodable[self.position[layer]]:
             return None
+        return (*self._tables, *self._one_token(layer, expert_ids, residual, router_logits), _DRIFT_RATE_F32,
+                self._residual_row(residual), self._eps_f32)
+
+    def _one_token(self, layer: int, expert_ids: np.ndarray, residual: np.ndarray | None,
+                   router_logits: np.ndarray | None) -> tuple[int, np.ndarray, np.ndarray]:
+        """A one-token route's (position, ids [A], router logits [E] or empty) as the compiled observe takes
+        them, checked; what a forward call of several tokens left pending for `layer` is dropped."""
         ids = self._checked_route(layer, expert_ids)
-        if router_logits is None:
+        if router_logits is None and residual is not None:
             router_logits = self.raw_logits(layer, residual)
         self._pending.pop(layer, None), self._looked_ahead.pop(layer, None)  # (made for another call)
-        return (*self._tables, position, ids[0], self._logits_row(layer, router_logits), _DRIFT_RATE_F32,
-                self._residual_row(residual), self._eps_f32)
+        return self.position[layer], ids[0], self._logits_row(layer, router_logits)
 
     def _checked_route(self, layer: int, expert_ids: np.ndarray) -> np.ndarray:
         config = self._config(layer)
@@ -450,9 +450,8 @@ class ExpertPredictor:
     def _residual_row(self, residual: np.ndarray) -> np.ndarray:
         """One token's residual stream [D] f32, as the compiled calls take it."""
         row = np.ascontiguousarray(residual, np.float32).reshape(-1)
-        if len(row) != self._first_router[0].shape[1]:
-            raise PredictorError(f"the residual stream must be [1, {self._first_router[0].shape[1]}], got shape "
-                                 f"{np.shape(residual)}")
+        if len(row) != self.hidden_size:
+            raise PredictorError(f"the residual stream must be [1, {self.hidden_size}], got shape {np.shape(residual)}")
         return row
 
     def _count_route(self, layer: int, position: int, ids: np.ndarray) -> None:
@@ -502,7 +501,7 @@ class ExpertPredictor:
         self._pending_valid[self.position[layer]] = 0  # (one-token forecasts were made for another call)
         for distance, predicted in (pending or {}).items():
             if len(predicted) == len(ids):  # (else made for another forward call)
-                self.accuracy.add("prefill", distance, set_hits(predicted, ids), predicted.size, ids.size)
+                self.accuracy.add_prefill(distance, set_hits(predicted, ids), predicted.size, ids.size)
 
     # --- forecasting -----------------------------------------------------------------------------------
     def targets(self, layer: int) -> list[int]:
@@ -715,7 +714,7 @@ class ExpertPredictor:
                 self._pending_valid[q, distance] = 1
             else:
                 self._pending.setdefault(target, {})[distance] = sets
-            self._predictions_general += n_tokens
+            self._status[forecast_kernels.P_PREDICTIONS] += n_tokens
             # probability-like membership of each expert for the likeliest token, discounted by distance
             need[target] = self._set_need(self.position[target], np.minimum(
                 1.0, top_k * per_token / per_token.sum(-1, keepdims=True)).max(0) / distance)

@@ -64,6 +64,22 @@ DECODE_ARGUMENT_TYPES = (*_TABLES, _I64, readonly(_I64, 1), readonly(_F32, 1), _
 
 
 @helper
+def router_logits(x, eps, routers, bias, begin, end, out):
+    """out[s] = rms_norm(x) . routers[s] + bias[s] for rows s in [begin, end) (norm gains folded into
+    the routers), the sums in f32."""
+    d_model = x.shape[0]
+    square_sum = np.float32(0.0)
+    for i in range(d_model):
+        square_sum += x[i] * x[i]
+    inverse = np.float32(1.0) / np.sqrt(square_sum / np.float32(d_model) + eps)
+    for s in range(begin, end):
+        total = np.float32(0.0)
+        for i in range(d_model):
+            total += x[i] * routers[s, i]
+        out[s] = total * inverse + bias[s]
+
+
+@helper
 def observe_decode(routers, bias, drift, raw, spans, targets, mix, sizes, top_k, temporal, spatial, frequency,
                    previous, previous_len, route, route_len, looked, pending, pending_valid, need, need_valid,
                    next_mix, accuracy, status, p, ids, logits, rate):
@@ -120,16 +136,7 @@ def forecast_decode(routers, bias, drift, raw, spans, targets, mix, sizes, top_k
     n_targets = targets[p]
     if n_targets == 0:
         return
-    d_model = x.shape[0]
-    square_sum = np.float32(0.0)
-    for i in range(d_model):
-        square_sum += x[i] * x[i]
-    inverse = np.float32(1.0) / np.sqrt(square_sum / np.float32(d_model) + eps)
-    for s in range(spans[p, 0, 0], spans[p, n_targets - 1, 1]):
-        total = np.float32(0.0)
-        for i in range(d_model):
-            total += x[i] * routers[s, i]
-        raw[s] = total * inverse + bias[s]
+    router_logits(x, eps, routers, bias, spans[p, 0, 0], spans[p, n_targets - 1, 1], raw)
     for j in range(n_targets):
         q, d, begin = p + 1 + j, j + 1, spans[p, j, 0]
         size, k_q = sizes[q], top_k[q]
@@ -242,17 +249,9 @@ def estimate_need(routers, bias, drift, raw, spans, targets, mix, sizes, top_k, 
 def embedding_need(x, router, bias, eps, top_k, need):
     """The first MoE layer's need scores from a token's embedding x [D], before layer 0 runs: its router
     R [E, D] (norm gain folded in) applied to rms_norm(x), need = min(1, top_k * softmax(raw))."""
-    d_model = x.shape[0]
-    square_sum = np.float32(0.0)
-    for i in range(d_model):
-        square_sum += x[i] * x[i]
-    inverse = np.float32(1.0) / np.sqrt(square_sum / np.float32(d_model) + eps)
+    router_logits(x, eps, router, bias, 0, router.shape[0], need)
     peak = -np.inf
     for e in range(router.shape[0]):
-        total = np.float32(0.0)
-        for i in range(d_model):
-            total += x[i] * router[e, i]
-        need[e] = np.float64(total * inverse + bias[e])
         peak = max(peak, need[e])
     exp_sum = 0.0
     for e in range(router.shape[0]):
