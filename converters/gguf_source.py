@@ -313,6 +313,6 @@ class GGUFSource:
         release_pages(self.reader.data, tensor.data_offset, tensor.data_offset + int(tensor.n_bytes))
 
     def close(self) -> None:
-        # Let go of the reader and its mapping, without unmapping: arrays read from the file earlier
-        # keep it mapped until the last of them goes (an unmapped view crashes on its next read).
-        self.reader = None
+        mm = getattr(self.reader, "data", None)
+        if mm is not None and hasattr(mm, "_mmap") and mm._mmap is not None:
+            mm._mmap.close()

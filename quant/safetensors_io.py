@@ -97,10 +97,9 @@ class SafetensorsFile:
         release_pages(self._map, entry.begin, entry.end)
 
     def close(self) -> None:
-        """Let go of the mapping. Arrays handed out earlier keep it mapped until the last of them goes:
-        numpy's views hold the mapping but no buffer export, so unmapping it here would leave them
-        pointing at unmapped pages (a crash on their next read, not an error)."""
-        self._map = None
+        if self._map is not None:
+            self._map._mmap.close()
+            self._map = None
 
     def __enter__(self) -> "SafetensorsFile":
         return self
