@@ -28,10 +28,17 @@ import numpy as np
 STREAMS = (1, 4)
 
 
-@numba.njit(nogil=True, fastmath=True, boundscheck=False, cache=False)
+@numba.njit
+def _stream_words(n_words, streams):
+    """Words of each stream when n_words are read as `streams` streams of whole 64-byte lines."""
+    return n_words // (8 * streams) * 8
+
+
+@numba.njit(nogil=True, fastmath=True, boundscheck=False)
 def _read_words(words, streams):
-    """The sum of `words`, read as `streams` interleaved streams of 8 words (64 bytes) at a time."""
-    length = words.shape[0] // (8 * streams) * 8
+    """The sum of the first streams * _stream_words(len, streams) words, read as `streams`
+    interleaved streams of 8 words (64 bytes) at a time."""
+    length = _stream_words(words.shape[0], streams)
     sums = np.zeros(8, np.int64)
     for i in range(0, length, 8):
         for j in range(streams):
@@ -70,14 +77,14 @@ def probe(threads: int = 1, mib: int = 256, repeats: int = 5) -> dict:
     def copy(part):
         np.copyto(target[part[0]:part[1]], source[part[0]:part[1]])
 
+    _read_words(source[:64], 1)  # compiled before it is timed
     read_rates = {}
     for streams in STREAMS:
-        _read_words(source[:64], streams)  # compiled before it is timed
-
         def read(part, streams=streams):
             _read_words(source[part[0]:part[1]], streams)
 
-        read_rates[streams] = source.nbytes / min(_timed_parallel(read, parts) for _ in range(repeats))
+        bytes_read = sum(streams * _stream_words(end - begin, streams) for begin, end in parts) * source.itemsize
+        read_rates[streams] = bytes_read / min(_timed_parallel(read, parts) for _ in range(repeats))
     copy_seconds = min(_timed_parallel(copy, parts) for _ in range(repeats))
     read_rate = max(read_rates.values())
     copy_rate = 2 * source.nbytes / copy_seconds
