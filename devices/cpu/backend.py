@@ -113,8 +113,8 @@ class CpuBackend:
             self.prefill_reason = "f32 (bf16 tiles measured slower on this CPU)"
         else:
             self.prefill_reason = "f32"
-        # int4 weights (and int8 ones where the dot product takes unsigned bytes) prefill on integer
-        # panels: the tokens quantized as decode quantizes its vector, the weight's codes as stored
+        # int4 and int8 weights prefill on integer panels wherever an int8 dot product runs: the tokens
+        # quantized as decode quantizes its vector, the weight's codes as stored
         self.integer_prefill_bits = tuple(bits for bits in (4, 8) if integer_prefill_runs(bits, self.activation_style))
         if self.integer_prefill_bits:
             weights = " and ".join(f"int{bits}" for bits in self.integer_prefill_bits)

@@ -42,7 +42,7 @@ from kernels.cpu.llvm_ir import (ACT_F32, CHUNK, LANES, PREFETCH_BLOCKS, Q8_SUPE
                                  make_dot_rows, quantize_chunk)
 from kernels.cpu.llvm_prefill import (PANEL_ROWS, QUADS_PER_CHUNK, QUANTIZED_WORDS, RECORD_SCALE, RECORD_SUM,
                                       integer_prefill_runs, make_dequantize_rows, make_panel_times_tokens,
-                                      make_tile_times_tokens, pack_panel)
+                                      make_tile_times_tokens, pack_panel, signed_panel_codes)
 from kernels.cpu.runtime import cfunc, helper, kernel, mutable, readonly
 
 TILE_M = 6  # weight rows per micro-kernel call
@@ -322,7 +322,8 @@ def _integer_gemm_for(kind: int, style: int):
     _gemm_for's gemm, xq as the caller quantized it; the tile scratch holds one panel."""
     bits = wf.IR_FORMATS[kind].bits
     affine = 1 if wf.IR_FORMATS[kind].affine else 0
-    zero_point = 0 if affine else wf.IR_FORMATS[kind].zero_point
+    signed = 1 if signed_panel_codes(bits, style) else 0
+    zero_point = (0 if affine else wf.IR_FORMATS[kind].zero_point) - (128 if signed else 0)  # of the panel's codes
 
     def gemm(descriptor, row_begin, row_end, xt, xt_stride, xq, xq_chunks, n_tokens, tile, tile_stride, block, out,
              out_stride, out_col, accumulate, transposed):
@@ -345,11 +346,11 @@ def _integer_gemm_for(kind: int, style: int):
                     panel_words[quad, r] = 0
                 for c in range(2 * n_chunks):
                     panel_scales[c, r] = 0.0
-            pack_panel(bits, w[W_DATA], w[W_ROW_BYTES], w[W_SCALES], w[W_OFFSETS], n_groups, chunks_per_group,
+            pack_panel(bits, signed, w[W_DATA], w[W_ROW_BYTES], w[W_SCALES], w[W_OFFSETS], n_groups, chunks_per_group,
                        panel_begin, n_rows, panel, factors, panel_offsets)
             first_col = out_col + panel_begin - row_begin
             for t_begin in range(0, n_tokens, PANEL_TOKENS):
-                panel_times_tokens(style, affine, panel, factors, panel_offsets,
+                panel_times_tokens(style, affine, signed, panel, factors, panel_offsets,
                                    xq + group_bytes * (t_begin // PANEL_TOKENS), n_chunks, zero_point, block)
                 n_t = min(PANEL_TOKENS, n_tokens - t_begin)
                 for i in range(n_rows if transposed else n_t):  # along each output row

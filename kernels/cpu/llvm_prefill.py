@@ -236,32 +236,41 @@ QUANTIZED_WORDS = QUADS_PER_CHUNK + 2
 
 def integer_prefill_runs(bits: int, style: int) -> bool:
     """Whether a weight of `bits`-bit codes prefills on integer panels in activation style `style`:
-    int4 codes with every int8 instruction; int8 codes where the instruction takes unsigned bytes
-    (VNNI, i8mm): pmaddubsw and sdot would have to sign every product, which costs more than f32
-    tiles. Generic IR keeps f32 tiles: nothing here has measured it faster."""
-    return style not in (ACT_F32, ACT_INT8) and (bits == 4 or not INT8_DOTS[style].signed_codes)
+    int4 and int8 codes with every int8 instruction. Generic IR keeps f32 tiles: nothing here has
+    measured it faster."""
+    return style not in (ACT_F32, ACT_INT8)
 
 
-def _int16_pairs_fit(style: int) -> bool:
+def signed_panel_codes(bits: int, style: int) -> bool:
+    """Whether a panel holds int8 codes as signed bytes (code - 128): for the instructions that multiply
+    signed bytes (sdot) or saturate on unsigned ones above 127 (pmaddubsw, which then takes |code - 128|
+    times q with the code's sign, as decode does)."""
+    return bits == 8 and INT8_DOTS[style].signed_codes
+
+
+def _int16_pairs_fit(style: int, signed: bool) -> bool:
     """pmaddubsw's int16 pair sums of a whole chunk (8 quads of int4 codes <= 15 times |q| <= 127:
-    at most 8 * 2 * 15 * 127 = 30480) are added in int16 and widened once per chunk."""
-    return style in _MADD
+    at most 8 * 2 * 15 * 127 = 30480) are added in int16 and widened once per chunk; int8 codes'
+    pairs (up to 2 * 128 * 127) are widened at once."""
+    return style in _MADD and not signed
 
 
 @intrinsic
-def pack_panel(typingctx, bits, data, row_bytes, scales, offsets, n_groups, chunks_per_group, row0, n_rows, panel,
-               factors, panel_offsets):
+def pack_panel(typingctx, bits, signed, data, row_bytes, scales, offsets, n_groups, chunks_per_group, row0, n_rows,
+               panel, factors, panel_offsets):
     """Rows row0 .. row0 + n_rows of a quantized weight into a panel (layout above): their codes
-    (int4 unpacked to bytes), and per chunk and row the f32 scale (factors [K / 32, 16]) and, for
-    affine weights (offsets != 0), the f32 offset (panel_offsets [K / 32, 16]). `bits` (4 or 8) is
-    a compile-time constant; the rest are int64. Rows past n_rows are left as they are."""
-    if not isinstance(bits, types.IntegerLiteral):
-        raise errors.TypingError(f"pack_panel: bits must be a compile-time integer constant, got {bits}")
-    code_bits = bits.literal_value
-    signature = types.void(bits, *([INT64_ARGS] * 11))
+    (int4 unpacked to bytes; int8 ones as code - 128 where `signed`, signed_panel_codes), and per chunk
+    and row the f32 scale (factors [K / 32, 16]) and, for affine weights (offsets != 0), the f32 offset
+    (panel_offsets [K / 32, 16]). `bits` (4 or 8) and `signed` (0 or 1) are compile-time constants; the
+    rest are int64. Rows past n_rows are left as they are."""
+    for name, literal in (("bits", bits), ("signed", signed)):
+        if not isinstance(literal, types.IntegerLiteral):
+            raise errors.TypingError(f"pack_panel: {name} must be a compile-time integer constant, got {literal}")
+    code_bits, signed_codes = bits.literal_value, bool(signed.literal_value)
+    signature = types.void(bits, signed, *([INT64_ARGS] * 11))
 
     def codegen(context, builder, sig, args):
-        (_, data, row_bytes, scales, offsets, n_groups, chunks_per_group, row0, n_rows, panel, factors,
+        (_, _, data, row_bytes, scales, offsets, n_groups, chunks_per_group, row0, n_rows, panel, factors,
          panel_offsets) = args
         e = Emitter(builder)
         n_chunks = e.b.mul(n_groups, chunks_per_group)
@@ -280,6 +289,8 @@ def pack_panel(typingctx, bits, data, row_bytes, scales, offsets, n_groups, chun
                     codes = e.b.shuffle_vector(low, high, natural_order)
                 else:
                     codes = e.load(V32I8, e.address(row_data, (c, 32)), 1)
+                    if signed_codes:
+                        codes = e.b.xor(codes, ir.Constant(V32I8, [-128] * 32))
                 words = e.b.bitcast(codes, ir.VectorType(I32, QUADS_PER_CHUNK))
                 for j in range(QUADS_PER_CHUNK):
                     quad = e.b.add(e.b.mul(c, e.i64(QUADS_PER_CHUNK)), e.i64(j))
@@ -299,23 +310,26 @@ def make_panel_times_tokens(n_tokens: int):
     """Intrinsic: block[t, r] = sum_k w[r, k] * x^[t, k] for the panel's 16 rows r and n_tokens
     tokens t, w the panel's weights and x^ the quantized inputs (layouts above).
 
-    Arguments: style (an int8 activation style, llvm_ir.ACT_INT8_*) and affine (0 or 1), both
-    compile-time constants, then the int64 panel, factors, panel_offsets, xq (the quantized tokens:
-    the records of the block's group of n_tokens tokens), n_chunks, zero (the symmetric codes' zero
-    point, 0 for affine ones) and block (f32 [n_tokens, 16], written).
+    Arguments: style (an int8 activation style, llvm_ir.ACT_INT8_*), affine (0 or 1) and signed (1:
+    the panel's codes are signed bytes, signed_panel_codes), compile-time constants, then the int64
+    panel, factors, panel_offsets, xq (the quantized tokens: the records of the block's group of
+    n_tokens tokens), n_chunks, zero (the zero point of the panel's codes: the symmetric codes' one,
+    0 for affine ones, less 128 where signed) and block (f32 [n_tokens, 16], written).
     Per chunk the integer sums are exact; each row and token adds sum * s * d (+ o * d * sum(q)) in
     f32, chunk after chunk, so the bits depend on the inputs alone."""
 
     @intrinsic
-    def panel_times_tokens(typingctx, style, affine, panel, factors, panel_offsets, xq, n_chunks, zero, block):
-        for name, literal in (("style", style), ("affine", affine)):
+    def panel_times_tokens(typingctx, style, affine, signed, panel, factors, panel_offsets, xq, n_chunks, zero,
+                           block):
+        for name, literal in (("style", style), ("affine", affine), ("signed", signed)):
             if not isinstance(literal, types.IntegerLiteral):
                 raise errors.TypingError(f"panel_times_tokens: {name} must be a compile-time integer constant")
         activation_style, has_offsets = style.literal_value, bool(affine.literal_value)
-        signature = types.void(style, affine, *([INT64_ARGS] * 7))
+        signed_codes = bool(signed.literal_value)
+        signature = types.void(style, affine, signed, *([INT64_ARGS] * 7))
 
         def codegen(context, builder, sig, args):
-            _, _, panel, factors, panel_offsets, xq, n_chunks, zero, block = args
+            _, _, _, panel, factors, panel_offsets, xq, n_chunks, zero, block = args
             e = Emitter(builder)
             tokens = range(n_tokens)
             totals = [e.variable(ir.Constant(V16F, [0.0] * LANES)) for _ in tokens]
@@ -336,7 +350,7 @@ def make_panel_times_tokens(n_tokens: int):
                     inputs = [e.b.bitcast(e.splat(e.load(I32, word(t, j), 4)), V64I8) for t in tokens]
                     return codes, inputs
 
-                if _int16_pairs_fit(activation_style):
+                if _int16_pairs_fit(activation_style, signed_codes):
                     width = _MADD[activation_style][0]
                     pairs = [None] * n_tokens
                     for j in range(QUADS_PER_CHUNK):
@@ -352,7 +366,8 @@ def make_panel_times_tokens(n_tokens: int):
                     lanes = list(starts)
                     for j in range(QUADS_PER_CHUNK):
                         codes, inputs = quad_data(j)
-                        lanes = [byte_dot(e, lanes[t], codes, inputs[t], activation_style) for t in tokens]
+                        lanes = [byte_dot(e, lanes[t], codes, inputs[t], activation_style, signed_codes)
+                                 for t in tokens]
                 scale = e.load(V16F, e.address(factors, (c, 4 * PANEL_ROWS)), 4)
                 offset = e.load(V16F, e.address(panel_offsets, (c, 4 * PANEL_ROWS)), 4) if has_offsets else None
                 for t in tokens:
