@@ -9,7 +9,8 @@ misses by the eviction policy and submits their reads ahead of every prefetch, r
 observe and gate forecast on its arrays (kernels/cpu/forecast.py), and queues and submits the
 prefetches; and, while it mixes the experts in ascending id order, one call per run of delivered
 experts that waits for the next one. A prefill's route, or a forecast the predictor's general path
-makes, takes one call to pin and one to queue. Reads go through io_uring, collected by one completion thread
+makes, takes one call to pin and one to queue. Reads go through io_uring (issued inline by the submitting call
+where the compute threads take every core, else by the kernel's workers), collected by one completion thread
 (kernels/cpu/uring.py ring_complete), or where io_uring does not run (or io_engine 'threads' asks)
 through reader threads (kernels/cpu/readers.py reader_loop); both are compiled loops that never
 return to Python and check each record's crc32. So no Python runs per expert read, on any thread.
@@ -173,11 +174,19 @@ def open_io(io_engine: str, readers: int) -> tuple[RingIO | ReaderIO, str | None
     return ReaderIO(readers), reason
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the system tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 class SlotExperts(LayerPasses):
     def __init__(self, index: ExpertIndex, prepare_weight, layers: dict[int, MoeConfig], cache_bytes: int,
                  storage=None, predictor=None, policy: str = "nextuse", depth: int = 2, verify: bool = True,
                  direct_io: bool = True, store: ExpertStore | None = None, prefetch_width: float = PREFETCH_WIDTH,
-                 io_engine: str = "auto", readers: int = DEFAULT_THREADS):
+                 io_engine: str = "auto", readers: int = DEFAULT_THREADS, compute_threads: int | None = None):
         from kernels.cpu import expert_slots as ks
 
         self._ks = ks
@@ -234,6 +243,7 @@ class SlotExperts(LayerPasses):
         s[ks.G_RING], s[ks.G_VERIFY], s[ks.G_POLICY] = self.io.address, int(verify), ks.POLICY_CODES[policy]
         s[ks.G_DEPTH], s[ks.G_CAPACITY], s[ks.G_LAYERS] = self.io.depth, capacity, len(self.order)
         s[ks.G_ORDINAL] = -1
+        s[ks.G_INLINE_READS] = int(compute_threads is not None and compute_threads >= usable_cores())
         self._sync_store()
         if self.store.storage is not None:
             self.clocks[ks.C_LATENCY] = self.store.storage.latency_s

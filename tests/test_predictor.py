@@ -375,3 +375,27 @@ def test_selection_logits_pick_the_routers_experts(config):
     ranked = top_sets(predictor.selection_logits(1, logits), config.top_k)
     ids, _ = route(logits, config, correction)
     np.testing.assert_array_equal(np.sort(ranked, -1), np.sort(ids, -1))
+
+
+def test_the_compiled_top_k_orders_as_a_stable_descending_argsort():
+    """kernels/cpu/forecast.py largest_first, which orders forecast sets and prefetches, picks what
+    np.argsort(-scores, kind="stable") does: ties to the lower id, NaN after every number."""
+    import numba
+
+    from kernels.cpu.forecast import largest_first
+
+    @numba.njit
+    def ordered(scores, size, k, order):
+        largest_first(scores, size, k, order)
+
+    rng = np.random.default_rng(7)
+    for trial in range(400):
+        size = int(rng.integers(1, 70))
+        k = int(rng.integers(1, size + 1))
+        scores = [rng.random(size), rng.integers(0, 4, size).astype(np.float64),
+                  np.where(rng.random(size) < 0.3, np.nan, rng.integers(0, 3, size)).astype(np.float64),
+                  np.where(rng.random(size) < 0.2, -np.inf, rng.random(size))][trial % 4]
+        order = np.full(size, -1, np.int64)
+        ordered(np.concatenate([scores, rng.random(3)]), size, k, order)  # entries past `size` are not read
+        np.testing.assert_array_equal(order[:k], np.argsort(-scores, kind="stable")[:k])
+

@@ -13,7 +13,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from test_streaming_model import MIXED, PROMPT, greedy_run, resident_run
+from test_streaming_model import MIXED, N_DECODE, PROMPT, greedy_run, resident_run
 from tiny_models import greedy_decode
 
 import edge
@@ -55,6 +55,24 @@ def test_both_engines_give_the_resident_bits_and_the_same_figures(tiny_zoo, opti
     assert figures["python"]["expert_engine"] == "python cache: expert_engine 'python' asked for"
     assert set(figures["compiled"]) == set(figures["python"])
     assert figures["compiled"]["io_engine"] == io_engine
+
+
+@pytest.mark.skipif("io_uring" not in IO_ENGINES, reason="io_uring does not run here")
+@pytest.mark.parametrize("cores", [1, 2, 64])
+def test_reads_are_issued_inline_only_where_the_compute_threads_take_every_core(tiny_zoo, monkeypatch, cores):
+    """With the compute threads on every core the model's thread issues each read itself (a kernel worker
+    would take a core from them), else the kernel's workers do; the bits are the resident run's either way."""
+    path = tiny_zoo.converted(CASE, MIXED)
+    expected_tokens, expected_logits, _ = resident_run(path, "cpu")
+    monkeypatch.setattr("streaming.slots.usable_cores", lambda: cores)
+    with edge.load(path, device="cpu", threads=2, memory_budget="40%", io_engine="io_uring") as model:
+        tokens, logits = greedy_decode(model, PROMPT, N_DECODE, capacity=32)
+        source = model.experts
+        assert isinstance(source, SlotExperts)
+        assert source.state[ks.G_INLINE_READS] == (1 if cores <= 2 else 0)
+        assert model.stats()["expert_reads"] > 0
+    assert tokens == expected_tokens
+    assert all(np.array_equal(got, want) for got, want in zip(logits, expected_logits))
 
 
 def test_the_default_engine_is_the_compiled_one_where_it_runs(tiny_zoo):

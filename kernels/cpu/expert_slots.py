@@ -67,8 +67,8 @@ EXPERT_FIELDS = 6
 (G_RING, G_FD, G_VERIFY, G_BUFFERED, G_POLICY, G_DEPTH, G_CAPACITY, G_LAYERS, G_POSITION, G_ORDINAL, G_CLOCK,
  G_SEQUENCE, G_QUEUED, G_IN_FLIGHT, G_HITS, G_MISSES, G_LATE, G_EVICTIONS, G_UNUSED_PREFETCHES,
  G_PREFETCHES_QUEUED, G_PREFETCHES_LOADED, G_PREFETCHES_CANCELLED, G_PREFETCHES_SKIPPED, G_READS, G_BYTES_READ,
- G_SUBMISSIONS_REFUSED, G_PEAK_SLOTS, G_USED_SLOTS) = range(28)
-STATE_FIELDS = 28  # (every miss is a demand load and every read one read call: G_MISSES and G_READS count both)
+ G_SUBMISSIONS_REFUSED, G_PEAK_SLOTS, G_USED_SLOTS, G_INLINE_READS) = range(29)
+STATE_FIELDS = 29  # (every miss is a demand load and every read one read call: G_MISSES and G_READS count both)
 # clocks[...]
 C_BUSY_UNTIL, C_LATENCY, C_BANDWIDTH, C_STALL, C_IO_SECONDS, C_EMULATED_WAIT = range(6)
 CLOCK_FIELDS = 6
@@ -296,7 +296,9 @@ def _post(slots, times, experts, state, clocks, queue, flight, lengths, done, la
 def _submit_to_ring(slots, times, experts, state, clocks, queue, flight, addresses, lengths, done):
     """Hand the queue's head to the ring while fewer than `depth` reads are in flight; -> reads the
     kernel took. Reads it did not take (interrupted, out of resources: tried again a few times) become
-    no-ops in the ring and go back to the queue for the next call."""
+    no-ops in the ring and go back to the queue for the next call. Each read is issued inline by this
+    call where state[G_INLINE_READS] (the compute threads take every core: a kernel worker would take
+    one from them), else handed to the kernel's workers (IOSQE_ASYNC), which then run on a free core."""
     ring = np.uint64(state[G_RING])
     picked = np.empty(state[G_DEPTH], np.int64)
     sqes = np.empty(state[G_DEPTH], np.uint64)
@@ -312,7 +314,7 @@ def _submit_to_ring(slots, times, experts, state, clocks, queue, flight, address
         done[s] = 0
         _prep_read(sqe, np.int32(state[G_FD]), addresses[s], np.uint32(record[X_SPAN]), np.uint64(record[X_OFFSET]))
         _set_data(sqe, np.uint64(s))
-        _set_flags(sqe, np.uint32(IOSQE_ASYNC))
+        _set_flags(sqe, np.uint32(0 if state[G_INLINE_READS] else IOSQE_ASYNC))
         picked[n], sqes[n] = s, sqe
         n += 1
         _unqueue(state, queue, i)
@@ -503,15 +505,7 @@ def _queue_prefetches(slots, times, experts, visits, gaps, ahead, state, clocks,
             break
         target, size, scores = targets[t], sizes[t], need[rows[t]]
         width = min(size, widths[t], free_slots)
-        for k in range(width):  # the k-th likeliest, ties to the lower id
-            best = -1
-            for e in range(size):
-                taken = False
-                for j in range(k):
-                    taken = taken or order[j] == e
-                if not taken and (best < 0 or scores[e] > scores[best]):
-                    best = e
-            order[k] = best
+        forecast.largest_first(scores, size, width, order)  # the likeliest first, ties to the lower id
         while width > 0 and scores[order[width - 1]] <= 0.0:
             width -= 1
         free_slots -= width

@@ -64,6 +64,31 @@ DECODE_ARGUMENT_TYPES = (*_TABLES, _I64, readonly(_I64, 1), readonly(_F32, 1), _
 
 
 @helper
+def _ranks_above(a, b):
+    """Whether score a goes before score b in descending order, NaN after every number."""
+    return a > b or (a == a and b != b)
+
+
+@helper
+def largest_first(scores, size, k, order):
+    """order[:k] = the ids of the k largest of scores[:size] in descending order, ties to the lower id and
+    NaN after every number (np.argsort(-scores, kind="stable")[:k]), by insertion into the k kept."""
+    kept = 0
+    for e in range(size):
+        score = scores[e]
+        i = kept
+        while i > 0 and _ranks_above(score, scores[order[i - 1]]):
+            i -= 1
+        if i >= k:
+            continue
+        last = min(kept, k - 1)
+        for j in range(last, i, -1):
+            order[j] = order[j - 1]
+        order[i] = e
+        kept = min(kept + 1, k)
+
+
+@helper
 def router_logits(x, eps, routers, bias, begin, end, out):
     """out[s] = rms_norm(x) . routers[s] + bias[s] for rows s in [begin, end) (norm gains folded into
     the routers), the sums in f32."""
@@ -152,15 +177,7 @@ def forecast_decode(routers, bias, drift, raw, spans, targets, mix, sizes, top_k
         for e in range(size):
             scores[e] = mix[p, j] * (scores[e] / exp_sum)  # p_t
             score_sum += scores[e]
-        for k in range(k_q):  # the k-th largest, ties to the lower id, not taken before
-            best = -1
-            for e in range(size):
-                taken = False
-                for m in range(k):
-                    taken = taken or pending[q, d, m] == e
-                if not taken and (best < 0 or scores[e] > scores[best]):
-                    best = e
-            pending[q, d, k] = best
+        largest_first(scores, size, k_q, pending[q, d])
         for e in range(size):
             scores[e] = min(1.0, k_q * scores[e] / score_sum) / d
         pending_valid[q, d] = looked[q, d] = need_valid[q] = 1
