@@ -68,7 +68,7 @@ def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: in
         return slots.SlotExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage,
                                  predictor=predictor, policy=policy, depth=depth, verify=True,
                                  io_engine=options.io_engine, readers=options.prefetch_threads,
-                                 compute_threads=getattr(backend, "threads", None))
+                                 compute_threads=backend.capabilities.threads)
     return StreamingExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage, predictor=predictor,
                             policy=policy, depth=depth, threads=options.prefetch_threads, verify=True,
                             io_engine=options.io_engine, expert_engine_reason=refusal)

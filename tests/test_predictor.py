@@ -379,15 +379,18 @@ def test_selection_logits_pick_the_routers_experts(config):
 
 def test_the_compiled_top_k_orders_as_a_stable_descending_argsort():
     """kernels/cpu/forecast.py largest_first, which orders forecast sets and prefetches, picks what
-    np.argsort(-scores, kind="stable") does: ties to the lower id, NaN after every number."""
-    import numba
+    np.argsort(-scores, kind="stable") does: ties to the lower id, NaN after every number. (A helper is
+    compiled into the kernels that call it, so it is called here from a Kernel, as they do.)"""
+    from numba import types
 
     from kernels.cpu.forecast import largest_first
+    from kernels.cpu.runtime import Kernel, mutable, readonly
 
-    @numba.njit
-    def ordered(scores, size, k, order):
+    def _ordered(scores, size, k, order):
         largest_first(scores, size, k, order)
 
+    signature = types.void(readonly(types.float64, 1), types.int64, types.int64, mutable(types.int64, 1))
+    ordered = Kernel(_ordered, [signature])
     rng = np.random.default_rng(7)
     for trial in range(400):
         size = int(rng.integers(1, 70))
@@ -396,6 +399,7 @@ def test_the_compiled_top_k_orders_as_a_stable_descending_argsort():
                   np.where(rng.random(size) < 0.3, np.nan, rng.integers(0, 3, size)).astype(np.float64),
                   np.where(rng.random(size) < 0.2, -np.inf, rng.random(size))][trial % 4]
         order = np.full(size, -1, np.int64)
-        ordered(np.concatenate([scores, rng.random(3)]), size, k, order)  # entries past `size` are not read
+        padded = np.concatenate([scores, rng.random(3)])  # entries past `size` are not read
+        padded.setflags(write=False)
+        ordered(padded, size, k, order)
         np.testing.assert_array_equal(order[:k], np.argsort(-scores, kind="stable")[:k])
-
