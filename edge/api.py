@@ -171,7 +171,8 @@ class Model:
         # a device that runs experts on another backend (npu: the CPU backend) has them prepared for it
         expert_backend = self.backend.expert_backend
         return open_expert_source(self.checkpoint, self.spec, expert_backend, self.expert_strategy,
-                                  self.memory.expert_cache_bytes, options.streaming)
+                                  self.memory.expert_cache_bytes, options.streaming,
+                                  compute_threads=self.backend.capabilities.threads)
 
     def _configure_device_expert_cache(self, size: int | str | None) -> None:
         """A device that keeps experts in its own memory (gpu) sizes that cache from the experts' shapes

@@ -24,10 +24,12 @@ def _imported(module: str):
 
 
 def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: int | None,
-                       options: StreamingOptions = StreamingOptions()):
+                       options: StreamingOptions = StreamingOptions(), compute_threads: int | None = None):
     """The ExpertSource for a MoE checkpoint under an expert strategy (the options' or a resolved one)
-    and an expert cache size. Whatever the strategy, every expert's record is checked against its
-    crc32 when it is read (the resident source: once, at load)."""
+    and an expert cache size; `backend` prepares the experts' weights, and `compute_threads` are the CPU
+    threads the model computes with (None: a device that schedules its own work), which the reads must
+    not take a core from. Whatever the strategy, every expert's record is checked against its crc32
+    when it is read (the resident source: once, at load)."""
     storage, policy, depth = options.storage, options.expert_policy, options.prefetch_depth
     index = checkpoint.experts
     layers = {layer: spec.moe_for_layer(layer) for layer in sorted(index.layers)}
@@ -68,7 +70,7 @@ def open_expert_source(checkpoint, spec, backend, strategy: str, cache_bytes: in
         return slots.SlotExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage,
                                  predictor=predictor, policy=policy, depth=depth, verify=True,
                                  io_engine=options.io_engine, readers=options.prefetch_threads,
-                                 compute_threads=backend.capabilities.threads)
+                                 compute_threads=compute_threads)
     return StreamingExperts(index, backend.prepare_weight, layers, cache_bytes, storage=storage, predictor=predictor,
                             policy=policy, depth=depth, threads=options.prefetch_threads, verify=True,
                             io_engine=options.io_engine, expert_engine_reason=refusal)
