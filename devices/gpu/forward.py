@@ -89,6 +89,7 @@ class FusedForward:
         # MoE layers route on the host through the model (edge's routing and its ExpertSource)
         self.moe_runner = model.moe  # routes MoE layers and fetches their experts (edge/core/contract.py)
         self._embed = self.builder.embed(self.step, self.ids, model.embed_tokens, self.hidden)
+        self._embed_tokens, self._ops = model.embed_tokens, backend.ops  # a decode token's embedding on the host
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._heads: dict[str, Launches] = {}
 
@@ -198,6 +199,7 @@ class FusedForward:
             if not (isinstance(keys, GpuKV) and isinstance(values, GpuKV) and keys.ctx is self.ctx):
                 raise TypeError("the GPU executor needs a KV cache allocated by this gpu backend (backend.allocate_kv)")
         ids = np.asarray(ids).reshape(-1)
+        self._begin_token(ids)
         observed = [[] for _ in self.layers] if observer is not None else None
         routes = [[] for _ in self.layers] if observer is not None else None
         pieces, call_end = [], cache.length + len(ids)
@@ -221,12 +223,19 @@ class FusedForward:
         """Run ids like __call__ and return the greedy next token, the argmax of the last token's logits
         computed on the device: one id is read back instead of the logits."""
         ids = np.asarray(ids).reshape(-1)
+        self._begin_token(ids)
         call_end = cache.length + len(ids)
         for begin in range(0, len(ids), self.max_tokens):
             chunk = ids[begin : begin + self.max_tokens]
             token = self._run(chunk, cache, "token" if begin + len(chunk) == len(ids) else None, None,
                               call_end=call_end)
         return int(token)
+
+    def _begin_token(self, ids: np.ndarray) -> None:
+        """Before a decode step's layer 0: the expert source may prefetch from the token's embedding
+        (ExpertSource.begin_token), read back from this device only if the source asks for it."""
+        if len(ids) == 1 and self.moe_runner is not None:
+            self.moe_runner.begin_token(lambda: self._ops.embed(self._embed_tokens, ids)[0])
 
     def _route(self, index: int, router_logits: np.ndarray, residual: np.ndarray):
         return self.moe_runner.route(index, router_logits, residual)
