@@ -505,6 +505,20 @@ class _Parser(argparse.ArgumentParser):
         return super()._get_values(action, arg_strings)
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, with generate's words typed anywhere among its options ("generate MODEL
+    --max-new-tokens 8 PROMPT"): argparse takes a run of positionals at once and leaves the ones
+    after an option over; they are the same words, in the order typed. parse_intermixed_args does
+    this, but not under subcommands."""
+    args, extras = parser.parse_known_args(argv)
+    options = [extra for extra in extras if extra.startswith("-")]
+    if extras and not options and isinstance(getattr(args, "words", None), list):
+        args.words += extras
+    elif extras:
+        parser.error(f"unrecognized arguments: {' '.join(options or extras)}")
+    return args
+
+
 def _one_line(message: str) -> str:
     """A message on the one line an error gets: a line break in it (a path's, a value's as typed) escaped."""
     return message.replace("\r", "\\r").replace("\n", "\\n")
@@ -527,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                            (sys.stderr, "backslashreplace")):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors=errors)
-    args = build_parser().parse_args(_bare_moefy(sys.argv[1:] if argv is None else argv))
+    args = _parse(build_parser(), _bare_moefy(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None

@@ -104,6 +104,25 @@ def test_generate_stop_string_truncates(smollm2, capsys):
     assert len(result["tokens"]) == 3  # " Paris", ".", "\n"
 
 
+def test_generate_takes_its_words_between_options_in_the_order_typed(smollm2, capsys):
+    """MODEL, options, then PROMPT (as llama.cpp's users type it) is the same command as MODEL PROMPT
+    then options; an unknown option among them is still refused by name."""
+    outputs = []
+    for argv in (("generate", smollm2, PROMPT, "--max-new-tokens", "3", "--json"),
+                 ("generate", smollm2, "--max-new-tokens", "3", PROMPT, "--json"),
+                 ("generate", "--json", smollm2, "--max-new-tokens", "3", PROMPT)):
+        code, out, err = run_cli(capsys, *argv)
+        assert (code, err) == (0, "")
+        outputs.append({key: value for key, value in json.loads(out).items() if key in ("text", "tokens", "prompt_tokens")})
+    assert outputs[0]["text"].startswith(" Paris") and outputs[1:] == outputs[:1] * 2
+    with pytest.raises(SystemExit) as exit:
+        run_cli(capsys, "generate", smollm2, "--max-new-tokens", "3", PROMPT, "--bogus")
+    assert exit.value.code == 2
+    assert capsys.readouterr().err == "error: zllm-edge: unrecognized arguments: --bogus (see zllm-edge --help)\n"
+    code, out, err = run_cli(capsys, "generate", smollm2, "--max-new-tokens", "3", PROMPT, "extra")
+    assert (code, out, err) == (2, "", "error: usage: zllm-edge generate [MODEL] PROMPT\n")
+
+
 def test_generate_with_too_many_words_is_a_usage_error(smollm2, capsys):
     code, out, err = run_cli(capsys, "generate", smollm2, PROMPT, "extra")
     assert (code, out, err) == (2, "", "error: usage: zllm-edge generate [MODEL] PROMPT\n")
