@@ -128,7 +128,7 @@ def gemm_rates(token_counts: list[int]) -> list[dict]:
         codes = rng.integers(0, 256, (n, k // group, group // 2 if kind == wf.INT4_SYM else group), dtype=np.uint8)
         scales = (rng.random((n, k // group)) * 0.01).astype(np.float16).view(np.uint16)
         paths = {"f32 tiles": ACT_F32}
-        if integer_prefill_runs(wf.IR_FORMATS[kind].bits, int8_style):
+        if integer_prefill_runs(int8_style):
             paths[f"integer ({INT8_DOTS[int8_style].name})"] = int8_style
         for path, style in paths.items():
             descriptor = attach_kernels(wf.describe_quantized(kind, (n, k), group, codes, scales, None), style)

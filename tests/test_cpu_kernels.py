@@ -258,10 +258,10 @@ def test_integer_prefill_multiplies_the_quantized_tokens(scheme, style):
     probe = INT8_DOTS[style].probe
     if probe is not None and not runs(probe):
         pytest.skip(f"the kernels' target here does not run {INT8_DOTS[style].name}")
-    if not integer_prefill_runs(scheme.bits, style):
+    if not integer_prefill_runs(style):
         pytest.skip(f"{scheme} keeps float tiles with {INT8_DOTS[style].name}")
     runs_here = [s for s in INT8_DOTS if (INT8_DOTS[s].probe is None or runs(INT8_DOTS[s].probe))
-                 and integer_prefill_runs(scheme.bits, s)]
+                 and integer_prefill_runs(s)]
     for index, (n, k) in enumerate(INTEGER_PREFILL_SHAPES):
         weight = make_weight(scheme, (n, k), seed=index)
         rng = np.random.default_rng(400 + index)

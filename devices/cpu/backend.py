@@ -115,7 +115,7 @@ class CpuBackend:
             self.prefill_reason = "f32"
         # int4 and int8 weights prefill on integer panels wherever an int8 dot product runs: the tokens
         # quantized as decode quantizes its vector, the weight's codes as stored
-        self.integer_prefill_bits = tuple(bits for bits in (4, 8) if integer_prefill_runs(bits, self.activation_style))
+        self.integer_prefill_bits = (4, 8) if integer_prefill_runs(self.activation_style) else ()
         if self.integer_prefill_bits:
             weights = " and ".join(f"int{bits}" for bits in self.integer_prefill_bits)
             others = "" if len(self.integer_prefill_bits) == 2 else f"; other weights {self.prefill_reason}"

@@ -386,7 +386,7 @@ class _KindKernels:
             for key in wanted:
                 if key not in self._dequantizers:
                     self._dequantizers[key] = cfunc(_DEQUANTIZE_SIGNATURE, _dequantize_for(*key))
-            if kind in wf.QUANTIZED_KINDS.values() and integer_prefill_runs(wf.IR_FORMATS[kind].bits, style):
+            if kind in wf.QUANTIZED_KINDS.values() and integer_prefill_runs(style):
                 if (kind, style) not in self._integer_gemms:
                     self._integer_gemms[kind, style] = cfunc(_GEMM_SIGNATURE, _integer_gemm_for(kind, style))
                 gemm = self._integer_gemms[kind, style]
@@ -417,7 +417,7 @@ def attach_kernels(descriptor: np.ndarray, style: int = ACT_F32, bf16_prefill: b
     (descriptor[W_MATVEC_FN], descriptor[W_GEMM_FN], descriptor[W_DEQUANTIZE_FN],
      descriptor[W_DEQUANTIZE_BF16_FN]) = KIND_KERNELS.addresses(kind, style if quantized else ACT_F32,
                                                                 bf16_prefill and quantized)
-    descriptor[W_PREFILL_INT8] = int(quantized and integer_prefill_runs(wf.IR_FORMATS[kind].bits, style))
+    descriptor[W_PREFILL_INT8] = int(quantized and integer_prefill_runs(style))
     return descriptor
 
 

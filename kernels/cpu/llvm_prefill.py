@@ -234,9 +234,9 @@ RECORD_SCALE, RECORD_SUM = QUADS_PER_CHUNK, QUADS_PER_CHUNK + 1  # words of a ch
 QUANTIZED_WORDS = QUADS_PER_CHUNK + 2
 
 
-def integer_prefill_runs(bits: int, style: int) -> bool:
-    """Whether a weight of `bits`-bit codes prefills on integer panels in activation style `style`:
-    int4 and int8 codes with every int8 instruction. Generic IR keeps f32 tiles: nothing here has
+def integer_prefill_runs(style: int) -> bool:
+    """Whether quantized weights (int4 and int8 codes alike) prefill on integer panels in activation
+    style `style`: with every int8 instruction. Generic IR keeps f32 tiles: nothing here has
     measured it faster."""
     return style not in (ACT_F32, ACT_INT8)
 
