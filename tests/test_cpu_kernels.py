@@ -222,7 +222,7 @@ def test_int8_variant_prefill_multiplies_bf16_tiles(backend, scheme, n_tokens):
     from devices.cpu import CpuBackend
 
     int8_backend = CpuBackend(threads=2, variant="int8")
-    if scheme.bits in int8_backend.integer_prefill_bits:
+    if int8_backend.integer_prefill:
         pytest.skip(f"{scheme} prefills on integer panels here")
     weight = make_weight(scheme, (100, 70), seed=5)  # 100 rows: three tiles of 48
     x = np.random.default_rng(6).standard_normal((n_tokens, 70)).astype(np.float32)

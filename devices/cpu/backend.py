@@ -115,12 +115,10 @@ class CpuBackend:
             self.prefill_reason = "f32"
         # int4 and int8 weights prefill on integer panels wherever an int8 dot product runs: the tokens
         # quantized as decode quantizes its vector, the weight's codes as stored
-        self.integer_prefill_bits = (4, 8) if integer_prefill_runs(self.activation_style) else ()
-        if self.integer_prefill_bits:
-            weights = " and ".join(f"int{bits}" for bits in self.integer_prefill_bits)
-            others = "" if len(self.integer_prefill_bits) == 2 else f"; other weights {self.prefill_reason}"
-            self.prefill_reason = (f"int8 activations times {weights} codes ({INT8_DOTS[self.activation_style].name})"
-                                   + others)
+        self.integer_prefill = integer_prefill_runs(self.activation_style)
+        if self.integer_prefill:
+            self.prefill_reason = ("int8 activations times int4 and int8 codes "
+                                   f"({INT8_DOTS[self.activation_style].name})")
         self.threads = _thread_count(threads)
         # sliding layers may keep only their window (run op by op); f16 and int8 K/V read as stored
         self.capabilities = Capabilities(kv_formats=KV_FORMATS, cache_buffers=True, ring_buffers=True, stored_attention=True,
@@ -362,7 +360,7 @@ class CpuBackend:
                            "activations": {"f32": 0.0, "f16": 0.0,
                                            "quantized": 0.0 if self.activation_style == ACT_F32 else 1.0 / 254.0},
                            "weights": {"f32": 0.0, "f16": 0.0,
-                                       "quantized": 2.0 ** -8 if self.bf16_prefill and len(self.integer_prefill_bits) < 2
+                                       "quantized": 2.0 ** -8 if self.bf16_prefill and not self.integer_prefill
                                        else 0.0}},
             "prefill_tiles": self.prefill_reason,
             "numba": numba.__version__,
