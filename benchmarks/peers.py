@@ -22,7 +22,7 @@ Formats are compared like for like; each row group holds one weight format. Smol
     INT4 sym  `convert --weights int4 --symmetric`       vs llama.cpp Q4_0 (pure), ORT-genai int4
     FP32      transformers, ORT-genai fp32
 All requantized formats start from the same Q4_1 values. Gemma 3 270M (Q4_K_M: Q8_0, Q5_0, Q4_K, Q6_K):
-    Q4_K_M    `convert --weights source` (the blocks of our formats kept, K-quants requantized, as
+    Q4_K_M    `convert --weights source` (Q8_0, Q5_0 and Q4_K blocks kept, Q6_K requantized to int8, as
               `zllm-edge generate gemma3-270m` converts it)   vs llama.cpp on the GGUF itself
     INT8      as for SmolLM2                             vs llama.cpp Q8_0 (pure, requantized from the file)
 Each engine's bound counts the bytes it stores (the tied head is read whole every token). zllm-edge's KV cache is f16 unless --kv-cache

@@ -50,7 +50,6 @@ WEIGHT_CHOICES = ("f32", "f16", "int8", "int4", "source")
 TENSOR_CLASSES = ("embeddings", "attention", "ffn", "lm_head", "experts", "router")
 # Routers stay f32 unless overridden: routing is a discrete choice that must match the source model.
 CLASS_DEFAULTS = {"router": "f32"}
-# GGUF formats that map onto one of our schemes without requantization.
 # GGUF block types kept as they are (repacked into one of our schemes without loss), by source format name
 LOSSLESS_SOURCE_SCHEMES = {blocks.info.name: blocks.scheme for blocks in LOSSLESS_BLOCKS.values()}
 
@@ -109,7 +108,8 @@ class QuantPlan:
 
     def scheme_for(self, tensor: SourceTensor) -> Scheme:
         """The scheme `tensor` is stored in. A bare bit width ("int8", "int4") keeps a GGUF tensor that
-        already holds that many bits in one of our schemes (Q4_0, Q4_1 at 4 bits, Q8_0 at 8) as it is:
+        already holds that many bits in one of our schemes (Q4_0, Q4_1, Q4_K at 4 bits; Q8_0, Q5_0, Q5_1,
+        Q5_K, IQ4_NL, IQ4_XS at 8) as it is:
         rounding 4-bit codes onto a second 4-bit grid compounds both roundings (SmolLM2's Q4_1 layers
         requantized to int4_sym_g32 lose "Paris" in "The capital of France is"), for no saving worth
         it. A full scheme ("int4_sym_g64") is requantized as asked."""
@@ -129,7 +129,7 @@ class QuantPlan:
             return Scheme("f16")
         if tensor.source_format in ("F32", "BF16", "F64"):
             return Scheme("f32")
-        # Any other GGUF quantization (K-quants, IQ4_XS, ...) is requantized to 8 bits, the
+        # Any other GGUF quantization (Q6_K, Q3_K, Q2_K: sub-blocks of 16, ...) is requantized to 8 bits, the
         # nearest of our schemes that does not lose more than the source already did.
         return Scheme("int8", self.group_size, self.symmetric)
 

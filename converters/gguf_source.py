@@ -1,7 +1,8 @@
 """GGUF files: metadata → config.json-style dict, tensors renamed to Hugging Face names.
 
-Q4_0, Q4_1 and Q8_0 tensors come back as QuantizedTensor without requantization; other
-types come back as float32 for the converter to requantize. MoE files (Mixtral, Qwen2-MoE,
+Tensors of the block types quant/gguf_import.py keeps (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, Q4_K,
+Q5_K, IQ4_XS) come back as QuantizedTensor without requantization; other types come back as float32
+for the converter to requantize. MoE files (Mixtral, Qwen2-MoE,
 Qwen3-MoE, OLMoE) hand out each routed expert as its own tensor (converters/gguf_moe.py).
 """
 from __future__ import annotations

@@ -20,7 +20,8 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None,
                    help=f"weight format: {', '.join(WEIGHT_CHOICES)} or a full scheme such as int4_affine_g64 "
                         "(default: source for GGUF, int8 for Hugging Face folders; a bare int4/int8 keeps GGUF "
-                        "Q4_0/Q4_1/Q8_0 tensors of that width as they are, a full scheme requantizes them)")
+                        "blocks of that width (Q4_0/Q4_1/Q4_K; Q8_0/Q5_x/IQ4_x) as they are, a full scheme "
+                        "requantizes them)")
     p.add_argument("--group-size", type=int, default=32, choices=GROUP_SIZES,
                    help="weights per scale of the int4/int8 tensors this run quantizes (default 32)")
     sym = p.add_mutually_exclusive_group()
@@ -77,10 +78,10 @@ def cmd_inspect(args) -> int:
           f"heads {spec.num_attention_heads}/{spec.num_key_value_heads} (q/kv), head_dim {spec.head_dim}, "
           f"ffn {spec.intermediate_size}, vocab {spec.vocab_size}, context {spec.max_position_embeddings}, "
           f"tied embeddings {spec.tie_word_embeddings}")
-    schemes = Counter((t.get("class", "?"), t["scheme"]) for t in manifest["tensors"].values())
+    schemes = Counter((t.get("class", "?"), t["scheme"], _stored_from(t)) for t in manifest["tensors"].values())
     print("schemes:")
-    for (cls, scheme), count in sorted(schemes.items()):
-        print(f"  {cls:12s} {scheme:18s} x{count}")
+    for (cls, scheme, origin), count in sorted(schemes.items()):
+        print(f"  {cls:12s} {scheme:26s} x{count:<4d} {origin}".rstrip())
     for name, info in manifest["files"].items():
         print(f"file: {name} {info['bytes'] / 1e6:.1f} MB sha256 {str(info.get('sha256'))[:16]}...")
     if manifest.get("experts"):
@@ -89,6 +90,18 @@ def cmd_inspect(args) -> int:
     print(f"tokenizer: {tok.get('file')}, bos {tok.get('bos_token_id')}, eos {tok.get('eos_token_id')}, "
           f"chat template {'yes' if tok.get('chat_template') else 'no'}")
     return 0
+
+
+def _stored_from(tensor: dict) -> str:
+    """How a manifest tensor was made from its source: "Q4_K kept bit-exact", "Q6_K requantized", "F32 cast"."""
+    from quant import Scheme
+
+    source, scheme = tensor.get("source_format"), tensor["scheme"]
+    if source is None or source.lower() == scheme:
+        return ""
+    if tensor.get("max_abs_error") == 0.0:
+        return f"{source} kept bit-exact"
+    return f"{source} {'requantized' if Scheme.parse(scheme).is_quantized else 'cast'}"
 
 
 def _print_experts(entry: dict) -> None:

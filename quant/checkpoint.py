@@ -56,10 +56,10 @@ def stored_arrays(name: str, scheme: Scheme, shape: tuple[int, ...]) -> dict[str
     n_groups = -(-cols // scheme.group_size)
     arrays = {
         name + ".qweight": (np.dtype(np.uint8), (rows, n_groups, scheme.group_size * scheme.bits // 8)),
-        name + ".scales": (np.dtype(np.float16), (rows, n_groups)),
+        name + ".scales": (scheme.scale_numpy_dtype, (rows, n_groups)),
     }
     if not scheme.symmetric:
-        arrays[name + ".offsets"] = (np.dtype(np.float16), (rows, n_groups))
+        arrays[name + ".offsets"] = (scheme.scale_numpy_dtype, (rows, n_groups))
     return arrays
 
 

@@ -3,13 +3,15 @@
 A weight matrix W is float32 [N, K]: N output rows, K input features. It is quantized
 in groups of B = group_size consecutive elements along K (B is 32, 64 or 128). When K is
 not a multiple of B the last group is padded with zeros; n_groups = ceil(K / B). Each
-group has one scale (and, for affine schemes, one offset), both stored as float16.
+group has one scale (and, for affine schemes, one offset), both stored as float16, or as
+float32 in the schemes named with "_f32scale": those hold the sub-block scales of GGUF's
+K-quants (a float16 super-block scale times a 6-bit integer), which float16 cannot.
 
 Arrays of a QuantizedTensor (the layout of ONNX Runtime `com.microsoft::MatMulNBits`):
 
     qweight  uint8   [N, n_groups, B * bits // 8]   the codes q, packed low-first
-    scales   float16 [N, n_groups]
-    offsets  float16 [N, n_groups]                  affine schemes only
+    scales   float16 [N, n_groups]                  (float32 with f32 scales)
+    offsets  float16 [N, n_groups]                  affine schemes only, dtype of the scales
 
 Packing of the codes inside one group (j counts bytes of the group):
 
@@ -39,7 +41,7 @@ How quantize() chooses scales and codes (per group x of B values):
         (-127..127 steps) so the range is symmetric.
     affine: o = min(x), s = (max(x) - min(x)) / levels, levels = 15 or 255.
 
-s and o are rounded to float16 first and the codes are computed from the rounded values,
+s and o are rounded to their stored dtype first and the codes are computed from the rounded values,
 so storage rounding is absorbed by the choice of q. Codes round half to even. A group of
 zeros gets s = 0 and the code of zero. Error per element is at most s/2 inside the
 representable range; the one exception is int4 symmetric, whose range [-8s, 7s] is
@@ -60,6 +62,7 @@ from quant import gguf_blocks
 FLOAT_DTYPES = ("f32", "f16")
 QUANTIZED_DTYPES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
+SCALE_DTYPES = ("f16", "f32")
 
 _BITS = {"f32": 32, "f16": 16, "int8": 8, "int4": 4}
 
@@ -76,24 +79,29 @@ _ELEMENTS_PER_CHUNK = 1 << 22
 class Scheme:
     """How one tensor is stored: a float dtype, or INT8/INT4 in groups along K.
 
-    str(scheme) is its name in zllm.json: "f32", "f16", "int4_sym_g32", "int8_affine_g128".
+    str(scheme) is its name in zllm.json: "f32", "f16", "int4_sym_g32", "int8_affine_g128", and
+    "int4_affine_g32_f32scale" for scales (and offsets) stored as float32.
     """
 
     dtype: str
     group_size: int | None = None
     symmetric: bool = True
+    scale_dtype: str = "f16"
 
     def __post_init__(self) -> None:
         if self.dtype in FLOAT_DTYPES:
             if self.group_size is not None:
                 raise ValueError(f"float scheme {self.dtype!r} takes no group size, got {self.group_size}")
-            # Symmetry means nothing for floats; normalise it so equal schemes compare equal.
+            # Symmetry and scales mean nothing for floats; normalise them so equal schemes compare equal.
             object.__setattr__(self, "symmetric", True)
+            object.__setattr__(self, "scale_dtype", "f16")
         elif self.dtype in QUANTIZED_DTYPES:
             if self.group_size not in GROUP_SIZES:
                 raise ValueError(
                     f"{self.dtype} group size must be one of {GROUP_SIZES}, got {self.group_size}"
                 )
+            if self.scale_dtype not in SCALE_DTYPES:
+                raise ValueError(f"scales are stored as one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         else:
             raise ValueError(f"unknown dtype {self.dtype!r}: expected one of {FLOAT_DTYPES + QUANTIZED_DTYPES}")
 
@@ -101,21 +109,22 @@ class Scheme:
         if not self.is_quantized:
             return self.dtype
         kind = "sym" if self.symmetric else "affine"
-        return f"{self.dtype}_{kind}_g{self.group_size}"
+        wide = "_f32scale" if self.scale_dtype == "f32" else ""
+        return f"{self.dtype}_{kind}_g{self.group_size}{wide}"
 
     @classmethod
     def parse(cls, text: str) -> Scheme:
         """Inverse of str(): "f16" -> Scheme("f16"), "int4_sym_g32" -> Scheme("int4", 32, True)."""
         if text in FLOAT_DTYPES:
             return cls(text)
-        match = re.fullmatch(r"(int4|int8)_(sym|affine)_g(\d+)", text)
+        match = re.fullmatch(r"(int4|int8)_(sym|affine)_g(\d+)(_f32scale)?", text)
         if match is None:
             raise ValueError(
                 f"unknown quantization scheme {text!r}: expected 'f32', 'f16' or "
-                f"'int4|int8' + '_sym|_affine' + '_g32|_g64|_g128', e.g. 'int4_sym_g32'"
+                f"'int4|int8' + '_sym|_affine' + '_g32|_g64|_g128' (+ '_f32scale'), e.g. 'int4_sym_g32'"
             )
-        dtype, kind, group_size = match.groups()
-        return cls(dtype, int(group_size), kind == "sym")
+        dtype, kind, group_size, wide = match.groups()
+        return cls(dtype, int(group_size), kind == "sym", "f32" if wide else "f16")
 
     @property
     def is_quantized(self) -> bool:
@@ -124,6 +133,11 @@ class Scheme:
     @property
     def bits(self) -> int:
         return _BITS[self.dtype]
+
+    @property
+    def scale_numpy_dtype(self) -> np.dtype:
+        """The dtype of the stored scales and offsets."""
+        return np.dtype(np.float32 if self.scale_dtype == "f32" else np.float16)
 
 
 # ---------------------------------------------------------------------------------------
@@ -195,15 +209,16 @@ def _scheme_format(scheme: Scheme) -> FormatInfo:
     if not scheme.is_quantized:
         return FormatInfo(str(scheme), 1, scheme.bits // 8, scheme.bits, f"IEEE float{scheme.bits}")
     code_bytes = scheme.group_size * scheme.bits // 8
+    scale_bytes, scale = scheme.scale_numpy_dtype.itemsize, scheme.scale_dtype
     if scheme.symmetric:
         zero = symmetric_zero_point(scheme.bits)
         return FormatInfo(
-            str(scheme), scheme.group_size, code_bytes + 2, scheme.bits,
-            f"f16 scale s per {scheme.group_size}; w = s * (q - {zero})",
+            str(scheme), scheme.group_size, code_bytes + scale_bytes, scheme.bits,
+            f"{scale} scale s per {scheme.group_size}; w = s * (q - {zero})",
         )
     return FormatInfo(
-        str(scheme), scheme.group_size, code_bytes + 4, scheme.bits,
-        f"f16 scale s and f16 offset o per {scheme.group_size}; w = s * q + o",
+        str(scheme), scheme.group_size, code_bytes + 2 * scale_bytes, scheme.bits,
+        f"{scale} scale s and {scale} offset o per {scheme.group_size}; w = s * q + o",
     )
 
 
@@ -217,15 +232,19 @@ ALL_SCHEMES: tuple[Scheme, ...] = (
         for group_size in GROUP_SIZES
     ),
 )
+# f32 scales exist for the K-quants, whose sub-blocks are 32 values: those are the schemes listed.
+WIDE_SCALE_SCHEMES: tuple[Scheme, ...] = tuple(
+    Scheme(dtype, 32, symmetric, "f32") for dtype in QUANTIZED_DTYPES for symmetric in (True, False))
 
 # GGUF block types that import without requantization (gguf_import.py unpacks them; their layouts:
 # gguf_blocks.py).
 _GGUF_SOURCE_FORMATS = tuple(FormatInfo(f.name, f.block_size, f.block_bytes, f.bits, f"GGUF: {f.description}")
                              for f in (gguf_blocks.Q4_0, gguf_blocks.Q4_1, gguf_blocks.Q8_0, gguf_blocks.Q5_0,
-                                       gguf_blocks.Q5_1, gguf_blocks.IQ4_NL))
+                                       gguf_blocks.Q5_1, gguf_blocks.IQ4_NL, gguf_blocks.Q4_K,
+                                       gguf_blocks.Q5_K, gguf_blocks.IQ4_XS))
 
 FORMATS: dict[str, FormatInfo] = {
-    info.name: info for info in (*map(_scheme_format, ALL_SCHEMES), *_GGUF_SOURCE_FORMATS)
+    info.name: info for info in (*map(_scheme_format, ALL_SCHEMES + WIDE_SCALE_SCHEMES), *_GGUF_SOURCE_FORMATS)
 }
 
 
@@ -239,7 +258,7 @@ class QuantizedArraysError(CheckpointError, ValueError):
 
 @dataclass(eq=False, repr=False)
 class QuantizedTensor:
-    """A weight [N, K] stored as per-group codes and float16 scales (layout: module docstring).
+    """A weight [N, K] stored as per-group codes and float16 (or float32) scales (layout: module docstring).
 
     The arrays may be read-only views of a memory-mapped checkpoint; nothing here writes them.
     """
@@ -247,8 +266,8 @@ class QuantizedTensor:
     scheme: Scheme
     shape: tuple[int, int]  # logical (N, K)
     qweight: np.ndarray  # uint8 [N, n_groups, group_size * bits // 8]
-    scales: np.ndarray  # float16 [N, n_groups]
-    offsets: np.ndarray | None = field(default=None)  # float16 [N, n_groups], affine only
+    scales: np.ndarray  # float16 [N, n_groups] (float32 with f32 scales)
+    offsets: np.ndarray | None = field(default=None)  # as scales, affine only
 
     def __post_init__(self) -> None:
         self.shape = tuple(int(dim) for dim in self.shape)
@@ -360,7 +379,7 @@ def _check_layout(
     n_groups = math.ceil(k / scheme.group_size)
     expected = {
         "qweight": (np.dtype(np.uint8), (n_rows, n_groups, scheme.group_size * scheme.bits // 8)),
-        "scales": (np.dtype(np.float16), (n_rows, n_groups)),
+        "scales": (scheme.scale_numpy_dtype, (n_rows, n_groups)),
     }
     found = {"qweight": qweight, "scales": scales}
     if scheme.symmetric:
@@ -399,17 +418,17 @@ def quantize(weight: np.ndarray, scheme: Scheme) -> QuantizedTensor:
     n_groups = math.ceil(k / group_size)
 
     qweight = np.empty((n_rows, n_groups, group_size * bits // 8), dtype=np.uint8)
-    scales = np.empty((n_rows, n_groups), dtype=np.float16)
-    offsets = None if scheme.symmetric else np.empty((n_rows, n_groups), dtype=np.float16)
+    scales = np.empty((n_rows, n_groups), dtype=scheme.scale_numpy_dtype)
+    offsets = None if scheme.symmetric else np.empty((n_rows, n_groups), dtype=scheme.scale_numpy_dtype)
 
     rows_per_chunk = max(1, _ELEMENTS_PER_CHUNK // k)
     for start in range(0, n_rows, rows_per_chunk):
         chunk = slice(start, start + rows_per_chunk)
         groups = _split_into_groups(weight[chunk], group_size, first_row=start)  # [n, G, B]
         if scheme.symmetric:
-            scales[chunk], codes = _quantize_symmetric(groups, bits)
+            scales[chunk], codes = _quantize_symmetric(groups, bits, scales.dtype)
         else:
-            scales[chunk], offsets[chunk], codes = _quantize_affine(groups, bits)
+            scales[chunk], offsets[chunk], codes = _quantize_affine(groups, bits, scales.dtype)
         qweight[chunk] = CODECS[bits].pack(codes)
     return QuantizedTensor(scheme, (n_rows, k), qweight, scales, offsets)
 
@@ -436,36 +455,38 @@ def _split_into_groups(rows: np.ndarray, group_size: int, first_row: int) -> np.
     return padded.reshape(n_rows, n_groups, group_size)
 
 
-def _quantize_symmetric(groups: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [n, G, B] -> (float16 scales [n, G], uint8 codes [n, G, B])."""
+def _quantize_symmetric(groups: np.ndarray, bits: int, scale_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [n, G, B] -> (scales [n, G] of scale_dtype, uint8 codes [n, G, B])."""
     zero_point = symmetric_zero_point(bits)
     if bits == 4:
         # GGUF Q4_0: the extreme value maps onto code 0, i.e. -8 steps.
         extreme_index = np.abs(groups).argmax(axis=-1, keepdims=True)
         extreme = np.take_along_axis(groups, extreme_index, axis=-1)[..., 0]
-        scales = _to_float16(extreme / -8, "group scale")
+        scales = _to_scale_dtype(extreme / -8, scale_dtype, "group scale")
         lowest_code, highest_code = 0, 15
     else:
         # GGUF Q8_0: +-127 steps; code 0 (-128 steps) is left unused so the range is symmetric.
-        scales = _to_float16(np.abs(groups).max(axis=-1) / 127, "group scale")
+        scales = _to_scale_dtype(np.abs(groups).max(axis=-1) / 127, scale_dtype, "group scale")
         lowest_code, highest_code = 1, 255
     steps = _divide_or_zero(groups, scales.astype(np.float32)[..., None])
     codes = np.clip(np.rint(steps) + zero_point, lowest_code, highest_code).astype(np.uint8)
     return scales, codes
 
 
-def _quantize_affine(groups: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """float32 [n, G, B] -> (float16 scales [n, G], float16 offsets [n, G], uint8 codes [n, G, B])."""
+def _quantize_affine(groups: np.ndarray, bits: int, scale_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float32 [n, G, B] -> (scales [n, G], offsets [n, G], both of scale_dtype, uint8 codes [n, G, B])."""
     levels = (1 << bits) - 1
     low, high = groups.min(axis=-1), groups.max(axis=-1)
-    offsets = _to_float16(low, "group minimum")
-    scales = _to_float16((high - low) / levels, "group scale")
+    offsets = _to_scale_dtype(low, scale_dtype, "group minimum")
+    scales = _to_scale_dtype((high - low) / levels, scale_dtype, "group scale")
     steps = _divide_or_zero(groups - offsets.astype(np.float32)[..., None], scales.astype(np.float32)[..., None])
     codes = np.clip(np.rint(steps), 0, levels).astype(np.uint8)
     return scales, offsets, codes
 
 
-def _to_float16(values: np.ndarray, what: str) -> np.ndarray:
+def _to_scale_dtype(values: np.ndarray, scale_dtype: np.dtype, what: str) -> np.ndarray:
+    if scale_dtype == np.float32:
+        return values.astype(np.float32)  # the values come from float32 groups: finite
     with np.errstate(over="ignore"):
         rounded = values.astype(np.float16)
     if not np.isfinite(rounded).all():

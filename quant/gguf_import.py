@@ -21,7 +21,20 @@ bit for bit. All six use blocks of 32 elements along K with a float16 scale d fi
     IQ4_NL 18 bytes: d f16 | qs[16] nibbles indexing a table of 16 int8 values w = d * table[q]
           -> int8_sym_g32: scale d, code table[q] + 128.
 
-Every other quantized type (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, ...) is dequantized to
+Three super-block types of 256 elements have sub-blocks of 32 whose scale (and minimum) is a
+float16 times a 6-bit integer: exact in float32, not in float16. They become schemes with float32
+scales (offsets), sub-block for group:
+
+    Q4_K  144 bytes: d, dmin f16 | 12 B 6-bit scales sc and mins m | 128 B nibbles
+                                                            w = (d * sc) * q - dmin * m
+          -> int4_affine_g32_f32scale: scale d * sc, offset -(dmin * m), code q.
+    Q5_K  176 bytes: as Q4_K plus 32 B of fifth bits        q in 0..31
+          -> int8_affine_g32_f32scale: the same scale and offset, code q.
+    IQ4_XS 136 bytes: d f16 | 6-bit scales ls | nibbles indexing the IQ4_NL table
+                                                            w = (d * (ls - 32)) * table[q]
+          -> int8_sym_g32_f32scale: scale d * (ls - 32), code table[q] + 128.
+
+Every other quantized type (Q6_K, Q2_K, Q3_K: sub-blocks of 16 values, ...) is dequantized to
 float32 with gguf.quants and must be requantized by the caller. F32/F16/BF16 tensors and
 1-D tensors (norm weights) come back as float32 arrays.
 """
@@ -126,8 +139,45 @@ class IQ4_NLBlocks:
         return _int8_codes(gguf_blocks.IQ4_NL, blocks, 128), _float16_field(blocks, 0), None
 
 
+class _SuperBlocks:
+    """A super-block type whose unpacked values fit the codes of `scheme` as v + zero_point, with float32
+    sub-block scales (and offsets) of 32 values (gguf_blocks.Unpacked)."""
+    block_format: type[gguf_blocks.BlockFormat]
+    zero_point: int
+
+    @classmethod
+    def split(cls, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """uint8 [N, B, bytes] -> (codes uint8 [N, 8B, 32], scales float32 [N, 8B], offsets float32 or None)."""
+        unpacked = cls.block_format.unpack(blocks)
+        n_rows, n_groups = unpacked.scales.shape
+        codes = (unpacked.values + cls.zero_point).astype(np.uint8).reshape(n_rows, n_groups, 32)
+        return codes, unpacked.scales, unpacked.offsets
+
+
+class Q4_KBlocks(_SuperBlocks):
+    ggml_type = GGMLQuantizationType.Q4_K
+    info: FormatInfo = FORMATS["Q4_K"]
+    scheme = Scheme("int4", 32, symmetric=False, scale_dtype="f32")
+    block_format, zero_point = gguf_blocks.Q4_K, 0
+
+
+class Q5_KBlocks(_SuperBlocks):
+    ggml_type = GGMLQuantizationType.Q5_K
+    info: FormatInfo = FORMATS["Q5_K"]
+    scheme = Scheme("int8", 32, symmetric=False, scale_dtype="f32")
+    block_format, zero_point = gguf_blocks.Q5_K, 0
+
+
+class IQ4_XSBlocks(_SuperBlocks):
+    ggml_type = GGMLQuantizationType.IQ4_XS
+    info: FormatInfo = FORMATS["IQ4_XS"]
+    scheme = Scheme("int8", 32, symmetric=True, scale_dtype="f32")
+    block_format, zero_point = gguf_blocks.IQ4_XS, 128  # values table[q] in [-127, 113]
+
+
 LOSSLESS_BLOCKS = {blocks.ggml_type: blocks
-                   for blocks in (Q4_0Blocks, Q4_1Blocks, Q8_0Blocks, Q5_0Blocks, Q5_1Blocks, IQ4_NLBlocks)}
+                   for blocks in (Q4_0Blocks, Q4_1Blocks, Q8_0Blocks, Q5_0Blocks, Q5_1Blocks, IQ4_NLBlocks,
+                                  Q4_KBlocks, Q5_KBlocks, IQ4_XSBlocks)}
 
 
 def is_lossless_gguf_type(ggml_type) -> bool:
@@ -143,7 +193,8 @@ def from_gguf(raw: np.ndarray, ggml_type, shape: tuple[int, ...]) -> QuantizedTe
 
     raw: GGUFReader(...).tensors[i].data (uint8 [N, bytes_per_row] for quantized types).
     shape: the logical numpy shape, i.e. the GGUF ne reversed: (N, K) for a matrix.
-    Returns a QuantizedTensor for 2-D Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/IQ4_NL, a float32 array otherwise.
+    Returns a QuantizedTensor for 2-D Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/IQ4_NL/Q4_K/Q5_K/IQ4_XS, a float32 array
+    otherwise.
     """
     try:
         ggml_type = GGMLQuantizationType(ggml_type)

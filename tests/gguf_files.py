@@ -154,9 +154,12 @@ def add_hf_metadata(writer: gguf.GGUFWriter, config) -> None:
 
 def write_hf_model_gguf(model, path: Path, arch: str,
                         qtype_for: Callable[[str, np.ndarray], GGMLQuantizationType] = lambda name, values: F32,
-                        per_expert: bool = False, edit: Callable[[dict[str, np.ndarray]], None] | None = None) -> Path:
+                        per_expert: bool = False, edit: Callable[[dict[str, np.ndarray]], None] | None = None,
+                        blocks_for: Callable[[np.ndarray, GGMLQuantizationType], np.ndarray] = gguf.quants.quantize
+                        ) -> Path:
     """Write a transformers model as a GGUF of architecture `arch`; `qtype_for(gguf_name, values)` picks
-    each tensor's type (1-D tensors stay F32); `edit` may change the tensors before they are written."""
+    each tensor's type (1-D tensors stay F32); `edit` may change the tensors before they are written;
+    `blocks_for(values, qtype)` makes a quantized tensor's blocks (gguf's quantizer: the types it has)."""
     tensors = gguf_tensors_from_hf(model, arch, per_expert)
     if edit is not None:
         edit(tensors)
@@ -168,6 +171,6 @@ def write_hf_model_gguf(model, path: Path, arch: str,
         if qtype == F32:
             writer.add_tensor(name, values)
         else:
-            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+            writer.add_tensor(name, blocks_for(values, qtype), raw_dtype=qtype)
     finish(writer)
     return Path(path)

@@ -56,9 +56,9 @@ def test_inspect_names_model_type_layers_and_schemes(smollm2, capsys):
                         "vocab 49152, context 8192, tied embeddings True")
     schemes = lines[lines.index("schemes:") + 1:][:4]
     assert [line.split() for line in schemes] == [
-        ["attention", "int4_affine_g32", "x120"],
-        ["embeddings", "int8_sym_g32", "x1"],
-        ["ffn", "int4_affine_g32", "x90"],
+        ["attention", "int4_affine_g32", "x120", "Q4_1", "kept", "bit-exact"],
+        ["embeddings", "int8_sym_g32", "x1", "Q8_0", "kept", "bit-exact"],
+        ["ffn", "int4_affine_g32", "x90", "Q4_1", "kept", "bit-exact"],
         ["norm", "f32", "x61"],
     ]
     assert lines[-2].startswith("file: model.safetensors ")

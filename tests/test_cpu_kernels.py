@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 
 from devices import reference
-from quant.formats import ALL_SCHEMES, Int4Codes, Int8Codes, QuantizedTensor, quantize, symmetric_zero_point
+from quant.formats import (ALL_SCHEMES, WIDE_SCALE_SCHEMES, Int4Codes, Int8Codes, QuantizedTensor, quantize,
+                           symmetric_zero_point)
 
 EPS = float(np.finfo(np.float32).eps)
-QUANTIZED = [s for s in ALL_SCHEMES if s.is_quantized]
+SCHEMES = list(ALL_SCHEMES + WIDE_SCALE_SCHEMES)  # f16 scales, and f32 ones (GGUF's K-quants)
+QUANTIZED = [s for s in SCHEMES if s.is_quantized]
 # (N, K): N = 1, K off the group grid, tiny and larger, and K over several of the prefill's depth slices (K_SLICE)
 SHAPES = [(1, 40), (7, 100), (50, 256), (130, 70), (20, 300)]
 
@@ -59,7 +61,7 @@ def term_magnitudes(weight) -> np.ndarray:
     return magnitude[:, : weight.shape[1]]
 
 
-@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=str)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
 @pytest.mark.parametrize("n_tokens", [1, 3, 37])
 def test_linear_matches_reference(backend, scheme, n_tokens):
     for index, (n, k) in enumerate(SHAPES):
@@ -277,7 +279,7 @@ def test_integer_prefill_multiplies_the_quantized_tokens(scheme, style):
                     linear_kernels.linear(prepare_weight(weight, other).descriptor, x, None, 1), ours)
 
 
-@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=str)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
 def test_embedding_rows_are_dequantized_exactly(backend, scheme):
     table = make_weight(scheme, (50, 100), seed=3)
     ids = np.array([0, 49, 7, 7, 23])

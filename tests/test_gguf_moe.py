@@ -20,7 +20,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 from gguf_files import gguf_tensors_from_hf, write_hf_model_gguf
 from test_moe_parity import hf_routes, record_routes, relative_error, run_ours
-from tiny_models import checkpoint_float_weights, hf_logits, random_prompt, tiny_zoo  # noqa: F401
+from tiny_models import (checkpoint_expert_weights, checkpoint_float_weights, hf_logits, random_prompt,  # noqa: F401
+                         tiny_zoo)
 
 import edge
 from converters.convert import QuantPlan, convert
@@ -28,8 +29,6 @@ from converters.gguf_moe import moe_config_fields
 from edge.cli import main
 from edge.core.errors import ConversionError
 from edge.core.spec import spec_from_dict
-from quant import QuantizedTensor
-from quant.checkpoint import open_checkpoint
 
 PROMPT = random_prompt(10, seed=5)
 N_DECODE = 3
@@ -46,21 +45,6 @@ GGUF_CASES = {
     "qwen3_moe_raw": ("qwen3_moe_raw", "qwen3moe", False),
     "olmoe": ("olmoe", "olmoe", False),
 }
-
-
-def checkpoint_expert_weights(path: str) -> dict[str, np.ndarray]:
-    """Every routed expert projection of an (uncompressed) checkpoint as float32, by our per-expert name."""
-    weights = {}
-    with open_checkpoint(path) as ckpt:
-        for layer, layer_experts in ckpt.experts.layers.items():
-            layout = ckpt.experts.layout(layer)
-            for expert in range(len(layer_experts.records)):
-                raw = np.fromfile(ckpt.experts.path, np.uint8, layout.raw_length,
-                                  offset=ckpt.experts.record(layer, expert).offset)
-                for projection, value in layout.decode(raw).items():
-                    name = f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
-                    weights[name] = value.dequantize() if isinstance(value, QuantizedTensor) else np.array(value)
-    return weights
 
 
 def run_with_routes(path: str, fed: list[int]) -> tuple[list[np.ndarray], list[tuple[int, np.ndarray]]]:

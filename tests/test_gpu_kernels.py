@@ -11,10 +11,10 @@ import pytest
 
 from devices import reference
 from gpu_support import UNIT_ROUNDOFF, assert_within, dot_error_bound, open_gpu
-from quant.formats import ALL_SCHEMES, QuantizedTensor, Scheme, quantize
+from quant.formats import ALL_SCHEMES, WIDE_SCALE_SCHEMES, QuantizedTensor, Scheme, quantize
 
 ULP_OF_ONE = 2.0**-23  # ULP of a value in [1, 2): a relative error of one ULP is at most this
-QUANTIZED_SCHEMES = [s for s in ALL_SCHEMES if s.is_quantized]
+QUANTIZED_SCHEMES = [s for s in ALL_SCHEMES + WIDE_SCALE_SCHEMES if s.is_quantized]
 FLOAT_SCHEMES = [Scheme("f16"), Scheme("f32")]
 
 

@@ -19,6 +19,7 @@ import quant.formats
 from edge.core.errors import CheckpointError, ConversionError
 from quant import (
     ALL_SCHEMES,
+    WIDE_SCALE_SCHEMES,
     FORMATS,
     Int4Codes,
     QuantError,
@@ -32,7 +33,8 @@ from quant import (
 )
 from quant.gguf_import import from_gguf, is_lossless_gguf_type
 
-QUANTIZED_SCHEMES = [scheme for scheme in ALL_SCHEMES if scheme.is_quantized]
+SCHEMES = ALL_SCHEMES + WIDE_SCALE_SCHEMES
+QUANTIZED_SCHEMES = [scheme for scheme in SCHEMES if scheme.is_quantized]
 LOSSLESS_GGUF = {
     GGMLQuantizationType.Q4_0: "int4_sym_g32",
     GGMLQuantizationType.Q4_1: "int4_affine_g32",
@@ -79,7 +81,7 @@ def error_bound(weight: np.ndarray, qt: QuantizedTensor) -> np.ndarray:
 # Schemes and the format table
 
 
-@pytest.mark.parametrize("scheme", ALL_SCHEMES, ids=str)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
 def test_scheme_parse_inverts_str(scheme):
     assert Scheme.parse(str(scheme)) == scheme
 
@@ -98,7 +100,7 @@ def test_scheme_names_and_properties():
     "text, message",
     [
         ("int4_g32", "unknown quantization scheme 'int4_g32': expected 'f32', 'f16' or "
-                     "'int4|int8' + '_sym|_affine' + '_g32|_g64|_g128', e.g. 'int4_sym_g32'"),
+                     "'int4|int8' + '_sym|_affine' + '_g32|_g64|_g128' (+ '_f32scale'), e.g. 'int4_sym_g32'"),
         ("bf16", "unknown quantization scheme 'bf16'"),
         ("INT4_SYM_G32", "unknown quantization scheme 'INT4_SYM_G32'"),
         ("int4_sym_g48", "int4 group size must be one of (32, 64, 128), got 48"),
@@ -119,7 +121,7 @@ def test_scheme_constructor_rejects_bad_fields():
 
 
 def test_format_table_covers_every_scheme_and_gguf_source():
-    for scheme in ALL_SCHEMES:
+    for scheme in SCHEMES:
         info = FORMATS[str(scheme)]
         assert info.bits == scheme.bits
         if scheme.is_quantized:
@@ -131,6 +133,8 @@ def test_format_table_covers_every_scheme_and_gguf_source():
         assert (FORMATS[name].block_size, FORMATS[name].bytes_per_block) == (block_size, type_size)
     assert FORMATS["Q4_0"].bits_per_weight == 4.5
     assert FORMATS["int8_affine_g32"].bits_per_weight == 9.0
+    assert FORMATS["int4_affine_g32_f32scale"].bits_per_weight == 6.0
+    assert FORMATS["Q4_K"].bits_per_weight == 4.5
 
 
 # ---------------------------------------------------------------------------------------
@@ -169,7 +173,7 @@ def test_quantize_round_trip_is_within_half_a_step(scheme, shape):
 
     n_groups = math.ceil(shape[1] / scheme.group_size)
     assert qt.qweight.shape == (shape[0], n_groups, scheme.group_size * scheme.bits // 8)
-    assert qt.scales.shape == (shape[0], n_groups) and qt.scales.dtype == np.float16
+    assert qt.scales.shape == (shape[0], n_groups) and qt.scales.dtype == scheme.scale_numpy_dtype
     assert (qt.offsets is None) == scheme.symmetric
     deq = qt.dequantize()
     assert deq.shape == shape and deq.dtype == np.float32 and deq.flags.c_contiguous
@@ -368,8 +372,8 @@ def _random_k_quant_blocks(ggml_type, n_rows: int, k: int, scale_fields: list[in
 
 @pytest.mark.parametrize(
     "ggml_type, scale_fields",
-    [(GGMLQuantizationType.Q6_K, [208]), (GGMLQuantizationType.Q4_K, [0, 2])],
-    ids=["Q6_K", "Q4_K"],
+    [(GGMLQuantizationType.Q6_K, [208]), (GGMLQuantizationType.Q3_K, [108]), (GGMLQuantizationType.Q2_K, [80, 82])],
+    ids=["Q6_K", "Q3_K", "Q2_K"],
 )
 def test_other_gguf_types_come_back_as_float_for_requantization(ggml_type, scale_fields):
     raw = _random_k_quant_blocks(ggml_type, 4, 512, scale_fields)
@@ -394,6 +398,27 @@ def test_gguf_blocks_of_random_bytes_repack_into_int8_bit_exact(ggml_type):
     qt = from_gguf(raw, ggml_type, (5, 4 * block_size))
     assert isinstance(qt, QuantizedTensor)
     assert same_bits(qt.dequantize(), gguf.quants.dequantize(raw, ggml_type))
+
+
+@pytest.mark.parametrize("ggml_type, scale_fields, scheme", [
+    (GGMLQuantizationType.Q4_K, [0, 2], "int4_affine_g32_f32scale"),
+    (GGMLQuantizationType.Q5_K, [0, 2], "int8_affine_g32_f32scale"),
+    (GGMLQuantizationType.IQ4_XS, [0], "int8_sym_g32_f32scale"),
+], ids=lambda value: getattr(value, "name", None))
+def test_gguf_super_blocks_repack_into_f32_scales_bit_exact(ggml_type, scale_fields, scheme):
+    """Q4_K, Q5_K and IQ4_XS of random bytes (every 6-bit scale and minimum, every code), with super-block
+    scales of several magnitudes: a sub-block scale d * sc needs up to 17 bits, which float32 holds."""
+    raw = _random_k_quant_blocks(ggml_type, 6, 768, scale_fields).reshape(6, 3, -1)
+    rng = np.random.default_rng(8)
+    for start in scale_fields:
+        raw[..., start:start + 2] = (rng.uniform(-1, 1, (6, 3, 1)) * 10.0 ** rng.integers(-6, 2, (6, 3, 1))
+                                     ).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(6, -1)
+    qt = from_gguf(raw, ggml_type, (6, 768))
+    assert is_lossless_gguf_type(ggml_type)
+    assert str(qt.scheme) == scheme and qt.scales.dtype == np.float32
+    assert same_bits(qt.dequantize(), gguf.quants.dequantize(raw, ggml_type))
+    assert not np.array_equal(qt.scales, qt.scales.astype(np.float16).astype(np.float32))  # f16 could not hold them
 
 
 def test_gguf_float_and_1d_tensors_come_back_as_float32():

@@ -282,6 +282,21 @@ def checkpoint_float_weights(path: str | os.PathLike) -> dict[str, np.ndarray]:
         }
 
 
+def checkpoint_expert_weights(path: str) -> dict[str, np.ndarray]:
+    """Every routed expert projection of an (uncompressed) checkpoint as float32, by our per-expert name."""
+    weights = {}
+    with open_checkpoint(path) as ckpt:
+        for layer, layer_experts in ckpt.experts.layers.items():
+            layout = ckpt.experts.layout(layer)
+            for expert in range(len(layer_experts.records)):
+                raw = np.fromfile(ckpt.experts.path, np.uint8, layout.raw_length,
+                                  offset=ckpt.experts.record(layer, expert).offset)
+                for projection, value in layout.decode(raw).items():
+                    name = f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
+                    weights[name] = value.dequantize() if isinstance(value, QuantizedTensor) else np.array(value)
+    return weights
+
+
 def hf_model_with_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> torch.nn.Module:
     """A copy of `model` whose parameters are replaced by `weights` (e.g. a checkpoint's dequantized ones).
 

@@ -24,8 +24,9 @@ class MissingKernelError(DeviceUnavailableError):
 
 
 def supported_formats() -> str:
-    quantized = ", ".join(f"{dtype}_{'sym' if sym else 'affine'}_g{{{','.join(map(str, GROUP_SIZES))}}}"
-                          for dtype, sym in wf.QUANTIZED_KINDS)
+    groups = ",".join(map(str, GROUP_SIZES))
+    quantized = ", ".join(f"{dtype}_{'sym' if sym else 'affine'}_g{{{groups}}}{'_f32scale' if scales == 'f32' else ''}"
+                          for dtype, sym, scales in wf.QUANTIZED_KINDS)
     floats = ", ".join(str(dtype) for dtype in wf.FLOAT_KINDS)
     return f"matrices in {quantized}, {floats}; vectors in any float dtype"
 
@@ -62,15 +63,17 @@ def prepare_weight(weight, activations: int = ACT_F32, arena: HugePageArena | No
     With an `arena` a matrix's arrays are copied into its huge pages (devices/cpu/memory.py)."""
     if isinstance(weight, QuantizedTensor):
         scheme = weight.scheme
-        kind = wf.QUANTIZED_KINDS.get((scheme.dtype, scheme.symmetric))
+        kind = wf.QUANTIZED_KINDS.get((scheme.dtype, scheme.symmetric, scheme.scale_dtype))
         if kind is None or scheme.group_size not in GROUP_SIZES:
             raise MissingKernelError(
                 f"device 'cpu' has no kernel for a weight stored as {scheme} (shape {weight.shape}); "
                 f"its kernels cover {supported_formats()}. Convert the model with a supported --weights, "
                 f"or load it with device='reference'")
         codes = _contiguous(weight.qweight, arena)
-        scales = _contiguous(weight.scales, arena).view(np.uint16)  # Numba has no float16: kernels read the bits
-        offsets = None if weight.offsets is None else _contiguous(weight.offsets, arena).view(np.uint16)
+        scales = _contiguous(weight.scales, arena)
+        offsets = None if weight.offsets is None else _contiguous(weight.offsets, arena)
+        if scales.dtype == np.float16:  # Numba has no float16: kernels read the bits
+            scales, offsets = scales.view(np.uint16), None if offsets is None else offsets.view(np.uint16)
         descriptor = wf.describe_quantized(kind, weight.shape, scheme.group_size, codes, scales, offsets)
         attach_kernels(descriptor, activations, bf16_prefill)
         return CpuWeight(descriptor, (codes, scales, offsets), str(scheme), weight.shape)

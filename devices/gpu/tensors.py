@@ -69,6 +69,7 @@ class GpuMatrix:
             self.dtype, self.symmetric = weight.scheme.dtype, weight.scheme.symmetric
             self.group_size = weight.scheme.group_size
             self.groups = weight.n_groups
+            self.scales_f32 = weight.scheme.scale_dtype == "f32"
             rows = weight.qweight.reshape(self.shape[0], -1)  # [N, K_padded * bits / 8] bytes
             scales, offsets = weight.scales, weight.offsets
         else:
@@ -80,6 +81,7 @@ class GpuMatrix:
             self.shape = tuple(weight.shape)
             self.dtype, self.symmetric, self.group_size, self.groups = (
                 "f16" if weight.dtype == np.float16 else "f32", True, UNIT, 0)
+            self.scales_f32 = False
             padded_k = math.ceil(self.shape[1] / UNIT) * UNIT
             rows = weight if padded_k == self.shape[1] else np.pad(weight, ((0, 0), (0, padded_k - self.shape[1])))
             scales = offsets = None
@@ -107,7 +109,8 @@ class GpuMatrix:
     @property
     def constants(self) -> dict:
         """The compile-time constants weights.wgsl needs for this matrix."""
-        return {"WEIGHT_KIND": WEIGHT_KINDS[self.dtype], "SYMMETRIC": self.symmetric, "GROUP_SIZE": self.group_size}
+        return {"WEIGHT_KIND": WEIGHT_KINDS[self.dtype], "SYMMETRIC": self.symmetric, "GROUP_SIZE": self.group_size,
+                "SCALES_F32": self.scales_f32}
 
     def __repr__(self) -> str:
         kind = "sym" if self.symmetric else "affine"

@@ -53,12 +53,12 @@ K_SLICE = 256  # k per micro-kernel call: TILE_T tokens of x over K_SLICE k are 
 MATVEC_BLOCK = 4  # decode row ranges are cut at multiples of this (a multiple of every row-dot block)
 
 K_F32, K_F16 = wf.F32, wf.F16
-K_INT4_SYM, K_INT4_AFFINE, K_INT8_SYM, K_INT8_AFFINE = wf.INT4_SYM, wf.INT4_AFFINE, wf.INT8_SYM, wf.INT8_AFFINE
 W_KIND, W_ROWS, W_COLS, W_COLS_PADDED = wf.W_KIND, wf.W_ROWS, wf.W_COLS, wf.W_COLS_PADDED
 W_DATA, W_ROW_BYTES, W_SCALES, W_OFFSETS = wf.W_DATA, wf.W_ROW_BYTES, wf.W_SCALES, wf.W_OFFSETS
 W_GROUPS, W_CHUNKS_PER_GROUP, W_FIELDS = wf.W_GROUPS, wf.W_CHUNKS_PER_GROUP, wf.W_FIELDS
 W_MATVEC_FN, W_GEMM_FN, W_DEQUANTIZE_FN = wf.W_MATVEC_FN, wf.W_GEMM_FN, wf.W_DEQUANTIZE_FN
 W_ACTIVATIONS, W_DEQUANTIZE_BF16_FN, W_PREFILL_INT8 = wf.W_ACTIVATIONS, wf.W_DEQUANTIZE_BF16_FN, wf.W_PREFILL_INT8
+W_SCALE_BYTES = wf.W_SCALE_BYTES
 
 # Rows each decode row-dot reads together. More rows share each load of x, but each row is one
 # more memory stream. Measured on Zen 4 (single thread, matrices past the L3 cache): int4 with
@@ -78,15 +78,7 @@ INT8_BLOCK_BYTES = 1280
 # callbacks below find them by name (Numba resolves globals as compile-time constants); the kind
 # and style are literals of each callback, so each call compiles one format's loop.
 dot_rows_4, dot_rows_2, dot_rows_1 = (make_dot_rows(n, wf.IR_FORMATS) for n in (4, 2, 1))
-dequantize_f32, dequantize_f16 = make_dequantize_rows(wf.IR_FORMATS[K_F32]), make_dequantize_rows(wf.IR_FORMATS[K_F16])
-dequantize_int4_sym = make_dequantize_rows(wf.IR_FORMATS[K_INT4_SYM])
-dequantize_int4_affine = make_dequantize_rows(wf.IR_FORMATS[K_INT4_AFFINE])
-dequantize_int8_sym = make_dequantize_rows(wf.IR_FORMATS[K_INT8_SYM])
-dequantize_int8_affine = make_dequantize_rows(wf.IR_FORMATS[K_INT8_AFFINE])
-dequantize_int4_sym_bf16 = make_dequantize_rows(wf.IR_FORMATS[K_INT4_SYM], bf16=True)
-dequantize_int4_affine_bf16 = make_dequantize_rows(wf.IR_FORMATS[K_INT4_AFFINE], bf16=True)
-dequantize_int8_sym_bf16 = make_dequantize_rows(wf.IR_FORMATS[K_INT8_SYM], bf16=True)
-dequantize_int8_affine_bf16 = make_dequantize_rows(wf.IR_FORMATS[K_INT8_AFFINE], bf16=True)
+dequantize_tile_rows = make_dequantize_rows(wf.IR_FORMATS)
 tile_times_tokens = make_tile_times_tokens(TILE_M, TILE_T // LANES)
 # Short prompts (<= 16 tokens) take one vector of tokens per call: half the padding of TILE_T.
 tile_times_16_tokens = make_tile_times_tokens(TILE_M, 1)
@@ -132,33 +124,15 @@ def _dequantize_for(kind: int, bf16: bool = False):
     """tile[r, :K_padded] = float32 values of W[row_begin + r] for r < n_rows (quantized padding as
     stored; float rows zero-filled from K to K_padded); bf16 (quantized kinds): those values rounded
     to bf16, tile_stride elements of two bytes apart."""
+    to_bf16 = 1 if bf16 else 0
 
     def dequantize(descriptor, row_begin, n_rows, tile, tile_stride):
         w = numba.carray(int64_pointer(descriptor), (W_FIELDS,))
         data, row_bytes, scales, offsets = w[W_DATA], w[W_ROW_BYTES], w[W_SCALES], w[W_OFFSETS]
         n_groups, chunks, cols = w[W_GROUPS], w[W_CHUNKS_PER_GROUP], w[W_COLS]
-        layout = (data, row_bytes, scales, offsets, n_groups, chunks, cols)
-        if bf16 and kind == K_INT4_AFFINE:
-            dequantize_int4_affine_bf16(*layout, row_begin, n_rows, tile, tile_stride)
-        elif bf16 and kind == K_INT4_SYM:
-            dequantize_int4_sym_bf16(*layout, row_begin, n_rows, tile, tile_stride)
-        elif bf16 and kind == K_INT8_SYM:
-            dequantize_int8_sym_bf16(*layout, row_begin, n_rows, tile, tile_stride)
-        elif bf16:
-            dequantize_int8_affine_bf16(*layout, row_begin, n_rows, tile, tile_stride)
-        elif kind == K_INT4_AFFINE:
-            dequantize_int4_affine(*layout, row_begin, n_rows, tile, tile_stride)
-        elif kind == K_INT4_SYM:
-            dequantize_int4_sym(*layout, row_begin, n_rows, tile, tile_stride)
-        elif kind == K_INT8_SYM:
-            dequantize_int8_sym(*layout, row_begin, n_rows, tile, tile_stride)
-        elif kind == K_INT8_AFFINE:
-            dequantize_int8_affine(*layout, row_begin, n_rows, tile, tile_stride)
-        else:
-            if kind == K_F16:
-                dequantize_f16(*layout, row_begin, n_rows, tile, tile_stride)
-            else:
-                dequantize_f32(*layout, row_begin, n_rows, tile, tile_stride)
+        dequantize_tile_rows(kind, to_bf16, data, row_bytes, scales, offsets, n_groups, chunks, cols, row_begin,
+                             n_rows, tile, tile_stride)
+        if kind == K_F32 or kind == K_F16:
             padded = w[W_COLS_PADDED]
             rows = numba.carray(float32_pointer(tile), (n_rows, tile_stride))
             for r in range(n_rows):
@@ -320,7 +294,7 @@ def _integer_gemm_for(kind: int, style: int):
     tokens quantized as decode quantizes its vector, each panel of 16 rows multiplied by
     PANEL_TOKENS tokens at a time with the style's byte dot products. Arguments and scratch as
     _gemm_for's gemm, xq as the caller quantized it; the tile scratch holds one panel."""
-    bits = wf.IR_FORMATS[kind].bits
+    bits, scale_bytes = wf.IR_FORMATS[kind].bits, wf.IR_FORMATS[kind].scale_bytes
     affine = 1 if wf.IR_FORMATS[kind].affine else 0
     signed = 1 if signed_panel_codes(bits, style) else 0
     zero_point = (0 if affine else wf.IR_FORMATS[kind].zero_point) - (128 if signed else 0)  # of the panel's codes
@@ -346,8 +320,8 @@ def _integer_gemm_for(kind: int, style: int):
                     panel_words[quad, r] = 0
                 for c in range(2 * n_chunks):
                     panel_scales[c, r] = 0.0
-            pack_panel(bits, signed, w[W_DATA], w[W_ROW_BYTES], w[W_SCALES], w[W_OFFSETS], n_groups, chunks_per_group,
-                       panel_begin, n_rows, panel, factors, panel_offsets)
+            pack_panel(bits, signed, scale_bytes, w[W_DATA], w[W_ROW_BYTES], w[W_SCALES], w[W_OFFSETS], n_groups,
+                       chunks_per_group, panel_begin, n_rows, panel, factors, panel_offsets)
             first_col = out_col + panel_begin - row_begin
             for t_begin in range(0, n_tokens, PANEL_TOKENS):
                 panel_times_tokens(style, affine, signed, panel, factors, panel_offsets,
@@ -385,7 +359,8 @@ class _KindKernels:
                 self._matvecs[kind, style] = cfunc(_MATVEC_SIGNATURE, _matvec_for(kind, style))
             for key in wanted:
                 if key not in self._dequantizers:
-                    self._dequantizers[key] = cfunc(_DEQUANTIZE_SIGNATURE, _dequantize_for(*key))
+                    # ordered: a tile holds quant.dequantize's values, s * q and + o rounded apart
+                    self._dequantizers[key] = cfunc(_DEQUANTIZE_SIGNATURE, _dequantize_for(*key), ordered=True)
             if kind in wf.QUANTIZED_KINDS.values() and integer_prefill_runs(style):
                 if (kind, style) not in self._integer_gemms:
                     self._integer_gemms[kind, style] = cfunc(_GEMM_SIGNATURE, _integer_gemm_for(kind, style))
@@ -555,10 +530,11 @@ def prefetch_rows(w, row_begin, n_rows):
     if rows <= 0:
         return
     prefetch_bytes(w[W_DATA] + row_begin * w[W_ROW_BYTES], rows * w[W_ROW_BYTES])
+    group_bytes = w[W_SCALE_BYTES] * w[W_GROUPS]
     if w[W_SCALES] != 0:
-        prefetch_bytes(w[W_SCALES] + 2 * row_begin * w[W_GROUPS], 2 * rows * w[W_GROUPS])
+        prefetch_bytes(w[W_SCALES] + row_begin * group_bytes, rows * group_bytes)
     if w[W_OFFSETS] != 0:
-        prefetch_bytes(w[W_OFFSETS] + 2 * row_begin * w[W_GROUPS], 2 * rows * w[W_GROUPS])
+        prefetch_bytes(w[W_OFFSETS] + row_begin * group_bytes, rows * group_bytes)
 
 
 @helper

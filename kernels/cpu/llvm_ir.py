@@ -18,7 +18,8 @@ lifetime) and passes `array.ctypes.data`. Layouts (quant/formats.py):
 
     int4: a chunk of 32 weights is 16 bytes; byte j holds weight 2j (low nibble) and 2j+1 (high).
     int8: a chunk of 32 weights is 32 bytes, one code per byte.
-    A group (one f16 scale, one f16 offset if affine) is 1, 2 or 4 chunks (group size 32/64/128).
+    A group (one f16 scale, one f16 offset if affine; f32 ones in the formats with
+    scale_bytes 4) is 1, 2 or 4 chunks (group size 32/64/128).
 
 Dot products with x use x prepared once per input vector (kernels/cpu/linear.py):
     x     f32 [K_pad]   natural order, zero beyond K
@@ -65,6 +66,7 @@ class IrFormat:
     name: str
     bits: int  # 4, 8 (codes) or 16, 32 (floats)
     affine: bool = False
+    scale_bytes: int = 2  # of each group scale and offset: 2 (f16) or 4 (f32)
 
     @property
     def is_float(self) -> bool:
@@ -103,6 +105,19 @@ class Emitter:
 
     def half(self, address):
         return self.b.fpext(self.load(F16, address, 2), F32)
+
+    def scale(self, scale_bytes: int, base, index):
+        """Element `index` of a group scale (or offset) array at `base`, f16 or f32 by its width, as f32."""
+        if scale_bytes == 4:
+            return self.load(F32, self.address(base, (index, 4)), 4)
+        return self.half(self.address(base, (index, 2)))
+
+    def scales(self, scale_bytes: int, base, index, count: int):
+        """Elements index .. index + count - 1 of a group scale (or offset) array, as <count x float>."""
+        if scale_bytes == 4:
+            return self.load(ir.VectorType(F32, count), self.address(base, (index, 4)), 4)
+        halves = self.load(ir.VectorType(I16, count), self.address(base, (index, 2)), 2)
+        return self.b.fpext(self.b.bitcast(halves, ir.VectorType(F16, count)), ir.VectorType(F32, count))
 
     def half_splat(self, address):
         """<16 x float> of one f16 value: broadcast as f16, then one vector conversion (two
@@ -213,7 +228,7 @@ def _quantized_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
     """Prefetch the rows PREFETCH_BLOCKS blocks ahead; (row indices, and the addresses of each row's
     codes, scales and offsets)."""
     data, row_bytes, scales, offsets, n_groups, _cpg, _cols, row0, _x, _xp, _xsum, _out = args
-    group_bytes = e.b.mul(n_groups, e.i64(2))
+    group_bytes = e.b.mul(n_groups, e.i64(fmt.scale_bytes))
     _prefetch_rows_ahead(e, n_rows, row0, row_bytes,
                          [(data, row_bytes), (scales, group_bytes)] + ([(offsets, group_bytes)] if fmt.affine else []))
     rows = [e.b.add(row0, e.i64(r)) for r in range(n_rows)]
@@ -239,7 +254,10 @@ def _emit_quantized_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
         chunk = chunk_loop.index
         group = e.b.lshr(chunk, shift)
         for r in range(n_rows):
-            scale = e.half_splat(e.address(row_scales[r], (group, 2)))
+            if fmt.scale_bytes == 4:
+                scale = e.splat(e.scale(4, row_scales[r], group))
+            else:
+                scale = e.half_splat(e.address(row_scales[r], (group, 2)))
             partial = _quantized_chunk_dot(e, fmt, row_data[r], chunk, x, xp)
             e.b.store(e.fma(partial, scale, e.b.load(accumulators[r])), accumulators[r])
 
@@ -265,7 +283,7 @@ def _store_row_totals(e: Emitter, fmt: IrFormat, n_rows: int, rows, accumulators
         v = vector_loop.index
         sums = e.load(V16F, e.address(group_sums, (v, 4 * LANES)), 4)
         for r in range(n_rows):
-            w = e.b.fpext(e.b.bitcast(e.load(V16I16, e.address(weights_of_sums[r], (v, 2 * LANES)), 2), V16H), V16F)
+            w = e.scales(fmt.scale_bytes, weights_of_sums[r], e.b.mul(v, e.i64(LANES)), LANES)
             e.b.store(e.fma(w, sums, e.b.load(corrections[r])), corrections[r])
     group_tails = [e.variable(ir.Constant(F32, 0.0)) for _ in range(n_rows)]
     first_tail = e.b.mul(n_vectors, e.i64(LANES))
@@ -273,7 +291,7 @@ def _store_row_totals(e: Emitter, fmt: IrFormat, n_rows: int, rows, accumulators
         g = e.b.add(first_tail, tail_loop.index)
         total = e.load(F32, e.address(group_sums, (g, 4)), 4)
         for r in range(n_rows):
-            w = e.half(e.address(weights_of_sums[r], (g, 2)))
+            w = e.scale(fmt.scale_bytes, weights_of_sums[r], g)
             e.b.store(e.fma(w, total, e.b.load(group_tails[r])), group_tails[r])
 
     for r in range(n_rows):
@@ -429,11 +447,17 @@ def nibble_pair_dot(e: Emitter, acc, low, q_even, high, q_odd, style: int):
     return e.b.add(acc, _joined(e, sums))
 
 
-def _chunk_scales(e: Emitter, row_scales, first_chunk, n_chunks: int, shift: int):
+def _chunk_scales(e: Emitter, fmt: IrFormat, row_scales, first_chunk, n_chunks: int, shift: int):
     """<n_chunks x float>: the weight scale of each of n_chunks consecutive chunks (groups of
     32 << shift values; first_chunk is a multiple of n_chunks, so whole groups are read)."""
     n_groups = max(1, n_chunks >> shift)
     first_group = e.b.lshr(first_chunk, e.i64(shift))
+    if fmt.scale_bytes == 4:
+        if n_groups == 1:
+            return e.splat(e.scale(4, row_scales, first_group), n_chunks)
+        scales = e.scales(4, row_scales, first_group, n_groups)
+        return e.b.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(I32, n_chunks),
+                                                              [j >> shift for j in range(n_chunks)]))
     if n_groups == 1:
         return e.b.fpext(e.splat(e.load(F16, e.address(row_scales, (first_group, 2)), 2), n_chunks),
                          ir.VectorType(F32, n_chunks))
@@ -526,7 +550,7 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
         """row_factors of a step of n_chunks whole chunks: each chunk's weight scale times its Q8 d."""
         def factors(r, block, place):
             d = e.load(ir.VectorType(F32, n_chunks), e.address(block, e.i64(Q8_SCALES), (place, 4)), 4)
-            return e.fmul(_chunk_scales(e, row_scales[r], first_chunk, n_chunks, group_shift), d)
+            return e.fmul(_chunk_scales(e, fmt, row_scales[r], first_chunk, n_chunks, group_shift), d)
         return factors
 
     for group_shift in range(3):  # one loop per group size, chosen once (scales are read per step)
@@ -559,7 +583,7 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
             for j in range(step):
                 present = e.b.icmp_unsigned("<", e.i64(j), n_tail)
                 chunk = e.b.select(present, e.b.add(first_tail, e.i64(j)), first_tail)
-                scale = e.half(e.address(row_scales[r], (e.b.lshr(chunk, shift), 2)))
+                scale = e.scale(fmt.scale_bytes, row_scales[r], e.b.lshr(chunk, shift))
                 d = e.load(F32, e.address(block, e.i64(Q8_SCALES), (e.b.add(place, e.i64(j)), 4)), 4)
                 factor = e.b.select(present, e.fmul(scale, d), ir.Constant(F32, 0.0))
                 factors = e.b.insert_element(factors, factor, ir.Constant(I32, j))

@@ -51,13 +51,13 @@ def _emit_dequantize_rows(e: Emitter, fmt: IrFormat, args, bf16: bool = False):
 
 def _emit_quantized_row(e: Emitter, fmt: IrFormat, row_data, row, scales, offsets, n_groups, chunks_per_group,
                         tile_row, bf16: bool = False):
-    row_scales = e.address(scales, (row, e.b.mul(n_groups, e.i64(2))))
-    row_offsets = e.address(offsets, (row, e.b.mul(n_groups, e.i64(2))))
+    row_scales = e.address(scales, (row, e.b.mul(n_groups, e.i64(fmt.scale_bytes))))
+    row_offsets = e.address(offsets, (row, e.b.mul(n_groups, e.i64(fmt.scale_bytes))))
     zero_point = ir.Constant(V16F, [float(fmt.zero_point)] * LANES)
     with e.loop(n_groups) as group_loop:
         group = group_loop.index
-        scale = e.splat(e.half(e.address(row_scales, (group, 2))))
-        offset = e.splat(e.half(e.address(row_offsets, (group, 2)))) if fmt.affine else None
+        scale = e.splat(e.scale(fmt.scale_bytes, row_scales, group))
+        offset = e.splat(e.scale(fmt.scale_bytes, row_offsets, group)) if fmt.affine else None
         with e.loop(chunks_per_group) as chunk_loop:
             chunk = e.b.add(e.b.mul(group, chunks_per_group), chunk_loop.index)
             if fmt.bits == 4:
@@ -96,28 +96,33 @@ def _emit_float_row_copy(e: Emitter, fmt: IrFormat, row_data, cols, tile_row):
         e.store(load_float_weight(e, fmt, e.address(row_data, (k, width))), e.address(tile_row, (k, 4)), 4)
 
 
-def make_dequantize_rows(fmt: IrFormat, bf16: bool = False):
+def make_dequantize_rows(formats: dict[int, IrFormat]):
     """Intrinsic: tile[r, :] = float32 values of weight row row0 + r, for r < n_rows (bf16, quantized
     formats only: the same values rounded to bf16, two bytes each).
 
-    Arguments (all int64): data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
-    n_rows, tile, tile_stride (elements between tile rows). Quantized rows are written in full
-    groups (n_groups * group_size values, padding included); float rows write `cols` values."""
-    if bf16 and fmt.is_float:
-        raise ValueError(f"bf16 tiles are for quantized weights; {fmt.name} rows are copied as f32")
+    Arguments: kind (a key of `formats`) and bf16 (0 or 1), both compile-time constants, then the
+    int64 data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0, n_rows, tile,
+    tile_stride (elements between tile rows). Quantized rows are written in full groups (n_groups *
+    group_size values, padding included); float rows write `cols` values."""
 
     @intrinsic
-    def dequantize_rows(typingctx, data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
-                        n_rows, tile, tile_stride):
-        signature = types.void(*([INT64_ARGS] * 11))
+    def dequantize_rows(typingctx, kind, bf16, data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols,
+                        row0, n_rows, tile, tile_stride):
+        for name, literal in (("kind", kind), ("bf16", bf16)):
+            if not isinstance(literal, types.IntegerLiteral):
+                raise errors.TypingError(f"dequantize_rows: {name} must be a compile-time integer constant, "
+                                         f"got {literal}")
+        fmt, to_bf16 = formats[kind.literal_value], bool(bf16.literal_value)
+        if to_bf16 and fmt.is_float:
+            raise errors.TypingError(f"bf16 tiles are for quantized weights; {fmt.name} rows are copied as f32")
+        signature = types.void(kind, bf16, *([INT64_ARGS] * 11))
 
         def codegen(context, builder, sig, args):
-            _emit_dequantize_rows(Emitter(builder), fmt, args, bf16)
+            _emit_dequantize_rows(Emitter(builder), fmt, args[2:], to_bf16)
             return context.get_dummy_value()
 
         return signature, codegen
 
-    dequantize_rows.__name__ = f"dequantize_rows_{fmt.name}{'_bf16' if bf16 else ''}"
     return dequantize_rows
 
 
@@ -256,21 +261,21 @@ def _int16_pairs_fit(style: int, signed: bool) -> bool:
 
 
 @intrinsic
-def pack_panel(typingctx, bits, signed, data, row_bytes, scales, offsets, n_groups, chunks_per_group, row0, n_rows,
-               panel, factors, panel_offsets):
+def pack_panel(typingctx, bits, signed, scale_bytes, data, row_bytes, scales, offsets, n_groups, chunks_per_group,
+               row0, n_rows, panel, factors, panel_offsets):
     """Rows row0 .. row0 + n_rows of a quantized weight into a panel (layout above): their codes
     (int4 unpacked to bytes; int8 ones as code - 128 where `signed`, signed_panel_codes), and per chunk
     and row the f32 scale (factors [K / 32, 16]) and, for affine weights (offsets != 0), the f32 offset
-    (panel_offsets [K / 32, 16]). `bits` (4 or 8) and `signed` (0 or 1) are compile-time constants; the
-    rest are int64. Rows past n_rows are left as they are."""
-    for name, literal in (("bits", bits), ("signed", signed)):
+    (panel_offsets [K / 32, 16]). `bits` (4 or 8), `signed` (0 or 1) and `scale_bytes` (2: f16 scales and
+    offsets, 4: f32) are compile-time constants; the rest are int64. Rows past n_rows are left as they are."""
+    for name, literal in (("bits", bits), ("signed", signed), ("scale_bytes", scale_bytes)):
         if not isinstance(literal, types.IntegerLiteral):
             raise errors.TypingError(f"pack_panel: {name} must be a compile-time integer constant, got {literal}")
-    code_bits, signed_codes = bits.literal_value, bool(signed.literal_value)
-    signature = types.void(bits, signed, *([INT64_ARGS] * 11))
+    code_bits, signed_codes, width = bits.literal_value, bool(signed.literal_value), scale_bytes.literal_value
+    signature = types.void(bits, signed, scale_bytes, *([INT64_ARGS] * 11))
 
     def codegen(context, builder, sig, args):
-        (_, _, data, row_bytes, scales, offsets, n_groups, chunks_per_group, row0, n_rows, panel, factors,
+        (_, _, _, data, row_bytes, scales, offsets, n_groups, chunks_per_group, row0, n_rows, panel, factors,
          panel_offsets) = args
         e = Emitter(builder)
         n_chunks = e.b.mul(n_groups, chunks_per_group)
@@ -280,8 +285,8 @@ def pack_panel(typingctx, bits, signed, data, row_bytes, scales, offsets, n_grou
             r = row_loop.index
             row = e.b.add(row0, r)
             row_data = e.address(data, (row, row_bytes))
-            row_scales = e.address(scales, (row, e.b.mul(n_groups, e.i64(2))))
-            row_offsets = e.address(offsets, (row, e.b.mul(n_groups, e.i64(2))))
+            row_scales = e.address(scales, (row, e.b.mul(n_groups, e.i64(width))))
+            row_offsets = e.address(offsets, (row, e.b.mul(n_groups, e.i64(width))))
             with e.loop(n_chunks) as chunk_loop:
                 c = chunk_loop.index
                 if code_bits == 4:
@@ -298,9 +303,9 @@ def pack_panel(typingctx, bits, signed, data, row_bytes, scales, offsets, n_grou
                             e.address(panel, (quad, 4 * PANEL_ROWS), (r, 4)), 4)
                 group = e.b.udiv(c, chunks_per_group)
                 at = e.address(e.i64(0), (c, 4 * PANEL_ROWS), (r, 4))
-                e.store(e.half(e.address(row_scales, (group, 2))), e.b.add(factors, at), 4)
+                e.store(e.scale(width, row_scales, group), e.b.add(factors, at), 4)
                 with e.b.if_then(affine):
-                    e.store(e.half(e.address(row_offsets, (group, 2))), e.b.add(panel_offsets, at), 4)
+                    e.store(e.scale(width, row_offsets, group), e.b.add(panel_offsets, at), 4)
         return context.get_dummy_value()
 
     return signature, codegen

@@ -530,15 +530,17 @@ def kernel(*signatures, parallel: bool = False, keep_gil: bool = False):
     return wrap
 
 
-def cfunc(signature, function):
+def cfunc(signature, function, *, ordered: bool = False):
     """A cached C callback of `function` (kernels/cpu/linear.py calls them through descriptors; it makes
-    each one once per process). What numba.cfunc(signature, cache=True) does, with the checked cache."""
+    each one once per process). What numba.cfunc(signature, cache=True) does, with the checked cache.
+    `ordered`: no fast-math, as for helpers (below): Numba's fast-math flags reach the IR intrinsics
+    inlined into the callback too, and would let LLVM fuse a product and a sum that must round apart."""
     use_cache_dir()
+    options = dict(JIT_OPTIONS, fastmath=False) if ordered else dict(JIT_OPTIONS)
     with compile_progress.compiling(function.__name__.strip("_")), \
             runtime_memory.measure(f"kernel {function.__module__}.{function.__qualname__} {signature} {id(function)}"), \
             self_contained_compilation():
-        callback = _CachedCFunc(function, sigutils.normalize_signature(signature), locals={},
-                                options=dict(JIT_OPTIONS))
+        callback = _CachedCFunc(function, sigutils.normalize_signature(signature), locals={}, options=options)
         callback.enable_caching()
         callback.compile()
         return callback

@@ -1,14 +1,15 @@
 // Decoding weight rows straight from zllm's packed bytes (quant/formats.py), eight
 // consecutive inputs k = 8u .. 8u+7 ("unit u") of one row at a time.
 //
-// Constants: WEIGHT_KIND (0 int4, 1 int8, 2 f16, 3 f32), SYMMETRIC, GROUP_SIZE.
+// Constants: WEIGHT_KIND (0 int4, 1 int8, 2 f16, 3 f32), SYMMETRIC, GROUP_SIZE, SCALES_F32.
 // The kernel declares weight_words, weight_scales and weight_offsets (all array<u32>):
 //   int4: row r is row_words = K_padded / 8 words; word j holds codes 8j..8j+7, code i of the
 //         word in bits 4i..4i+3 (the checkpoint's bytes read little-endian: low nibble first).
 //   int8: row_words = K_padded / 4; code i of the word in bits 8i..8i+7.
 //   f16:  row_words = K_padded / 2; two halves per word, low half first.
 //   f32:  row_words = K_padded; the words are the floats' bits.
-//   scales / offsets: the f16 [N, n_groups] arrays as they are stored, two halves per word.
+//   scales / offsets: the f16 [N, n_groups] arrays as they are stored, two halves per word; with
+//         SCALES_F32 the f32 arrays (GGUF's K-quants), one float per word.
 // Values: w = s * (q - zero) (symmetric, zero 8 or 128) or w = s * q + o (affine), in f32.
 
 struct Unit {
@@ -22,10 +23,16 @@ fn half_at(word: u32, index: u32) -> f32 {
 }
 
 fn group_scale(index: u32) -> f32 {
+    if (SCALES_F32) {
+        return bitcast<f32>(weight_scales[index]);
+    }
     return half_at(weight_scales[index >> 1u], index);
 }
 
 fn group_offset(index: u32) -> f32 {
+    if (SCALES_F32) {
+        return bitcast<f32>(weight_offsets[index]);
+    }
     return half_at(weight_offsets[index >> 1u], index);
 }
 
