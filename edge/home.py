@@ -88,7 +88,10 @@ def builtin_checkpoint(name: str, progress: bool = True) -> str:
         summary = convert(gguf_path, path, QuantPlan(weights="source"), force=True, progress=progress)
         print(summary.format(), file=sys.stderr)
 
-    return built_once(path, is_checkpoint, build, f"converting the built-in model {name}", HOME_VARIABLE)
+    def is_current(folder: str) -> bool:
+        return is_checkpoint(folder) and outdated_conversion(folder) is None
+
+    return built_once(path, is_current, build, f"converting the built-in model {name}", HOME_VARIABLE)
 
 
 def default_model_checkpoint(progress: bool = True) -> str:
@@ -116,10 +119,28 @@ def checkpoint_problem(path: str) -> str | None:
     return None
 
 
+def outdated_conversion(path: str) -> str | None:
+    """Why a built-in model's `--weights source` checkpoint is not what this version's converter makes
+    of its GGUF (a tensor requantized from a block type it now keeps as it is), or None."""
+    from converters.convert import LOSSLESS_SOURCE_SCHEMES
+    from quant.checkpoint import read_manifest
+
+    for name, tensor in read_manifest(path)["tensors"].items():
+        kept = LOSSLESS_SOURCE_SCHEMES.get(tensor.get("source_format"))
+        if kept is not None and tensor["scheme"] != str(kept):
+            return (f"an earlier version requantized {name} from {tensor['source_format']} to {tensor['scheme']}, "
+                    f"which this one keeps as it is ({kept})")
+    return None
+
+
 def first_use(path: str) -> str:
     """How a build message says why `path` is being built."""
     problem = checkpoint_problem(path)
-    return "first use" if problem == "missing" else f"the one there is damaged ({problem}); building it again"
+    if problem == "missing":
+        return "first use"
+    if problem is None:
+        return f"the one there is out of date: {outdated_conversion(path)}; building it again"
+    return f"the one there is damaged ({problem}); building it again"
 
 
 DEFAULT_MOE_NAME = "smollm2-135m-instruct-moefied"

@@ -156,6 +156,36 @@ def test_default_model_is_converted_once_into_zllm_edge_home(tmp_path, monkeypat
     assert (checkpoint / "zllm.json").stat().st_mtime_ns == manifest_mtime
 
 
+def test_a_built_in_model_converted_by_an_earlier_version_is_converted_again(tiny_zoo, tmp_path, monkeypatch,
+                                                                             capsys):
+    """A home's built-in checkpoint whose tensors an earlier converter requantized from a GGUF block type that
+    this one keeps (here: Q4_0 tensors stored as int8, as a bare --weights int8 leaves them) is built again."""
+    import edge.home
+    from converters.convert import QuantPlan, convert
+    from gguf import GGMLQuantizationType
+    from gguf_files import write_hf_model_gguf
+    from quant.checkpoint import read_manifest
+
+    gguf_path = write_hf_model_gguf(tiny_zoo.hf_model("llama_mha"), tmp_path / "tiny.gguf", "llama",
+                                    qtype_for=lambda name, values: GGMLQuantizationType.Q4_0)
+    monkeypatch.setitem(edge.home.BUILTIN_MODELS, "tiny-llama", (lambda: str(gguf_path), "a tiny Llama"))
+    monkeypatch.setenv("ZLLM_EDGE_HOME", str(tmp_path / "home"))
+    folder = tmp_path / "home" / "models" / "tiny-llama"
+    convert(str(gguf_path), str(folder), QuantPlan(weights="int8"), progress=False)
+    assert edge.home.outdated_conversion(str(folder)).endswith("to int8_sym_g32, which this one keeps as it is "
+                                                               "(int4_sym_g32)")
+
+    capsys.readouterr()
+    assert edge.home.builtin_checkpoint("tiny-llama", progress=False) == str(folder)
+    assert "(the one there is out of date: an earlier version requantized " in capsys.readouterr().err
+    assert edge.home.outdated_conversion(str(folder)) is None
+    schemes = {t["source_format"]: t["scheme"] for t in read_manifest(str(folder))["tensors"].values()}
+    assert schemes["Q4_0"] == "int4_sym_g32"
+    mtime = (folder / "zllm.json").stat().st_mtime_ns
+    edge.home.builtin_checkpoint("tiny-llama", progress=False)  # now current: used as it is
+    assert (folder / "zllm.json").stat().st_mtime_ns == mtime
+
+
 # ------------------------------------------------------------------------------------- chat
 
 

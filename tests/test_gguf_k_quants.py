@@ -1,6 +1,6 @@
 """GGUF K-quants kept as they are, end to end: tiny models whose matrices are Q4_K, Q5_K and IQ4_XS blocks
 convert with `--weights source` into our schemes with f32 sub-block scales, dequantize as the gguf package
-does bit for bit, and run on cpu (f32 and int8 activations) and reference as transformers runs the same
+does bit for bit, and run on cpu (f32 and int8 activations), gpu and reference as transformers runs the same
 dequantized weights; Q6_K (sub-blocks of 16) is the type that is still requantized, and says so.
 
 The gguf package cannot quantize these types, so the blocks are random bytes with super-block scales
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf_files import write_hf_model_gguf
+from gpu_support import open_gpu
 from tiny_models import (TinyCase, build_hf_model, checkpoint_expert_weights, checkpoint_float_weights, hf_logits,
                          hf_model_with_weights, random_prompt)
 
@@ -137,8 +138,8 @@ def our_logits(model, prompt: list[int], fed: list[int]) -> list[np.ndarray]:
 
 # The MoE runs with f32 activations only: int8 ones move the router's input, and where two experts' logits
 # nearly tie, a route may flip and the logits with it, beyond any per-matmul budget.
-@pytest.mark.parametrize("case, device", [(DENSE, "reference"), (DENSE, "cpu:f32"), (DENSE, "cpu"),
-                                          (MOE, "reference"), (MOE, "cpu:f32")],
+@pytest.mark.parametrize("case, device", [(DENSE, "reference"), (DENSE, "cpu:f32"), (DENSE, "cpu"), (DENSE, "gpu"),
+                                          (MOE, "reference"), (MOE, "cpu:f32"), (MOE, "gpu")],
                          ids=lambda value: getattr(value, "name", value))
 def test_k_quant_models_run_as_transformers_runs_their_dequantized_weights(converted, case, device):
     """Per step max |ours - theirs| <= tolerance * max |theirs|: REL_TOL for f32 activations; for the int8
@@ -146,6 +147,8 @@ def test_k_quant_models_run_as_transformers_runs_their_dequantized_weights(conve
     int8 (edge/diff.py), as tests/test_cpu_backend.py takes it."""
     from edge.diff import INT8_ACTIVATION_UNIT, MATMULS_IN_SERIES, SAFETY
 
+    if device == "gpu":
+        open_gpu()  # skips where there is no Vulkan device
     transformers_model, path, _ = converted[case.name]
     prefill, decode, fed = hf_logits(transformers_model, PROMPT, N_DECODE)
     theirs = list(prefill) + decode
