@@ -140,6 +140,11 @@ class Emitter:
         """a * b + c; with 'contract' LLVM fuses it into one instruction."""
         return self.fadd(self.fmul(a, b), c)
 
+    def fma_in_order(self, a, b, c):
+        """a * b + c, fused where the target fuses, never reassociated: a loop summing with it sums in
+        its own order, which a vectorised reduction would change with the trip count."""
+        return self.b.fadd(self.b.fmul(a, b, flags=("contract",)), c, flags=("contract",))
+
     def intrinsic(self, name: str, result_type, operands, **call_options):
         """A call of the LLVM intrinsic `name` (declared on first use, typed by its operands)."""
         function = cgutils.get_or_insert_function(self.b.module,
@@ -285,6 +290,8 @@ def _store_row_totals(e: Emitter, fmt: IrFormat, n_rows: int, rows, accumulators
         for r in range(n_rows):
             w = e.scales(fmt.scale_bytes, weights_of_sums[r], e.b.mul(v, e.i64(LANES)), LANES)
             e.b.store(e.fma(w, sums, e.b.load(corrections[r])), corrections[r])
+    # The last n_groups % 16 groups, summed one after the other: the same sum as a row that goes on with
+    # groups of zero weight times zero input
     group_tails = [e.variable(ir.Constant(F32, 0.0)) for _ in range(n_rows)]
     first_tail = e.b.mul(n_vectors, e.i64(LANES))
     with e.loop(e.b.sub(n_groups, first_tail)) as tail_loop:
@@ -292,7 +299,7 @@ def _store_row_totals(e: Emitter, fmt: IrFormat, n_rows: int, rows, accumulators
         total = e.load(F32, e.address(group_sums, (g, 4)), 4)
         for r in range(n_rows):
             w = e.scale(fmt.scale_bytes, weights_of_sums[r], g)
-            e.b.store(e.fma(w, total, e.b.load(group_tails[r])), group_tails[r])
+            e.b.store(e.fma_in_order(w, total, e.b.load(group_tails[r])), group_tails[r])
 
     for r in range(n_rows):
         correction = e.fadd(e.hsum(e.b.load(corrections[r])), e.b.load(group_tails[r]))
