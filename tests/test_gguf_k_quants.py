@@ -8,6 +8,7 @@ sized for weights of about the tiny models' magnitude; transformers gets their d
 from __future__ import annotations
 
 import zlib
+from typing import NamedTuple
 
 import gguf
 import numpy as np
@@ -72,10 +73,16 @@ def stacked_experts(experts: dict[str, np.ndarray], case: TinyCase) -> dict[str,
     return stacked
 
 
+class Converted(NamedTuple):
+    transformers_model: object  # with the checkpoint's dequantized weights
+    checkpoint: str  # the `--weights source` conversion of `gguf`
+    gguf: str
+    summary: object
+
+
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """case name -> (its transformers model with the `source` checkpoint's dequantized weights, that
-    checkpoint, the conversion summary)."""
+def converted(tmp_path_factory) -> dict[str, Converted]:
+    """case name -> its GGUF, conversion and transformers model."""
     built = {}
     for case in (DENSE, MOE):
         folder = tmp_path_factory.mktemp(case.name)
@@ -87,14 +94,14 @@ def converted(tmp_path_factory):
         if case is MOE:
             weights.update(stacked_experts(checkpoint_expert_weights(str(folder / "source")), case))
         transformers_model = hf_model_with_weights(build_hf_model(case), weights)
-        built[case.name] = transformers_model, str(folder / "source"), summary
+        built[case.name] = Converted(transformers_model, str(folder / "source"), str(source), summary)
     return built
 
 
 def test_k_quant_tensors_are_kept_bit_exact_and_q6_k_is_requantized(converted):
-    _, path, summary = converted[DENSE.name]
+    _, path, source, summary = converted[DENSE.name]
     reports = {t.name: t for t in summary.tensors}
-    reader = gguf.GGUFReader(path.replace("/source", "/model.gguf"))
+    reader = gguf.GGUFReader(source)
     by_gguf_name = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
                     "blk.1.attn_v.weight": "model.layers.1.self_attn.v_proj.weight",
                     "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj.weight",
@@ -120,7 +127,7 @@ def test_k_quant_tensors_are_kept_bit_exact_and_q6_k_is_requantized(converted):
 
 
 def test_every_expert_record_keeps_its_k_quant_blocks(converted):
-    _, path, summary = converted[MOE.name]
+    summary = converted[MOE.name].summary
     reports = {t.name: t for t in summary.tensors}
     experts = [t for name, t in reports.items() if ".mlp.experts." in name]
     assert len(experts) == 2 * 4 * 3 and all(t.lossless for t in experts)
@@ -149,7 +156,7 @@ def test_k_quant_models_run_as_transformers_runs_their_dequantized_weights(conve
 
     if device == "gpu":
         open_gpu()  # skips where there is no Vulkan device
-    transformers_model, path, _ = converted[case.name]
+    transformers_model, path = converted[case.name][:2]
     prefill, decode, fed = hf_logits(transformers_model, PROMPT, N_DECODE)
     theirs = list(prefill) + decode
     n_layers = transformers_model.config.num_hidden_layers
@@ -163,7 +170,7 @@ def test_k_quant_models_run_as_transformers_runs_their_dequantized_weights(conve
 
 
 def test_streamed_k_quant_experts_give_the_resident_bits(converted):
-    _, path, _ = converted[MOE.name]
+    path = converted[MOE.name].checkpoint
     runs = {}
     for strategy, budget in (("resident", None), ("predictive", "50%")):
         with edge.load(path, device="cpu", expert_strategy=strategy, memory_budget=budget) as model:
