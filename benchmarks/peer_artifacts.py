@@ -6,6 +6,7 @@ Under `$ZLLM_EDGE_HOME/bench-models/<gguf stem>-<gguf bytes>/`:
     zllm-int4-sym/      `--weights int4 --symmetric` (groups of 32)         ~ llama.cpp Q4_0
     llama-Q8_0.gguf     llama.cpp requantization (llama_model_quantize, pure: every matrix)
     llama-Q4_0.gguf
+    llama-Q4_K_M-mix.gguf   the same with llama.cpp's own tensor mix (not pure)
     hf-fp32/            transformers' dequantized GGUF, saved with save_pretrained
     ort-int4/, ort-fp32/  onnxruntime-genai's model builder run on hf-fp32/
 
@@ -72,11 +73,16 @@ def zllm_checkpoint(gguf: str, name: str) -> str:
     return _build(os.path.join(models_dir(gguf), f"zllm-{name}"), make)
 
 
-def llama_gguf(gguf: str, ftype: str, llama_python: str) -> str:
-    def make(path):
-        _run([llama_python, WORKER, "--quantize", gguf, path, ftype], f"llama.cpp requantization to {ftype}")
+def llama_gguf(gguf: str, ftype: str, llama_python: str, pure: bool = True) -> str:
+    """llama.cpp's requantization of `gguf` to `ftype`: every matrix to that type (pure), or the type's
+    own mix of tensor types (e.g. Q4_K_M's Q6_K for some tensors, and fallbacks for rows that K-quants
+    do not divide)."""
+    mix = "pure" if pure else "mix"
 
-    return _build(os.path.join(models_dir(gguf), f"llama-{ftype}.gguf"), make)
+    def make(path):
+        _run([llama_python, WORKER, "--quantize", gguf, path, ftype, mix], f"llama.cpp requantization to {ftype}")
+
+    return _build(os.path.join(models_dir(gguf), f"llama-{ftype}{'' if pure else '-mix'}.gguf"), make)
 
 
 def hf_folder(gguf: str) -> str:

@@ -14,7 +14,7 @@ steps of one token each (only the engine's forward calls timed). The ids are the
 every engine sees exactly the same tokens. Anything the engines print goes to stderr: stdout
 carries only the protocol.
 
-Also: `python peer_worker.py --quantize SRC DST FTYPE` requantizes a GGUF with llama.cpp.
+Also: `python peer_worker.py --quantize SRC DST FTYPE [pure|mix]` requantizes a GGUF with llama.cpp.
 """
 from __future__ import annotations
 
@@ -233,14 +233,17 @@ ENGINES = {"zllm": ZllmEngine, "llama_cpp": LlamaCppEngine, "transformers": Tran
            "ort_genai": OrtGenaiEngine}
 
 
-def quantize_gguf(source: str, destination: str, ftype_name: str) -> None:
-    """Requantize a GGUF with llama.cpp, every tensor to one type (pure), like `llama-quantize --pure`."""
+def quantize_gguf(source: str, destination: str, ftype_name: str, mix: str = "pure") -> None:
+    """Requantize a GGUF with llama.cpp: every tensor to one type (pure, like `llama-quantize --pure`), or
+    (mix) with the type's own choice per tensor, as `llama-quantize` does by default."""
+    if mix not in ("pure", "mix"):
+        raise ValueError(f"the tensor mix is 'pure' or 'mix', got {mix!r}")
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
     params.allow_requantize = True  # the source is already Q4_1/Q8_0
-    params.pure = True
+    params.pure = mix == "pure"
     params.nthread = os.cpu_count() or 1
     status = llama_cpp.llama_model_quantize(source.encode(), destination.encode(), params)
     if status != 0:
@@ -273,6 +276,6 @@ def serve(spec: dict) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if sys.argv[1] == "--quantize":
-        quantize_gguf(*sys.argv[2:5])
+        quantize_gguf(*sys.argv[2:6])
     else:
         serve(json.loads(sys.argv[1]))

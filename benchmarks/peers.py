@@ -20,6 +20,8 @@ Formats are compared like for like; each row group holds one weight format. Smol
     Q4_1      our lossless import of the GGUF            vs llama.cpp on the GGUF itself
     INT8      `convert --weights int8` (sym, g32)        vs llama.cpp Q8_0 (llama_model_quantize, pure)
     INT4 sym  `convert --weights int4 --symmetric`       vs llama.cpp Q4_0 (pure), ORT-genai int4
+    Q4_K_M    llama.cpp's quantizer with its own tensor mix (llama_model_quantize, not pure): both engines
+              run that one file, zllm-edge through `convert --weights source`
     FP32      transformers, ORT-genai fp32
 All requantized formats start from the same Q4_1 values. Gemma 3 270M (Q4_K_M: Q8_0, Q5_0, Q4_K, Q6_K):
     Q4_K_M    `convert --weights source` (Q8_0, Q5_0 and Q4_K blocks kept, Q6_K requantized to int8, as
@@ -80,6 +82,9 @@ class Group:
     llama_ftype: str | None
     ort_precision: str | None
     transformers: bool = False
+    # a llama.cpp ftype whose own tensor mix (e.g. Q4_K_M's) requantizes the model's GGUF: both engines then
+    # run that file, llama.cpp as stored (llama_ftype AS_STORED) and zllm-edge through its `zllm` plan
+    llama_mix: str | None = None
 
 
 AS_STORED = "as stored"  # Group.llama_ftype: llama.cpp runs the GGUF itself
@@ -99,6 +104,7 @@ MODELS = {
         Group("Q4_1 lossless", "source", AS_STORED, None),
         Group("INT8 sym g32 / Q8_0", "int8", "Q8_0", None),
         Group("INT4 sym g32 / Q4_0", "int4-sym", "Q4_0", "int4"),
+        Group("Q4_K_M by llama.cpp", "source", AS_STORED, None, llama_mix="Q4_K_M"),
         Group("FP32", None, None, "fp32", transformers=True),
     ), " Paris"),
     # the base model continues " the capital of the country of France." (tests/test_real_gemma3.py)
@@ -175,11 +181,17 @@ def prepare(args, gguf: str) -> list[Contender]:
             log(f"{engine} ({group.label}) unavailable: {exc}")
         contenders.append(contender)
 
+    def group_gguf(group: Group) -> str:
+        """The GGUF a group's engines run: the model's, or llama.cpp's requantization with its mix."""
+        if group.llama_mix is None:
+            return gguf
+        return artifacts.llama_gguf(gguf, group.llama_mix, env_python(llama_cpp_build().env), pure=False)
+
     for group in MODELS[args.model].groups:
         if group.zllm:
             for device in args.device_list:
                 def build_zllm(group=group, device=device):
-                    path = artifacts.zllm_checkpoint(gguf, group.zllm)
+                    path = artifacts.zllm_checkpoint(group_gguf(group), group.zllm)
                     return sys.executable, path, {"device": device, "load_options": {"kv_cache": args.kv_cache}}, \
                         None, None
                 add(group, f"zllm-edge {device}", "zllm", build_zllm)
@@ -187,7 +199,8 @@ def prepare(args, gguf: str) -> list[Contender]:
             def build_llama(group=group):
                 build = llama_cpp_build()  # at the level the zllm-edge workers' kernels target
                 python = env_python(build.env)
-                path = gguf if group.llama_ftype == AS_STORED else artifacts.llama_gguf(gguf, group.llama_ftype, python)
+                path = (group_gguf(group) if group.llama_ftype == AS_STORED
+                        else artifacts.llama_gguf(gguf, group.llama_ftype, python))
                 return python, path, {}, gguf_tensor_bytes(path), build
             add(group, BASELINE, "llama_cpp", build_llama)
         if group.transformers:

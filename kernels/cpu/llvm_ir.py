@@ -481,11 +481,23 @@ def _lanes_per_chunk(e: Emitter, per_chunk, lanes: int = LANES):
                               ir.Constant(ir.VectorType(I32, lanes), [lane * count // lanes for lane in range(lanes)]))
 
 
+def accumulator_lanes() -> int:
+    """Lanes of a row's f32 accumulator in the int8 row dots. A step's sums fill LANES lanes; where the
+    target has only 16 vector registers (x86 below AVX-512), each row adds them into 8 lanes, half after
+    half, so that four rows' accumulators stay in registers beside the step's shared inputs instead of
+    being spilled and reloaded every step."""
+    from kernels.cpu.isa import vector_registers
+
+    count, _ = vector_registers()
+    return LANES // 2 if count <= 16 else LANES
+
+
 def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int):
     _data, _row_bytes, _scales, _offsets, n_groups, chunks_per_group, _cols, _row0, _x, xq, group_sums, out = args
     rows, row_data, row_scales, row_offsets = _quantized_rows(e, fmt, n_rows, args)
     signed_codes = INT8_DOTS[style].signed_codes
-    accumulators = [e.variable(ir.Constant(V16F, [0.0] * LANES)) for _ in range(n_rows)]
+    acc_lanes = accumulator_lanes()
+    accumulators = [e.variable(ir.Constant(ir.VectorType(F32, acc_lanes), [0.0] * acc_lanes)) for _ in range(n_rows)]
     shift = _group_shift(e, chunks_per_group)
     n_chunks = e.b.shl(n_groups, shift)
     # chunks per 64-byte step: 4 of int4 (64 bytes of codes, 128 values), 2 of int8
@@ -511,8 +523,9 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
     def accumulate_step(first_chunk, step_index, row_factors, mask=None, lanes=LANES):
         """Every row's integer sums over the step's 64 bytes of codes, scaled into its accumulator.
         With lanes = LANES / 2 (int4 only) the step's first half: 32 bytes of codes, chunks
-        first_chunk and first_chunk + 1, into the accumulator's first lanes, with the lanes, sums
-        and products the whole step gives those two chunks."""
+        first_chunk and first_chunk + 1, with the lanes, sums and products the whole step gives those
+        two chunks: into the accumulator's first lanes, or (an accumulator of LANES / 2) as the whole
+        step's first half is added, its second half then being zeros."""
         assert lanes == LANES or fmt.bits == 4, "half a step is defined for int4 codes only"
         codes_type, sums_type = ir.VectorType(I8, 4 * lanes), ir.VectorType(I32, lanes)
         block, place = chunk_base(first_chunk)
@@ -544,6 +557,12 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
                 dot = byte_dot(e, start, codes, q, style)
             factors = _lanes_per_chunk(e, row_factors(r, block, place), lanes)
             total = e.b.load(accumulators[r])
+            if acc_lanes < LANES:  # the step's lanes added a register's worth at a time, in order
+                products = e.b.sitofp(dot, ir.VectorType(F32, lanes))
+                for piece, factor in zip(_pieces(e, products, acc_lanes), _pieces(e, factors, acc_lanes)):
+                    total = e.fma(piece, factor, total)
+                e.b.store(total, accumulators[r])
+                continue
             if lanes == LANES:
                 e.b.store(e.fma(e.b.sitofp(dot, V16F), factors, total), accumulators[r])
                 continue
