@@ -556,21 +556,14 @@ def _emit_int8_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, style: int
             else:
                 dot = byte_dot(e, start, codes, q, style)
             factors = _lanes_per_chunk(e, row_factors(r, block, place), lanes)
-            total = e.b.load(accumulators[r])
-            if acc_lanes < LANES:  # the step's lanes added a register's worth at a time, in order
-                products = e.b.sitofp(dot, ir.VectorType(F32, lanes))
-                for piece, factor in zip(_pieces(e, products, acc_lanes), _pieces(e, factors, acc_lanes)):
-                    total = e.fma(piece, factor, total)
-                e.b.store(total, accumulators[r])
-                continue
-            if lanes == LANES:
-                e.b.store(e.fma(e.b.sitofp(dot, V16F), factors, total), accumulators[r])
-                continue
-            low_lanes, high_lanes = (e.b.shuffle_vector(total, total, ir.Constant(sums_type, list(range(at, at + lanes))))
-                                     for at in (0, lanes))
-            low_lanes = e.fma(e.b.sitofp(dot, ir.VectorType(F32, lanes)), factors, low_lanes)
-            e.b.store(e.b.shuffle_vector(low_lanes, high_lanes, ir.Constant(V16I32, list(range(LANES)))),
-                      accumulators[r])
+            # the step's lanes are added a piece of at most the accumulator's width at a time, in
+            # order, each into the accumulator's first lanes
+            width = min(lanes, acc_lanes)
+            products = e.b.sitofp(dot, ir.VectorType(F32, lanes))
+            total = _pieces(e, e.b.load(accumulators[r]), width)
+            for piece, factor in zip(_pieces(e, products, width), _pieces(e, factors, width)):
+                total[0] = e.fma(piece, factor, total[0])
+            e.b.store(_joined(e, total), accumulators[r])
 
     def step_factors(first_chunk, n_chunks, group_shift):
         """row_factors of a step of n_chunks whole chunks: each chunk's weight scale times its Q8 d."""
