@@ -394,6 +394,54 @@ def test_decode_attention_split_across_threads_equals_one_pass():
                                rtol=0, atol=bound)
 
 
+@pytest.mark.parametrize("element", [np.float32, np.float16])
+def test_attention_tiles_give_the_bits_of_one_head_at_a_time(element):
+    """The query heads of a GQA group share each load of a key and of a value (tiles of up to 4
+    heads, or 4 keys of one head): every score and every weighted sum of values has the bits of one
+    head against one key (one head's sum), for any group size and head dim, and is the exact
+    product to f32 rounding."""
+    import numba
+
+    from kernels.cpu.attention import key_scores, sum_values
+
+    @numba.njit
+    def attend(keys, values, row_bytes, head_dim, queries, weights, n_heads, n, one_at_a_time, scores, sums):
+        element_bytes, q, w = keys.itemsize, queries.ctypes.data, weights.ctypes.data
+        if not one_at_a_time:
+            key_scores(element_bytes, keys.ctypes.data, row_bytes, head_dim, 0, n, q, n_heads, scores.ctypes.data, n)
+            sum_values(element_bytes, values.ctypes.data, row_bytes, n, w, 4 * n, head_dim, sums.ctypes.data,
+                       4 * head_dim, n_heads)
+            return
+        for g in range(n_heads):
+            for s in range(n):
+                key_scores(element_bytes, keys.ctypes.data, row_bytes, head_dim, s, s + 1, q + 4 * g * head_dim, 1,
+                           scores.ctypes.data + 4 * g * n, n)
+            sum_values(element_bytes, values.ctypes.data, row_bytes, n, w + 4 * g * n, 0, head_dim,
+                       sums.ctypes.data + 4 * g * head_dim, 0, 1)
+
+    rng = np.random.default_rng(11)
+    for n_heads, head_dim, n_keys in ((1, 64, 13), (2, 72, 9), (3, 64, 37), (4, 80, 6), (5, 72, 11), (8, 128, 7),
+                                      (9, 8, 5), (7, 24, 33), (1, 24, 50), (3, 72, 70)):
+        n_kv = 2  # the rows hold a second KV head, which must be skipped
+        keys, values = (rng.standard_normal((n_keys, n_kv, head_dim)).astype(element) for _ in range(2))
+        queries = rng.standard_normal((n_heads, head_dim)).astype(np.float32)
+        weights = rng.random((n_heads, n_keys)).astype(np.float32)
+        stored = [a.view(np.uint16) if element == np.float16 else a for a in (keys, values)]
+        results = []
+        for one_at_a_time in (False, True):
+            scores = np.full((n_heads, n_keys), np.nan, np.float32)
+            sums = np.full((n_heads, head_dim), np.nan, np.float32)
+            attend(*stored, keys.itemsize * n_kv * head_dim, head_dim, queries, weights, n_heads, n_keys,
+                   one_at_a_time, scores, sums)
+            results.append((scores, sums))
+        for tiled, single in zip(*results):
+            np.testing.assert_array_equal(tiled.view(np.uint32), single.view(np.uint32))
+        scores, sums = results[0]
+        k, v = (a[:, 0].astype(np.float64) for a in (keys, values))
+        np.testing.assert_array_less(np.abs(scores - queries @ k.T), head_dim * EPS * (np.abs(queries) @ np.abs(k).T))
+        np.testing.assert_array_less(np.abs(sums - weights @ v), n_keys * EPS * (weights @ np.abs(v)) + 1e-30)
+
+
 def test_weights_stay_views_of_the_checkpoint_arrays(backend):
     """prepare_weight keeps the mmap'd arrays (no copy, no f32 expansion) and accepts read-only ones."""
     weight = make_weight(QUANTIZED[0], (16, 64), seed=9)

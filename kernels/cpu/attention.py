@@ -22,39 +22,104 @@ from numba import prange, types
 from kernels.cpu.elementwise import exp_approx
 from kernels.cpu.formats import F16 as K_F16, F32 as K_F32, IR_FORMATS
 from kernels.cpu.intrinsics import prefetch_bytes
-from kernels.cpu.llvm_attention import weighted_half_row_sum, weighted_row_sum
-from kernels.cpu.llvm_ir import ACT_F32, make_dot_rows
+from kernels.cpu.llvm_attention import make_key_dots, make_weighted_row_sum
 from kernels.cpu.runtime import helper, kernel, mutable, readonly
 
-
-# Dot products of a query with cached keys (in cache after their first use: no software prefetch).
-key_dots_4, key_dots_1 = make_dot_rows(4, IR_FORMATS, prefetch=False), make_dot_rows(1, IR_FORMATS, prefetch=False)
 
 # The cache is read through addresses: keys and values [S, Hkv, Dh] of f32 (element_bytes 4) or
 # f16 (element_bytes 2), the layout of the backend's allocate_kv and of an f16 CacheBuffer.
 
+# Tiles of the dot products of query heads with cached keys, (heads, keys) per call: heads * keys
+# <= TILE_HEADS, so that a tile's 16-lane accumulators stay in registers beside its key rows on
+# 16-register targets (AVX2). A GQA group's heads share each load of a key; MHA's one head shares
+# each load of the query between four keys. No software prefetch: the caller requests the rows ahead.
+# The value sums take up to TILE_HEADS heads of a group per pass over the value rows.
+TILE_HEADS = 4
+KEY_TILES = ((4, 1), (3, 1), (2, 2), (2, 1), (1, 4), (1, 1))
+
+
+def _make_key_scores(fmt):
+    tile_4x1, tile_3x1, tile_2x2, tile_2x1, tile_1x4, tile_1x1 = (make_key_dots(fmt, h, k) for h, k in KEY_TILES)
+
+    @helper
+    def format_key_scores(keys, row_bytes, head_dim, s_begin, s_end, queries, n_heads, scores, n):
+        first = 0
+        while first < n_heads:
+            heads = min(TILE_HEADS, n_heads - first)
+            q, out = queries + 4 * first * head_dim, scores + 4 * first * n
+            if heads >= 3:
+                for s in range(s_begin, s_end):
+                    if heads == 4:
+                        tile_4x1(keys, row_bytes, head_dim, s, q, out, n)
+                    else:
+                        tile_3x1(keys, row_bytes, head_dim, s, q, out, n)
+            elif heads == 2:
+                paired = s_begin + (s_end - s_begin) // 2 * 2
+                for s in range(s_begin, paired, 2):
+                    tile_2x2(keys, row_bytes, head_dim, s, q, out, n)
+                for s in range(paired, s_end):
+                    tile_2x1(keys, row_bytes, head_dim, s, q, out, n)
+            else:
+                quads = s_begin + (s_end - s_begin) // 4 * 4
+                for s in range(s_begin, quads, 4):
+                    tile_1x4(keys, row_bytes, head_dim, s, q, out, n)
+                for s in range(quads, s_end):
+                    tile_1x1(keys, row_bytes, head_dim, s, q, out, n)
+            first += heads
+
+    return format_key_scores
+
+
+half_key_scores, float_key_scores = _make_key_scores(IR_FORMATS[K_F16]), _make_key_scores(IR_FORMATS[K_F32])
+
 
 @helper
-def dot_keys(n_rows, element_bytes, first_key, row_bytes, head_dim, s, query, scores):
-    """scores[s + i] = query . key row s + i for i < n_rows (4 or 1)."""
-    if n_rows == 4:
-        if element_bytes == 2:
-            key_dots_4(K_F16, ACT_F32, first_key, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, scores)
-        else:
-            key_dots_4(K_F32, ACT_F32, first_key, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, scores)
-    elif element_bytes == 2:
-        key_dots_1(K_F16, ACT_F32, first_key, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, scores)
-    else:
-        key_dots_1(K_F32, ACT_F32, first_key, row_bytes, 0, 0, 0, 0, head_dim, s, query, 0, 0, scores)
-
-
-@helper
-def sum_values(element_bytes, first_value, row_bytes, n_rows, weights, head_dim, out):
-    """out [Dh] = sum over i < n_rows of weights[i] * value row i."""
+def key_scores(element_bytes, keys, row_bytes, head_dim, s_begin, s_end, queries, n_heads, scores, n):
+    """scores[g * n + s] = query g . key row s for g < n_heads and s_begin <= s < s_end: the query
+    heads [n_heads, Dh] (f32 at address `queries`) of one KV head's group against its keys (rows
+    row_bytes apart from address `keys`); scores f32 rows of n. Bits independent of the tiling
+    (llvm_attention.make_key_dots)."""
     if element_bytes == 2:
-        weighted_half_row_sum(first_value, row_bytes, n_rows, weights, head_dim, out)
+        half_key_scores(keys, row_bytes, head_dim, s_begin, s_end, queries, n_heads, scores, n)
     else:
-        weighted_row_sum(first_value, row_bytes, n_rows, weights, head_dim, out)
+        float_key_scores(keys, row_bytes, head_dim, s_begin, s_end, queries, n_heads, scores, n)
+
+
+def _make_value_sums(half: bool):
+    sum_1, sum_2, sum_3, sum_4 = (make_weighted_row_sum(half, h) for h in range(1, TILE_HEADS + 1))
+
+    @helper
+    def format_value_sums(values, row_bytes, n_rows, weights, weight_bytes, head_dim, out, out_bytes, n_heads):
+        first = 0
+        while first < n_heads:
+            heads = min(TILE_HEADS, n_heads - first)
+            w, o = weights + first * weight_bytes, out + first * out_bytes
+            if heads == 4:
+                sum_4(values, row_bytes, n_rows, w, weight_bytes, head_dim, o, out_bytes)
+            elif heads == 3:
+                sum_3(values, row_bytes, n_rows, w, weight_bytes, head_dim, o, out_bytes)
+            elif heads == 2:
+                sum_2(values, row_bytes, n_rows, w, weight_bytes, head_dim, o, out_bytes)
+            else:
+                sum_1(values, row_bytes, n_rows, w, weight_bytes, head_dim, o, out_bytes)
+            first += heads
+
+    return format_value_sums
+
+
+half_value_sums, float_value_sums = _make_value_sums(True), _make_value_sums(False)
+
+
+@helper
+def sum_values(element_bytes, values, row_bytes, n_rows, weights, weight_bytes, head_dim, out, out_bytes, n_heads):
+    """For g < n_heads: out_g [Dh] = sum over i < n_rows of weights_g[i] * value row i (head g's
+    weights at address weights + g * weight_bytes, its out at out + g * out_bytes; the rows
+    row_bytes apart from address `values`). Bits independent of the tiling
+    (llvm_attention.make_weighted_row_sum)."""
+    if element_bytes == 2:
+        half_value_sums(values, row_bytes, n_rows, weights, weight_bytes, head_dim, out, out_bytes, n_heads)
+    else:
+        float_value_sums(values, row_bytes, n_rows, weights, weight_bytes, head_dim, out, out_bytes, n_heads)
 
 
 @helper
@@ -75,9 +140,9 @@ def visible_range(k_positions, q_position, window):
 
 def scratch_floats(n_heads: int, n_keys: int, head_dim: int) -> int:
     """Floats of per-thread scratch an item needs: scores, accumulators, maxima and sums of up to
-    n_heads query heads, one block's value sum, and a decode item's own copy of the query heads
-    (decode_query)."""
-    return n_heads * (n_keys + 2 * head_dim + 2) + head_dim
+    n_heads query heads, one block's value sums of as many, and a decode item's own copy of the
+    query heads (decode_query)."""
+    return n_heads * (n_keys + 3 * head_dim + 2)
 
 
 @helper
@@ -102,16 +167,16 @@ AHEAD_BYTES = 64 * 1024
 def item_scratch(work, n_heads, n, head_dim):
     """Views of an item's per-thread scratch (>= scratch_floats(n_heads, n, Dh) floats): scores
     [n_heads * n], accumulators [n_heads, Dh] zeroed, peaks [n_heads] at -inf, totals [n_heads] at
-    0, and one row [Dh]."""
+    0, and rows [n_heads, Dh]."""
     scores = work[:n_heads * n]
     accs = work[n_heads * n:n_heads * (n + head_dim)].reshape((n_heads, head_dim))
     peaks = work[n_heads * (n + head_dim):n_heads * (n + head_dim + 1)]
     totals = work[n_heads * (n + head_dim + 1):n_heads * (n + head_dim + 2)]
-    row = work[n_heads * (n + head_dim + 2):n_heads * (n + head_dim + 2) + head_dim]
+    rows = work[n_heads * (n + head_dim + 2):n_heads * (n + 2 * head_dim + 2)].reshape((n_heads, head_dim))
     accs[:] = 0.0
     peaks[:] = -np.inf
     totals[:] = 0.0
-    return scores, accs, peaks, totals, row
+    return scores, accs, peaks, totals, rows
 
 
 @helper
@@ -134,11 +199,13 @@ def scale_and_mask(scores, n, positions, q_position, window, scale, peaks):
 @helper
 def exponentiate_scores(scores, peaks, totals, n):
     """In place: each query head's n scores (rows of `scores`) become exp(score - peak), masked
-    ones (-inf) 0, and totals [G] their sums."""
+    ones (-inf) 0, and totals [G] their sums (0 for a head that sees none of the keys)."""
     for g in range(peaks.shape[0]):
-        if peaks[g] == -np.inf:
-            continue
         row = scores[g * n:(g + 1) * n]
+        if peaks[g] == -np.inf:
+            row[:] = 0.0
+            totals[g] = 0.0
+            continue
         peak = peaks[g]
         total = np.float32(0.0)
         for s in range(n):  # vectorised: exp_approx is plain arithmetic
@@ -163,19 +230,11 @@ def partial_attention(q, keys, values, n_kv, element_bytes, kv_head, s_begin, s_
     row_bytes = element_bytes * n_kv * head_dim
     first_row = element_bytes * (s_begin * n_kv + kv_head) * head_dim
     first_key, first_value = keys + first_row, values + first_row
-    blocked = n - n % 4
-    for g in range(group):
-        query, row_scores = q[g].ctypes.data, scores[g * n:(g + 1) * n].ctypes.data
-        for s in range(0, blocked, 4):  # four keys per call share each load of the query
-            dot_keys(4, element_bytes, first_key, row_bytes, head_dim, s, query, row_scores)
-        for s in range(blocked, n):
-            dot_keys(1, element_bytes, first_key, row_bytes, head_dim, s, query, row_scores)
+    key_scores(element_bytes, first_key, row_bytes, head_dim, 0, n, q.ctypes.data, group, scores.ctypes.data, n)
     scale_and_mask(scores, n, k_positions[s_begin:s_end], q_position, window, scale, peaks)
     exponentiate_scores(scores, peaks, totals, n)
-    for g in range(group):
-        if peaks[g] != -np.inf:
-            sum_values(element_bytes, first_value, row_bytes, n, scores[g * n:(g + 1) * n].ctypes.data, head_dim,
-                       accs[g].ctypes.data)
+    sum_values(element_bytes, first_value, row_bytes, n, scores.ctypes.data, 4 * n, head_dim, accs.ctypes.data,
+               4 * head_dim, group)
     return peaks, totals, accs
 
 
@@ -208,7 +267,7 @@ def partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end
     n_heads, head_dim = q.shape
     group = n_heads // n_kv
     n = s_end - s_begin
-    scores, accs, peaks, totals, block_sum = item_scratch(work, n_heads, n, head_dim)
+    scores, accs, peaks, totals, block_sums = item_scratch(work, n_heads, n, head_dim)
     row_bytes = element_bytes * n_kv * head_dim
     first_key = keys + s_begin * row_bytes
     first_value = values + s_begin * row_bytes
@@ -217,28 +276,26 @@ def partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end
     prefetch_bytes(first_value, min(n, ahead) * row_bytes)
     for b_begin in range(0, n, ROWS_PER_BLOCK):
         b_end = min(b_begin + ROWS_PER_BLOCK, n)
-        blocked = b_begin + (b_end - b_begin) // 4 * 4
-        for h in range(n_heads):  # four keys per call share each load of the query
-            prefetch_share(first_key, first_value, row_bytes, n, b_end, h, n_heads)
-            head_keys = first_key + element_bytes * (h // group) * head_dim
-            query, row_scores = q[h].ctypes.data, scores[h * n:(h + 1) * n].ctypes.data
-            for s in range(b_begin, blocked, 4):
-                dot_keys(4, element_bytes, head_keys, row_bytes, head_dim, s, query, row_scores)
-            for s in range(blocked, b_end):
-                dot_keys(1, element_bytes, head_keys, row_bytes, head_dim, s, query, row_scores)
+        for kv_head in range(n_kv):  # the group's query heads share each load of a key
+            for h in range(kv_head * group, (kv_head + 1) * group):
+                prefetch_share(first_key, first_value, row_bytes, n, b_end, h, n_heads)
+            first_head = kv_head * group
+            key_scores(element_bytes, first_key + element_bytes * kv_head * head_dim, row_bytes, head_dim, b_begin,
+                       b_end, q[first_head].ctypes.data, group, scores[first_head * n:].ctypes.data, n)
     scale_and_mask(scores, n, k_positions[s_begin:s_end], q_position, window, scale, peaks)
     exponentiate_scores(scores, peaks, totals, n)
     for b_begin in range(0, n, ROWS_PER_BLOCK):
         b_end = min(b_begin + ROWS_PER_BLOCK, n)
-        for h in range(n_heads):
-            prefetch_share(first_key, first_value, row_bytes, n, n + b_end, h, n_heads)
-            if peaks[h] == -np.inf:
-                continue
-            sum_values(element_bytes, first_value + b_begin * row_bytes + element_bytes * (h // group) * head_dim,
-                       row_bytes, b_end - b_begin, scores[h * n + b_begin:(h + 1) * n].ctypes.data, head_dim,
-                       block_sum.ctypes.data)
-            for d in range(head_dim):
-                accs[h, d] += block_sum[d]
+        for kv_head in range(n_kv):  # the group's query heads share each load of a value
+            first_head = kv_head * group
+            for h in range(first_head, first_head + group):
+                prefetch_share(first_key, first_value, row_bytes, n, n + b_end, h, n_heads)
+            sum_values(element_bytes, first_value + b_begin * row_bytes + element_bytes * kv_head * head_dim,
+                       row_bytes, b_end - b_begin, scores[first_head * n + b_begin:].ctypes.data, 4 * n, head_dim,
+                       block_sums.ctypes.data, 4 * head_dim, group)
+            for g in range(group):
+                for d in range(head_dim):
+                    accs[first_head + g, d] += block_sums[g, d]
     return peaks, totals, accs
 
 

@@ -75,7 +75,8 @@ def partial_attention_stored(q, key_halves, key_codes, key_scales, value_halves,
     accs [G, Dh]) of the query heads q [G, Dh] over keys s_begin..s_end-1 of kv_head."""
     group, head_dim = q.shape
     n = s_end - s_begin
-    scores, accs, peaks, totals, row = item_scratch(work, group, n, head_dim)
+    scores, accs, peaks, totals, rows = item_scratch(work, group, n, head_dim)
+    row = rows[0]
     if key_codes.shape[0] > 0:  # int8: per group, scale x (q . codes); no widened key row
         for s in range(n):
             key_index = s_begin + s

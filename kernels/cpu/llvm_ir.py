@@ -680,36 +680,44 @@ def load_float_weight(e: Emitter, fmt: IrFormat, address):
     return e.load(F32, address, 4) if fmt.bits == 32 else e.half(address)
 
 
-def _emit_float_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args, prefetch: bool = True):
-    data, row_bytes, _scales, _offsets, _n_groups, _cpg, cols, row0, x, _xp, _xsum, out = args
-    if prefetch:
-        _prefetch_rows_ahead(e, n_rows, row0, row_bytes, [(data, row_bytes)])
+def emit_float_dots(e: Emitter, fmt: IrFormat, row_data, vectors, cols, store) -> None:
+    """The dot products of float rows (addresses of cols values in fmt, f32 or f16) with f32 vectors
+    (addresses): each in 16-lane multiply-adds, the columns past the last whole vector one by one in
+    order, then the lanes' sum, so that a product's bits do not depend on how many rows and vectors share
+    the loop. store(r, j, total) receives row r's product with vector j. Each row's values are loaded
+    (and widened) once for all the vectors, each vector's once for all the rows."""
     width = fmt.bits // 8
     zero = ir.Constant(V16F, [0.0] * LANES)
-    accumulators = [e.variable(zero) for _ in range(n_rows)]
-    tails = [e.variable(ir.Constant(F32, 0.0)) for _ in range(n_rows)]
-    rows = [e.b.add(row0, e.i64(r)) for r in range(n_rows)]
-    row_data = [e.address(data, (row, row_bytes)) for row in rows]
+    pairs = [(r, j) for j in range(len(vectors)) for r in range(len(row_data))]
+    accumulators = {pair: e.variable(zero) for pair in pairs}
+    tails = {pair: e.variable(ir.Constant(F32, 0.0)) for pair in pairs}
     n_vectors = e.b.udiv(cols, e.i64(LANES))
     with e.loop(n_vectors) as vector_loop:
         v = vector_loop.index
-        xv = e.load(V16F, e.address(x, (v, 4 * LANES)), 4)
-        for r in range(n_rows):
-            w = load_float_weights(e, fmt, e.address(row_data[r], (v, width * LANES)))
-            e.b.store(e.fma(w, xv, e.b.load(accumulators[r])), accumulators[r])
+        rows = [load_float_weights(e, fmt, e.address(row, (v, width * LANES))) for row in row_data]
+        xs = [e.load(V16F, e.address(x, (v, 4 * LANES)), 4) for x in vectors]
+        for r, j in pairs:
+            e.b.store(e.fma(rows[r], xs[j], e.b.load(accumulators[r, j])), accumulators[r, j])
     first_tail = e.b.mul(n_vectors, e.i64(LANES))
     with e.loop(e.b.sub(cols, first_tail)) as tail_loop:
         k = e.b.add(first_tail, tail_loop.index)
-        xk = e.load(F32, e.address(x, (k, 4)), 4)
-        for r in range(n_rows):
-            w = load_float_weight(e, fmt, e.address(row_data[r], (k, width)))
-            e.b.store(e.fma(w, xk, e.b.load(tails[r])), tails[r])
-    for r in range(n_rows):
-        total = e.fadd(e.hsum(e.b.load(accumulators[r])), e.b.load(tails[r]))
-        e.store(total, e.address(out, (rows[r], 4)), 4)
+        rows = [load_float_weight(e, fmt, e.address(row, (k, width))) for row in row_data]
+        xs = [e.load(F32, e.address(x, (k, 4)), 4) for x in vectors]
+        for r, j in pairs:  # in order: a reassociable scalar sum would be vectorised, per tile shape
+            e.b.store(e.fma_in_order(rows[r], xs[j], e.b.load(tails[r, j])), tails[r, j])
+    for r, j in pairs:
+        store(r, j, e.fadd(e.hsum(e.b.load(accumulators[r, j])), e.b.load(tails[r, j])))
 
 
-def make_dot_rows(n_rows: int, formats: dict[int, IrFormat], prefetch: bool = True):
+def _emit_float_dot_rows(e: Emitter, fmt: IrFormat, n_rows: int, args):
+    data, row_bytes, _scales, _offsets, _n_groups, _cpg, cols, row0, x, _xp, _xsum, out = args
+    _prefetch_rows_ahead(e, n_rows, row0, row_bytes, [(data, row_bytes)])
+    rows = [e.b.add(row0, e.i64(r)) for r in range(n_rows)]
+    emit_float_dots(e, fmt, [e.address(data, (row, row_bytes)) for row in rows], [x], cols,
+                    lambda r, _, total: e.store(total, e.address(out, (rows[r], 4)), 4))
+
+
+def make_dot_rows(n_rows: int, formats: dict[int, IrFormat]):
     """Intrinsic: out[row0 + r] = dot(weight row row0 + r, x) for r < n_rows (no bias).
 
     Arguments: kind (a key of `formats`) and activation style (ACT_*), both compile-time constants
@@ -719,10 +727,7 @@ def make_dot_rows(n_rows: int, formats: dict[int, IrFormat], prefetch: bool = Tr
 
     ACT_F32: xp holds x in int4 order and xsum the group sums of x. The int8 styles (INT8_DOTS,
     quantized kinds only): xp holds x quantized to int8 per chunk of 32 (the Q8 layout below) and
-    xsum the group sums of that quantized x.
-
-    Without `prefetch`, float rows are read without software prefetches: for rows already in cache
-    (attention over the KV cache), where the prefetch instructions cost more than they save."""
+    xsum the group sums of that quantized x."""
 
     @intrinsic
     def dot_rows(typingctx, kind, style, data, row_bytes, scales, offsets, n_groups, chunks_per_group, cols, row0,
@@ -736,7 +741,7 @@ def make_dot_rows(n_rows: int, formats: dict[int, IrFormat], prefetch: bool = Tr
         def codegen(context, builder, sig, args):
             e = Emitter(builder)
             if fmt.is_float:
-                _emit_float_dot_rows(e, fmt, n_rows, args[2:], prefetch)
+                _emit_float_dot_rows(e, fmt, n_rows, args[2:])
             elif activation_style == ACT_F32:
                 _emit_quantized_dot_rows(e, fmt, n_rows, args[2:])
             else:
@@ -745,5 +750,5 @@ def make_dot_rows(n_rows: int, formats: dict[int, IrFormat], prefetch: bool = Tr
 
         return signature, codegen
 
-    dot_rows.__name__ = f"dot_rows_{n_rows}" + ("" if prefetch else "_cached")
+    dot_rows.__name__ = f"dot_rows_{n_rows}"
     return dot_rows
