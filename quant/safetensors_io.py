@@ -97,10 +97,9 @@ class SafetensorsFile:
         release_pages(self._map, entry.begin, entry.end)
 
     def close(self) -> None:
-        """Let go of the mapping: it is unmapped (and its file closed) as soon as no view of it is left.
-        Unmapping it here would leave the views a caller still holds pointing at nothing (NumPy keeps no
-        buffer export that would make the mmap refuse), and reading one would crash the process."""
-        self._map = None
+        if self._map is not None:
+            self._map._mmap.close()
+            self._map = None
 
     def __enter__(self) -> "SafetensorsFile":
         return self
