@@ -75,15 +75,15 @@ def make_weighted_row_sum(half: bool, n_heads: int):
                     row_start = e.address(rows, (row, row_bytes), (first_column, element))
                     values = [load_values(vector_type, e.address(row_start, e.i64(width_bytes * v)))
                               for v in range(n_vectors)]
-                    # one column at a time, the rows in order: a reassociable scalar sum would be
-                    # vectorised over the rows, differently for each number of heads
-                    fma = e.fma if vector_type is V16F else e.fma_in_order
+                    # in order, never reassociated: LLVM would otherwise vectorise the one-column
+                    # sums over the rows, or split a chain, differently for each number of heads
                     for g in heads:
                         weight = e.load(F32, e.address(head_weights[g], (row, 4)), 4)
                         if vector_type is V16F:
                             weight = e.splat(weight)
                         for v in range(n_vectors):
-                            e.b.store(fma(weight, values[v], e.b.load(sums[stream][g][v])), sums[stream][g][v])
+                            e.b.store(e.fma_in_order(weight, values[v], e.b.load(sums[stream][g][v])),
+                                      sums[stream][g][v])
 
                 with e.loop(n_steps) as step_loop:
                     for stream in range(streams):

@@ -682,10 +682,12 @@ def load_float_weight(e: Emitter, fmt: IrFormat, address):
 
 def emit_float_dots(e: Emitter, fmt: IrFormat, row_data, vectors, cols, store) -> None:
     """The dot products of float rows (addresses of cols values in fmt, f32 or f16) with f32 vectors
-    (addresses): each in 16-lane multiply-adds, the columns past the last whole vector one by one in
-    order, then the lanes' sum, so that a product's bits do not depend on how many rows and vectors share
-    the loop. store(r, j, total) receives row r's product with vector j. Each row's values are loaded
-    (and widened) once for all the vectors, each vector's once for all the rows."""
+    (addresses): each in 16-lane multiply-adds, the columns past the last whole vector one by one,
+    then the lanes' sum. The sums run in order (never reassociated: LLVM would otherwise split or
+    vectorise a chain that has too little parallelism of its own, differently with the number of
+    rows and vectors, and without FMA), so a product's bits do not depend on how many share the loop.
+    store(r, j, total) receives row r's product with vector j. Each row's values are loaded (and
+    widened) once for all the vectors, each vector's once for all the rows."""
     width = fmt.bits // 8
     zero = ir.Constant(V16F, [0.0] * LANES)
     pairs = [(r, j) for j in range(len(vectors)) for r in range(len(row_data))]
@@ -697,13 +699,13 @@ def emit_float_dots(e: Emitter, fmt: IrFormat, row_data, vectors, cols, store) -
         rows = [load_float_weights(e, fmt, e.address(row, (v, width * LANES))) for row in row_data]
         xs = [e.load(V16F, e.address(x, (v, 4 * LANES)), 4) for x in vectors]
         for r, j in pairs:
-            e.b.store(e.fma(rows[r], xs[j], e.b.load(accumulators[r, j])), accumulators[r, j])
+            e.b.store(e.fma_in_order(rows[r], xs[j], e.b.load(accumulators[r, j])), accumulators[r, j])
     first_tail = e.b.mul(n_vectors, e.i64(LANES))
     with e.loop(e.b.sub(cols, first_tail)) as tail_loop:
         k = e.b.add(first_tail, tail_loop.index)
         rows = [load_float_weight(e, fmt, e.address(row, (k, width))) for row in row_data]
         xs = [e.load(F32, e.address(x, (k, 4)), 4) for x in vectors]
-        for r, j in pairs:  # in order: a reassociable scalar sum would be vectorised, per tile shape
+        for r, j in pairs:
             e.b.store(e.fma_in_order(rows[r], xs[j], e.b.load(tails[r, j])), tails[r, j])
     for r, j in pairs:
         store(r, j, e.fadd(e.hsum(e.b.load(accumulators[r, j])), e.b.load(tails[r, j])))
