@@ -277,9 +277,9 @@ def partial_attention_heads(q, keys, values, n_kv, element_bytes, s_begin, s_end
     for b_begin in range(0, n, ROWS_PER_BLOCK):
         b_end = min(b_begin + ROWS_PER_BLOCK, n)
         for kv_head in range(n_kv):  # the group's query heads share each load of a key
-            for h in range(kv_head * group, (kv_head + 1) * group):
-                prefetch_share(first_key, first_value, row_bytes, n, b_end, h, n_heads)
             first_head = kv_head * group
+            for h in range(first_head, first_head + group):
+                prefetch_share(first_key, first_value, row_bytes, n, b_end, h, n_heads)
             key_scores(element_bytes, first_key + element_bytes * kv_head * head_dim, row_bytes, head_dim, b_begin,
                        b_end, q[first_head].ctypes.data, group, scores[first_head * n:].ctypes.data, n)
     scale_and_mask(scores, n, k_positions[s_begin:s_end], q_position, window, scale, peaks)

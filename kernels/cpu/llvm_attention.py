@@ -12,7 +12,9 @@ from numba import types
 from numba.extending import intrinsic
 
 from kernels.cpu.isa import vector_registers
-from kernels.cpu.llvm_ir import F32, INT64_ARGS, LANES, V16F, V16H, V16I16, Emitter, emit_float_dots
+from kernels.cpu.formats import F16 as K_F16, F32 as K_F32, IR_FORMATS
+from kernels.cpu.llvm_ir import F32, INT64_ARGS, LANES, V16F, Emitter, emit_float_dots, load_float_weight, \
+    load_float_weights
 
 PANEL_VECTORS = 4  # columns per pass over the rows: 64 floats, one cache line per vector
 
@@ -29,7 +31,8 @@ def row_streams() -> int:
 
 def make_weighted_row_sum(half: bool, n_heads: int):
     """The weighted_row_sum intrinsic for rows of f32 or (half) f16 values and n_heads sets of weights."""
-    element = 2 if half else 4
+    fmt = IR_FORMATS[K_F16 if half else K_F32]
+    element = fmt.bits // 8
     panel_vectors = max(1, PANEL_VECTORS // n_heads)  # the heads' accumulators within a panel's registers
 
     @intrinsic
@@ -58,13 +61,6 @@ def make_weighted_row_sum(half: bool, n_heads: int):
             head_weights = [e.address(weights, (e.i64(g), weight_bytes)) for g in heads]
             head_out = [e.address(out, (e.i64(g), out_bytes)) for g in heads]
 
-            def load_values(vector_type, address):
-                if vector_type is V16F:
-                    if half:
-                        return e.b.fpext(e.b.bitcast(e.load(V16I16, address, 2), V16H), V16F)
-                    return e.load(V16F, address, 4)
-                return e.half(address) if half else e.load(F32, address, 4)
-
             def column_pass(first_column, vector_type, n_vectors: int):
                 """out_g[first_column + 16 v] for v < n_vectors (vector_type: <16 x float> or float)."""
                 zero = ir.Constant(vector_type, [0.0] * LANES if vector_type is V16F else 0.0)
@@ -73,7 +69,8 @@ def make_weighted_row_sum(half: bool, n_heads: int):
 
                 def add_row(row, stream):
                     row_start = e.address(rows, (row, row_bytes), (first_column, element))
-                    values = [load_values(vector_type, e.address(row_start, e.i64(width_bytes * v)))
+                    load = load_float_weights if vector_type is V16F else load_float_weight
+                    values = [load(e, fmt, e.address(row_start, e.i64(width_bytes * v)))
                               for v in range(n_vectors)]
                     # in order, never reassociated: LLVM would otherwise vectorise the one-column
                     # sums over the rows, or split a chain, differently for each number of heads
